@@ -1,0 +1,39 @@
+"""mmapcache: a memory-mapped, file-backed dataset cache that every process on a node shares.
+
+>>> from mmapcache import Cache, Field                       # doctest: +SKIP
+>>> cache = Cache.open("/dev/shm/x.mmc", {"x": Field((3,), "float32")}, length=10)  # doctest: +SKIP
+"""
+
+from ._errors import (
+    CacheError,
+    CacheFormatError,
+    CacheInUseError,
+    CacheSpaceError,
+    CacheTimeout,
+    ReadonlyCacheError,
+    SchemaMismatchError,
+    UnsafeCacheFileError,
+)
+from ._field import Field
+from ._file import in_use, remove
+from ._paths import default_dir
+from ._version import __version__
+from .cache import Cache, Problem
+
+__all__ = [
+    "Cache",
+    "CacheError",
+    "CacheFormatError",
+    "CacheInUseError",
+    "CacheSpaceError",
+    "CacheTimeout",
+    "Field",
+    "Problem",
+    "ReadonlyCacheError",
+    "SchemaMismatchError",
+    "UnsafeCacheFileError",
+    "__version__",
+    "default_dir",
+    "in_use",
+    "remove",
+]

@@ -1,0 +1,129 @@
+"""The exceptions mmapcache raises.
+
+Every error derives from :class:`CacheError` and also from the builtin that fits
+it, so code that already catches ``ValueError`` or ``OSError`` keeps working::
+
+    CacheError (Exception)
+    ├── CacheFormatError (ValueError)        not a cache, unsupported version,
+    │                                        corrupt header, truncated file
+    ├── SchemaMismatchError (ValueError)     the file holds other fields/length/key
+    ├── CacheSpaceError (OSError)            no room to create the file
+    ├── UnsafeCacheFileError (PermissionError)
+    │                                        symlink, another user's file,
+    │                                        writable by others, not a regular file
+    ├── CacheInUseError (OSError)            another handle has the cache open
+    ├── ReadonlyCacheError (PermissionError) a write through a readonly handle
+    └── CacheTimeout (TimeoutError)          the creation lock was not acquired in time
+
+Each error carries the path it is about (``error.path``, may be ``None``) and
+pickles cleanly, so it crosses process boundaries (DataLoader workers, spawn).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = [
+    "CacheError",
+    "CacheFormatError",
+    "CacheInUseError",
+    "CacheSpaceError",
+    "CacheTimeout",
+    "ReadonlyCacheError",
+    "SchemaMismatchError",
+    "UnsafeCacheFileError",
+]
+
+
+class CacheError(Exception):
+    """Base class of every error mmapcache raises on purpose."""
+
+    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(message)
+        self.path: str | None = None if path is None else os.fspath(path)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Builtin exceptions pickle as ``cls(*args)``, which drops keyword-only
+        # attributes; rebuild from the message and restore the attributes.
+        return (_rebuild, (type(self), str(self)), self.__dict__.copy())
+
+
+def _rebuild(cls: type[CacheError], message: str) -> CacheError:
+    error = cls.__new__(cls)
+    CacheError.__init__(error, message)
+    return error
+
+
+class CacheFormatError(CacheError, ValueError):
+    """The file is not a cache this version can read, or it is damaged."""
+
+
+class SchemaMismatchError(CacheError, ValueError):
+    """The cache file holds other fields, another length or another key.
+
+    ``differences`` maps each differing property to ``(expected, found)``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        differences: dict[str, tuple[Any, Any]] | None = None,
+    ) -> None:
+        super().__init__(message, path=path)
+        self.differences: dict[str, tuple[Any, Any]] = dict(differences or {})
+
+
+class CacheSpaceError(CacheError, OSError):
+    """There is not enough free space to create the cache file.
+
+    ``needed`` and ``free`` are byte counts (``free`` may be ``None`` when the
+    file system did not say).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        needed: int = 0,
+        free: int | None = None,
+    ) -> None:
+        super().__init__(message, path=path)
+        self.needed = needed
+        self.free = free
+
+
+class UnsafeCacheFileError(CacheError, PermissionError):
+    """The path is a symlink, not a regular file, another user's, or writable by others."""
+
+
+class CacheInUseError(CacheError, OSError):
+    """Another handle has the cache open, so it cannot be cleared or removed.
+
+    ``pids`` lists the processes holding it where the operating system tells
+    (Linux ``/proc/locks``), else it is empty.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        pids: list[int] | None = None,
+    ) -> None:
+        super().__init__(message, path=path)
+        self.pids: list[int] = list(pids or [])
+
+
+class CacheTimeout(CacheError, TimeoutError):
+    """A lock needed to create, open or remove the cache was not acquired in time."""
+
+
+class ReadonlyCacheError(CacheError, PermissionError):
+    """A write (``put``, ``clear``, ...) was attempted through a readonly handle."""

@@ -1,0 +1,201 @@
+"""`Field`: the fixed shape and dtype of one named part of a sample.
+
+A field's values are stored as a numpy dtype. torch dtypes that numpy lacks
+(bfloat16, complex32, the float8 family, bits*) are stored as their raw bits in
+an unsigned integer of the same width and remembered by name in
+``Field.torch_dtype``, so :mod:`mmapcache.torch` hands them back as the torch
+dtype they were.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Field", "FieldsLike", "normalize_fields"]
+
+_BITS_BY_SIZE = {1: np.dtype("u1"), 2: np.dtype("=u2"), 4: np.dtype("=u4"), 8: np.dtype("=u8")}
+
+
+class Field:
+    """One named part of a sample: a fixed ``shape`` and a ``dtype``.
+
+    >>> Field((3, 32, 32), "uint8").nbytes
+    3072
+    >>> Field((), "int64") == Field((), np.int64)
+    True
+
+    ``dtype`` is anything ``numpy.dtype()`` accepts, or a ``torch.dtype``.
+    ``Field.dtype`` is the numpy dtype the values are stored as;
+    ``Field.torch_dtype`` names the torch dtype for types numpy lacks
+    (e.g. ``"bfloat16"``), else it is ``None``.
+    """
+
+    __slots__ = ("_shape", "_dtype", "_torch_dtype")
+
+    def __init__(self, shape: Iterable[int] | int, dtype: Any) -> None:
+        self._shape = _normalize_shape(shape)
+        self._dtype, self._torch_dtype = _normalize_dtype(dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self._dtype
+
+    @property
+    def torch_dtype(self) -> str | None:
+        return self._torch_dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one sample of this field takes."""
+        return int(np.prod(self._shape, dtype=np.int64)) * self._dtype.itemsize
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype as people write it: ``"uint8"``, ``"bfloat16"``, ``"<U10"``."""
+        if self._torch_dtype is not None:
+            return self._torch_dtype
+        if self._dtype.isbuiltin and self._dtype.isnative:
+            return self._dtype.name
+        return self._dtype.str if self._dtype.fields is None else str(self._dtype)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Field):
+            return NotImplemented
+        return (self._shape, self._dtype, self._torch_dtype) == (
+            other._shape,
+            other._dtype,
+            other._torch_dtype,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self._shape, self._dtype, self._torch_dtype))
+
+    def __repr__(self) -> str:
+        return f"Field({self._shape!r}, {self.dtype_name!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_field_from_state, (self._shape, self._dtype, self._torch_dtype))
+
+
+def _field_from_state(shape: tuple[int, ...], dtype: np.dtype[Any], torch_dtype: str | None) -> Field:
+    field = Field.__new__(Field)
+    field._shape, field._dtype, field._torch_dtype = shape, dtype, torch_dtype
+    return field
+
+
+def _normalize_shape(shape: Iterable[int] | int) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise TypeError(f"a Field shape must be a tuple of ints, e.g. (3, 32, 32) or (), not {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"a Field shape must not have negative dimensions, got {dims}")
+    return dims
+
+
+def _is_torch_dtype(dtype: Any) -> bool:
+    kind = type(dtype)
+    return kind.__module__ == "torch" and kind.__name__ == "dtype"
+
+
+def _normalize_dtype(dtype: Any) -> tuple[np.dtype[Any], str | None]:
+    if _is_torch_dtype(dtype):
+        return _from_torch_dtype(dtype)
+    if isinstance(dtype, str) and dtype.startswith("torch."):
+        raise TypeError(f"pass the torch dtype itself (e.g. torch.bfloat16), not the string {dtype!r}")
+    try:
+        np_dtype = np.dtype(dtype)
+    except TypeError as error:
+        if isinstance(dtype, str) and dtype in _TORCH_ONLY_NAMES:
+            return _BITS_BY_SIZE[_TORCH_ONLY_NAMES[dtype]], dtype
+        raise TypeError(f"{dtype!r} is not a dtype numpy or torch understands: {error}") from None
+    _check_storable(np_dtype)
+    return np_dtype, None
+
+
+def _check_storable(dtype: np.dtype[Any]) -> None:
+    if dtype.hasobject:
+        raise TypeError(
+            f"dtype {dtype} holds Python objects, which cannot live in a shared file; "
+            "store fixed-size values (numbers, fixed-length 'S'/'U' strings) instead"
+        )
+    if dtype.subdtype is not None:
+        raise TypeError(
+            f"dtype {dtype} has a sub-array; put its shape {dtype.shape} into Field.shape "
+            f"and use the element dtype {dtype.base} instead"
+        )
+    if dtype.itemsize == 0 and dtype.fields is None:
+        raise TypeError(f"dtype {dtype} has no size; give strings a length, e.g. 'U16' or 'S32'")
+
+
+# torch dtypes without a numpy equivalent, by name, with their size in bytes.
+# Quantized dtypes are refused: their scale and zero point live outside the data.
+_TORCH_ONLY_NAMES = {
+    "bfloat16": 2,
+    "complex32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+    "bits8": 1,
+    "bits16": 2,
+    "bits1x8": 1,
+    "bits2x4": 1,
+    "bits4x2": 1,
+    **{f"{sign}int{n}": 1 for sign in ("", "u") for n in range(1, 8)},
+}
+
+
+def _from_torch_dtype(dtype: Any) -> tuple[np.dtype[Any], str | None]:
+    name = str(dtype).removeprefix("torch.")
+    if getattr(dtype, "is_quantized", False) or name.startswith(("qint", "quint")):
+        raise TypeError(
+            f"torch.{name} is a quantized dtype: its scale and zero point are not part of "
+            "the data, so it cannot be cached; cache the dequantized or integer tensor instead"
+        )
+    if name in _TORCH_ONLY_NAMES:
+        return _BITS_BY_SIZE[int(dtype.itemsize)], name
+    try:
+        return np.dtype(name), None
+    except TypeError:
+        size = int(dtype.itemsize)
+        if size not in _BITS_BY_SIZE:
+            raise TypeError(f"torch.{name} ({size} bytes per element) cannot be stored") from None
+        return _BITS_BY_SIZE[size], name
+
+
+FieldsLike = Mapping[str, "Field | tuple[Any, Any]"]
+
+
+def normalize_fields(fields: FieldsLike) -> dict[str, Field]:
+    """Return ``{name: Field}`` in the given order from Fields or ``(shape, dtype)`` pairs."""
+    if not isinstance(fields, Mapping):
+        raise TypeError(
+            "fields must be a mapping of name -> Field(shape, dtype) or (shape, dtype), "
+            f"not {type(fields).__name__}"
+        )
+    if not fields:
+        raise ValueError("fields must name at least one field")
+    result: dict[str, Field] = {}
+    for name, spec in fields.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"field names must be non-empty strings, got {name!r}")
+        if isinstance(spec, Field):
+            result[name] = spec
+        elif isinstance(spec, tuple) and len(spec) == 2:
+            result[name] = Field(spec[0], spec[1])
+        else:
+            raise TypeError(f"field {name!r}: expected Field(shape, dtype) or a (shape, dtype) pair, got {spec!r}")
+    return result

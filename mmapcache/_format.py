@@ -1,0 +1,388 @@
+"""The mmapcache file format, version 1.
+
+This docstring is the specification; ``docs/format.md`` carries the same text.
+The format version is independent of the package version. The key words MUST,
+MUST NOT, SHOULD and MAY are used as in RFC 2119.
+
+Overview
+--------
+A cache file has three regions, each starting on a multiple of 4096 bytes::
+
+    +--------------------+  0
+    | header             |  header_size bytes (a multiple of 4096)
+    +--------------------+  header_size
+    | slot table         |  capacity * record_size bytes, padded to 4096
+    +--------------------+
+    | field 0 data       |  capacity * nbytes(field 0) bytes, padded to 4096
+    | field 1 data       |  ...
+    | ...                |
+    +--------------------+  file_size
+
+All integers in the header and the slot table are little-endian. Sample data
+uses the byte order its dtype descriptor names.
+
+Header
+------
+======  ====  ===============================================================
+offset  size  content
+======  ====  ===============================================================
+0       8     magic: the bytes ``89 4D 4D 43 0D 0A 1A 0A`` (``b"\\x89MMC\\r\\n\\x1a\\n"``)
+8       4     format version, uint32; this document describes version 1
+12      4     header_size, uint32: bytes in the header region, a non-zero
+              multiple of 4096, at most 64 MiB
+16      4     meta_size, uint32: bytes of the metadata document
+20      4     header checksum, uint32: CRC-32 (zlib/PNG polynomial) of the
+              whole header region ``[0, header_size)`` with these four bytes
+              taken as zero
+24      8     length, uint64: samples in the dataset; valid indices are
+              ``0 <= i < length``
+32      8     capacity, uint64: cacheable slots, ``capacity <= length``;
+              slot ``i`` caches index ``i``; indices ``>= capacity`` are never
+              cached
+40      4     record_size, uint32: bytes per slot record; 8 in version 1
+44      4     flags, uint32: 0 in version 1; a reader MUST reject other values
+48      16    uuid: 16 random bytes drawn when the file was created
+64      m     metadata: ``meta_size`` bytes of UTF-8 JSON (an object, below)
+64+m    ...   zero bytes up to header_size
+======  ====  ===============================================================
+
+The metadata object has these members (a reader MUST ignore members it does
+not know, and a writer MUST NOT add members that change how the data is read
+without raising the format version):
+
+``fields``
+    a list, in order, of ``{"name": str, "shape": [int, ...], "dtype": descr,
+    "torch_dtype": str | null}``. ``descr`` is a numpy array-protocol type
+    descriptor as in the ``.npy`` format (``"<f4"``, ``"|u1"``, ``"<U10"``, or a
+    list of ``[name, descr]`` / ``[name, descr, shape]`` for structured dtypes).
+    ``torch_dtype`` names a torch dtype numpy lacks (``"bfloat16"``); its values
+    are stored as raw bits in an unsigned integer of the same width, which is
+    what ``dtype`` then says. Names are unique and non-empty.
+``key``
+    the caller's identity string for the content ("" if none).
+``checksum``
+    the slot checksum algorithm: ``"crc32"`` (zlib/PNG CRC-32) in version 1.
+``created``
+    an object describing the creator (``time`` as ISO 8601 UTC, ``host``,
+    ``pid``, ``uid``, ``mmapcache`` version); informational only.
+
+Slot table
+----------
+One record of ``record_size`` bytes per slot, slot ``i`` at
+``header_size + i * record_size``:
+
+======  ====  ===============================================================
+offset  size  content
+======  ====  ===============================================================
+0       1     state: 0 EMPTY, 1 WRITING, 2 READY; other values are invalid
+1       3     zero
+4       4     checksum, uint32: CRC-32 of the slot's bytes in every field, in
+              field order (CRC continued from one field to the next); valid
+              only when state is READY
+======  ====  ===============================================================
+
+Data
+----
+Field ``k`` occupies ``capacity * nbytes_k`` bytes starting at ``offset_k``,
+where ``nbytes_k = prod(shape_k) * itemsize_k`` and offsets are assigned in
+field order::
+
+    pos = align(header_size + capacity * record_size)
+    for each field k: offset_k = pos; pos = align(pos + capacity * nbytes_k)
+    file_size = pos            # align(x) rounds x up to a multiple of 4096
+
+Slot ``i`` of field ``k`` is the C-ordered array of ``shape_k`` at
+``offset_k + i * nbytes_k``. The file MUST be exactly ``file_size`` bytes;
+a reader MUST treat a shorter file as truncated and MUST NOT map it.
+
+Rules for writers and readers
+-----------------------------
+* A writer MUST create the file complete (header, zeroed table, allocated data)
+  under a temporary name and make it visible by linking it to its final name;
+  the header never changes afterwards.
+* A slot is written once: set state WRITING, write the data, write the checksum,
+  then set state READY. A writer holds an exclusive open-file-description lock
+  (``F_OFD_SETLK``) on the single byte of the file at the slot's state offset
+  while it writes; a slot found in state WRITING whose byte is not locked was
+  abandoned by a dead writer and MAY be written again.
+* A reader MUST only use a slot's data after seeing its state READY, and MAY
+  compare the data against the checksum.
+* Processes holding the file open hold a shared ``flock`` on it; clearing or
+  deleting the file requires the exclusive ``flock``.
+
+Growing the format
+------------------
+Readers reject other versions. Variable-shape fields are planned as version 2:
+a field entry gains ``"kind": "ragged"`` with a per-slot (offset, length) index
+and a heap region after the fixed-size data; the fixed regions above keep their
+layout.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import uuid as uuid_module
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._errors import CacheFormatError
+from ._field import Field
+
+__all__ = [
+    "ALIGNMENT",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "Header",
+    "Layout",
+    "PREFIX_SIZE",
+    "RECORD_SIZE",
+    "align",
+    "compute_layout",
+    "pack_header",
+    "unpack_header",
+    "unpack_prefix",
+]
+
+MAGIC = b"\x89MMC\r\n\x1a\n"
+FORMAT_VERSION = 1
+ALIGNMENT = 4096
+RECORD_SIZE = 8
+MAX_HEADER_SIZE = 64 * 2**20
+CHECKSUM = "crc32"
+
+# magic, version, header_size, meta_size, header crc, length, capacity,
+# record_size, flags, uuid
+_PREFIX = struct.Struct("<8sIIIIQQII16s")
+PREFIX_SIZE = _PREFIX.size
+_CRC_SLICE = slice(20, 24)
+assert PREFIX_SIZE == 64
+
+
+def align(n: int) -> int:
+    """Round ``n`` up to a multiple of :data:`ALIGNMENT`."""
+    return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+@dataclass(frozen=True)
+class Header:
+    """Everything the header of a cache file says."""
+
+    fields: dict[str, Field]
+    length: int
+    capacity: int
+    key: str
+    uuid: bytes
+    created: dict[str, Any]
+    header_size: int
+    record_size: int = RECORD_SIZE
+    checksum: str = CHECKSUM
+    version: int = FORMAT_VERSION
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each region of a cache file lies, in bytes from the start."""
+
+    table_offset: int
+    field_offsets: dict[str, int]
+    file_size: int
+
+
+def compute_layout(header: Header) -> Layout:
+    """The region offsets and the file size a header implies (pure)."""
+    table_offset = header.header_size
+    pos = align(table_offset + header.capacity * header.record_size)
+    offsets: dict[str, int] = {}
+    for name, field in header.fields.items():
+        offsets[name] = pos
+        pos = align(pos + header.capacity * field.nbytes)
+    return Layout(table_offset=table_offset, field_offsets=offsets, file_size=pos)
+
+
+def new_header(
+    fields: dict[str, Field], length: int, capacity: int, key: str, created: dict[str, Any]
+) -> Header:
+    """A header for a new file, with a fresh uuid and the smallest header size that fits."""
+    draft = Header(fields, length, capacity, key, uuid_module.uuid4().bytes, created, header_size=ALIGNMENT)
+    meta = _metadata_bytes(draft)
+    return Header(
+        fields, length, capacity, key, draft.uuid, created, header_size=align(PREFIX_SIZE + len(meta))
+    )
+
+
+def _metadata_bytes(header: Header) -> bytes:
+    meta = {
+        "fields": [
+            {
+                "name": name,
+                "shape": list(field.shape),
+                "dtype": _descr(field.dtype),
+                "torch_dtype": field.torch_dtype,
+            }
+            for name, field in header.fields.items()
+        ],
+        "key": header.key,
+        "checksum": header.checksum,
+        "created": header.created,
+    }
+    return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _descr(dtype: np.dtype[Any]) -> Any:
+    descr = np.lib.format.dtype_to_descr(dtype)
+    # JSON has no tuples; the reader turns lists back into what numpy expects.
+    return json.loads(json.dumps(descr))
+
+
+def pack_header(header: Header) -> bytes:
+    """The ``header_size`` bytes of the header region."""
+    meta = _metadata_bytes(header)
+    if PREFIX_SIZE + len(meta) > header.header_size:
+        raise ValueError("metadata does not fit the header size")
+    prefix = _PREFIX.pack(
+        MAGIC,
+        header.version,
+        header.header_size,
+        len(meta),
+        0,
+        header.length,
+        header.capacity,
+        header.record_size,
+        0,
+        header.uuid,
+    )
+    region = bytearray(header.header_size)
+    region[:PREFIX_SIZE] = prefix
+    region[PREFIX_SIZE : PREFIX_SIZE + len(meta)] = meta
+    region[_CRC_SLICE] = struct.pack("<I", zlib.crc32(region))
+    return bytes(region)
+
+
+def unpack_prefix(data: bytes, *, path: str, file_size: int) -> tuple[int, int]:
+    """Check magic, version and header size; return ``(header_size, meta_size)``.
+
+    ``data`` is at least the first :data:`PREFIX_SIZE` bytes of the file.
+    """
+    if file_size < PREFIX_SIZE or len(data) < PREFIX_SIZE:
+        raise CacheFormatError(
+            f"{path} is not an mmapcache file: it holds {file_size} bytes, fewer than the "
+            f"{PREFIX_SIZE}-byte header prefix",
+            path=path,
+        )
+    magic, version, header_size, meta_size, *_ = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise CacheFormatError(
+            f"{path} is not an mmapcache file: it starts with {magic!r}, expected {MAGIC!r}",
+            path=path,
+        )
+    if version != FORMAT_VERSION:
+        newer = "a newer" if version > FORMAT_VERSION else "an older"
+        raise CacheFormatError(
+            f"{path} uses cache format version {version}, {newer} version than this mmapcache "
+            f"reads (version {FORMAT_VERSION}); upgrade mmapcache or remove the file "
+            "(`mmapcache rm PATH`) to rebuild it",
+            path=path,
+        )
+    if header_size % ALIGNMENT or not ALIGNMENT <= header_size <= MAX_HEADER_SIZE:
+        raise CacheFormatError(
+            f"{path} has a corrupt header: header size {header_size} is not a multiple of "
+            f"{ALIGNMENT} between {ALIGNMENT} and {MAX_HEADER_SIZE}",
+            path=path,
+        )
+    if file_size < header_size:
+        raise CacheFormatError(
+            f"{path} is truncated: it holds {file_size} bytes, fewer than its "
+            f"{header_size}-byte header",
+            path=path,
+        )
+    if meta_size > header_size - PREFIX_SIZE:
+        raise CacheFormatError(
+            f"{path} has a corrupt header: metadata size {meta_size} exceeds the header",
+            path=path,
+        )
+    return header_size, meta_size
+
+
+def unpack_header(region: bytes, *, path: str) -> Header:
+    """Validate the whole header region (checksum, then contents) and decode it."""
+    header_size, meta_size = unpack_prefix(region, path=path, file_size=len(region))
+    region = region[:header_size]
+    (stored,) = struct.unpack_from("<I", region, _CRC_SLICE.start)
+    zeroed = bytearray(region)
+    zeroed[_CRC_SLICE] = b"\0\0\0\0"
+    actual = zlib.crc32(zeroed)
+    if stored != actual:
+        raise CacheFormatError(
+            f"{path} has a corrupt header: its checksum is {stored:#010x} but the header "
+            f"bytes give {actual:#010x}; the file was damaged or written by something "
+            "else. Remove it (`mmapcache rm PATH`) to rebuild the cache",
+            path=path,
+        )
+    _, _, _, _, _, length, capacity, record_size, flags, uuid = _PREFIX.unpack_from(region)
+    try:
+        meta = json.loads(region[PREFIX_SIZE : PREFIX_SIZE + meta_size].decode("utf-8"))
+        fields = _decode_fields(meta["fields"])
+        key = meta["key"]
+        checksum = meta["checksum"]
+        created = meta.get("created", {})
+        if not isinstance(key, str) or not isinstance(created, dict):
+            raise TypeError("key must be a string and created an object")
+    except (ValueError, KeyError, TypeError) as error:
+        raise CacheFormatError(f"{path} has a corrupt header: cannot decode its metadata ({error})", path=path) from None
+    problems = []
+    if record_size != RECORD_SIZE:
+        problems.append(f"slot record size {record_size} (expected {RECORD_SIZE})")
+    if flags != 0:
+        problems.append(f"flags {flags:#x} (expected 0)")
+    if checksum != CHECKSUM:
+        problems.append(f"checksum algorithm {checksum!r} (expected {CHECKSUM!r})")
+    if capacity > length:
+        problems.append(f"capacity {capacity} larger than length {length}")
+    if problems:
+        raise CacheFormatError(f"{path} has an unsupported or corrupt header: {'; '.join(problems)}", path=path)
+    return Header(
+        fields=fields,
+        length=length,
+        capacity=capacity,
+        key=key,
+        uuid=uuid,
+        created=created,
+        header_size=header_size,
+        record_size=record_size,
+        checksum=checksum,
+    )
+
+
+def _decode_fields(entries: Any) -> dict[str, Field]:
+    if not isinstance(entries, list) or not entries:
+        raise ValueError("fields must be a non-empty list")
+    fields: dict[str, Field] = {}
+    for entry in entries:
+        name = entry["name"]
+        if not isinstance(name, str) or not name or name in fields:
+            raise ValueError(f"bad or duplicate field name {name!r}")
+        torch_dtype = entry.get("torch_dtype")
+        dtype: Any = torch_dtype if torch_dtype is not None else _dtype_from_descr(entry["dtype"])
+        field = Field(tuple(entry["shape"]), dtype)
+        if field.dtype != _dtype_from_descr(entry["dtype"]):
+            raise ValueError(f"field {name!r}: dtype {entry['dtype']!r} does not store {torch_dtype}")
+        fields[name] = field
+    return fields
+
+
+def _dtype_from_descr(descr: Any) -> np.dtype[Any]:
+    if isinstance(descr, list):
+        descr = [tuple(_tuplify(part) for part in item) for item in descr]
+    return np.lib.format.descr_to_dtype(descr)
+
+
+def _tuplify(value: Any) -> Any:
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        return tuple(value)
+    if isinstance(value, list):
+        return [tuple(_tuplify(part) for part in item) for item in value]
+    return value

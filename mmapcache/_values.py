@@ -1,0 +1,109 @@
+"""Turning what users pass to ``put`` into arrays of exactly a field's shape and dtype.
+
+Rules: shapes must match exactly. Dtypes must match or cast within their kind
+(``np.can_cast(..., "same_kind")``: float64 -> float32 is fine, float -> int is
+not); integer and string narrowing is checked value by value, so 300 never
+lands in a uint8 field as 44 and "abcdef" never becomes "abc". Python scalars
+and lists may also go int -> float. torch tensors are detached and moved to
+the CPU; dtypes numpy lacks (bfloat16, ...) go through :mod:`mmapcache.torch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ._field import Field
+
+__all__ = ["coerce_batch", "coerce_sample", "coerce_value"]
+
+
+def coerce_sample(sample: Any, fields: dict[str, Field]) -> list[np.ndarray[Any, Any]]:
+    """One array per field, in field order, for a single sample mapping."""
+    _check_names(sample, fields)
+    return [coerce_value(sample[name], field, name) for name, field in fields.items()]
+
+
+def coerce_batch(batch: Any, fields: dict[str, Field], count: int) -> list[np.ndarray[Any, Any]]:
+    """One stacked array per field, shape ``(count, *field.shape)``."""
+    _check_names(batch, fields)
+    return [coerce_value(batch[name], field, name, count=count) for name, field in fields.items()]
+
+
+def _check_names(sample: Any, fields: dict[str, Field]) -> None:
+    if not isinstance(sample, Mapping):
+        raise TypeError(
+            f"a sample must be a mapping of field name -> value (fields: {', '.join(fields)}), "
+            f"not {type(sample).__name__}"
+        )
+    if sample.keys() != fields.keys():
+        missing = [n for n in fields if n not in sample]
+        extra = [str(n) for n in sample if n not in fields]
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(map(repr, missing))}")
+        if extra:
+            parts.append(f"unknown {', '.join(map(repr, extra))}")
+        raise ValueError(f"sample fields do not match the cache: {'; '.join(parts)} (expected {list(fields)})")
+
+
+def coerce_value(value: Any, field: Field, name: str, *, count: int | None = None) -> np.ndarray[Any, Any]:
+    """``value`` as an array of ``field``'s dtype and shape (with a leading ``count`` axis)."""
+    shape = field.shape if count is None else (count, *field.shape)
+    if _is_tensor(value) or field.torch_dtype is not None:
+        from .torch import value_to_storage  # only torch.py imports torch
+
+        array = value_to_storage(value, field, name)
+    else:
+        array = _to_numpy(value, field, name)
+    if array.shape != shape:
+        what = "batch" if count is not None else "sample"
+        raise ValueError(f"field {name!r}: expected a {what} of shape {shape}, got shape {array.shape}")
+    return array
+
+
+def _is_tensor(value: Any) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "detach")
+
+
+def _to_numpy(value: Any, field: Field, name: str) -> np.ndarray[Any, Any]:
+    from_python = not isinstance(value, (np.ndarray, np.generic))
+    try:
+        array = np.asarray(value)
+    except (ValueError, OverflowError) as error:
+        raise ValueError(f"field {name!r}: cannot read {type(value).__name__} as an array ({error})") from None
+    if array.dtype.hasobject:
+        raise TypeError(
+            f"field {name!r}: got {type(value).__name__} that is not a fixed-size {field.dtype_name} "
+            "array (ragged lists, None, arbitrary objects or ints beyond 64 bits cannot be stored)"
+        )
+    return cast(array, field, name, from_python=from_python)
+
+
+def cast(array: np.ndarray[Any, Any], field: Field, name: str, *, from_python: bool) -> np.ndarray[Any, Any]:
+    """``array`` in ``field.dtype``, refusing kind changes and lossy integer/string narrowing."""
+    target = field.dtype
+    if array.dtype == target:
+        return array
+    source = array.dtype
+    python_number = from_python and source.kind in "iub" and target.kind in "fc"
+    if not (np.can_cast(source, target, "same_kind") or python_number or _python_int_fits(array, source, target, from_python)):
+        raise TypeError(
+            f"field {name!r}: cannot store {source} values in a {field.dtype_name} field "
+            f"(only casts within the same kind are allowed, e.g. float64 -> float32); "
+            f"convert them to {field.dtype_name} first"
+        )
+    converted = array.astype(target)
+    if target.kind in "iuSU" and not np.can_cast(source, target, "safe"):
+        if not np.array_equal(converted.astype(source), array):
+            what = "out of range for" if target.kind in "iu" else "too long for"
+            raise ValueError(f"field {name!r}: some values are {what} {field.dtype_name}")
+    return converted
+
+
+def _python_int_fits(array: np.ndarray[Any, Any], source: np.dtype[Any], target: np.dtype[Any], from_python: bool) -> bool:
+    # np.asarray(5) is int64, and int64 -> uint8 is not "same_kind"; a Python
+    # int is any size, so accept it into any integer field when its value fits.
+    return from_python and source.kind in "iu" and target.kind in "iu"

@@ -1,0 +1,635 @@
+"""`Cache`: a file-backed, memory-mapped dataset cache that any process opens by path."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import operator
+import os
+import socket
+import sys
+import threading
+import time
+import weakref
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._errors import CacheError, CacheInUseError, ReadonlyCacheError
+from ._field import Field, FieldsLike, normalize_fields
+from ._file import Expected, NewFile, OpenedFile, open_or_create, read_header
+from ._format import RECORD_SIZE, Header, Layout
+from ._gather import gather
+from ._locks import SlotLocks, flock_holders, lock_shared, try_lock_exclusive
+from ._sizes import parse_bytes
+from ._slots import EMPTY, READY, STRONGLY_ORDERED, WRITING, SlotTable
+from ._values import coerce_batch, coerce_sample
+
+__all__ = ["Cache", "Problem"]
+
+log = logging.getLogger("mmapcache")
+
+_MISSING: Any = object()
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing :meth:`Cache.verify` found wrong.
+
+    ``kind`` is ``"header"``, ``"checksum"`` (a READY slot whose bytes do not
+    match its checksum), ``"stuck"`` (WRITING, and its writer is gone) or
+    ``"state"`` (an invalid state byte). ``fixed`` says whether ``fix=True``
+    reset the slot to EMPTY.
+    """
+
+    kind: str
+    index: int | None
+    message: str
+    fixed: bool = False
+
+    def __str__(self) -> str:
+        return self.message + (" (fixed: slot reset to empty)" if self.fixed else "")
+
+
+class _Closed:
+    """Stands in for the state table of a closed cache: any read raises."""
+
+    def __getitem__(self, index: Any) -> Any:
+        raise ValueError("operation on a closed cache")
+
+
+_CLOSED = _Closed()
+
+
+class _Handle:
+    """The process-local resources of one open cache: a locked descriptor and a mapping.
+
+    ``fd`` holds the shared in-use ``flock`` and the slot claims. The mapping
+    is made through a different open file description, because ``mmap`` keeps
+    a duplicate of the descriptor it maps; were that our locked one, a forked
+    child's inherited mapping would keep the parent's claims alive after the
+    parent died.
+    """
+
+    __slots__ = ("path", "fd", "mm", "readonly", "locks", "write_lock", "__weakref__")
+
+    def __init__(self, path: Path, fd: int, size: int, *, readonly: bool) -> None:
+        self.path, self.fd, self.readonly = path, fd, readonly
+        self.mm = _map(fd, size, path, readonly=readonly)
+        self.locks = SlotLocks(fd)
+        self.write_lock = threading.Lock()
+        _LIVE_HANDLES.add(self)
+
+    def _flags(self) -> int:
+        return (os.O_RDONLY if self.readonly else os.O_RDWR) | os.O_CLOEXEC
+
+    def reopen_in_child(self) -> None:
+        """After fork: take our own description, so parent and child never share a claim."""
+        if self.fd < 0:
+            return
+        new = _reopen(self.fd, self.path, self._flags())
+        fcntl.flock(new, fcntl.LOCK_SH)  # cannot block: the parent holds a shared lock
+        os.close(self.fd)  # the parent's descriptor stays open: its locks stay
+        self.fd = self.locks.fd = new
+        self.write_lock = threading.Lock()
+
+    def close(self) -> None:
+        _LIVE_HANDLES.discard(self)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            self.mm.close()
+        except BufferError:
+            # Views of the mapping (e.g. zero-copy tensors) are still alive;
+            # it is unmapped when the last of them goes.
+            pass
+
+
+_LIVE_HANDLES: weakref.WeakSet[_Handle] = weakref.WeakSet()
+
+
+def _reopen_all_in_child() -> None:
+    for handle in list(_LIVE_HANDLES):
+        try:
+            handle.reopen_in_child()
+        except OSError as error:  # pragma: no cover - /proc and the path both gone
+            log.warning("could not reopen %s after fork: %s", handle.path, error)
+
+
+os.register_at_fork(after_in_child=_reopen_all_in_child)
+
+
+def _reopen(fd: int, path: Path, flags: int) -> int:
+    """A new open file description of the file behind ``fd``."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", flags)
+    except OSError:
+        new = os.open(path, flags | os.O_NOFOLLOW)
+        if not os.path.samestat(os.fstat(new), os.fstat(fd)):
+            os.close(new)
+            raise FileNotFoundError(f"{path} was replaced; cannot reopen it") from None
+        return new
+
+
+def _map(fd: int, size: int, path: Path, *, readonly: bool) -> mmap.mmap:
+    access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
+    if sys.version_info >= (3, 13):
+        return mmap.mmap(fd, size, access=access, trackfd=False)
+    map_fd = _reopen(fd, path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC)
+    try:
+        return mmap.mmap(map_fd, size, access=access)
+    finally:
+        os.close(map_fd)
+
+
+class Cache:
+    """A dataset cache in one memory-mapped file, shared by every process that opens it.
+
+    ``Cache(...)`` and ``Cache.open(...)`` are the same: open the file at
+    ``path``, or create it if it is missing and ``fields`` and ``length`` are
+    given. See :meth:`open`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        fields: FieldsLike | None = None,
+        length: int | None = None,
+        *,
+        key: str | None = None,
+        capacity: int | None = None,
+        max_bytes: int | str | None = None,
+        readonly: bool = False,
+        timeout: float = 60.0,
+        verify: bool = False,
+    ) -> None:
+        self._closed = True
+        target = Path(os.path.abspath(os.fspath(path)))
+        wanted = normalize_fields(fields) if fields is not None else None
+        if length is not None:
+            length = _check_count("length", length)
+        if key is not None and not isinstance(key, str):
+            raise TypeError(f"key must be a string, not {type(key).__name__}")
+        if capacity is not None and max_bytes is not None:
+            raise ValueError("give capacity= or max_bytes=, not both")
+        new = None
+        if not readonly and wanted is not None and length is not None:
+            new = NewFile(
+                fields=wanted,
+                length=length,
+                capacity=_plan_capacity(wanted, length, capacity, max_bytes),
+                key=key or "",
+                created=_creation_info(),
+            )
+        opened = open_or_create(
+            target, Expected(wanted, length, key), new, readonly=readonly, timeout=float(timeout)
+        )
+        self._attach(target, opened, readonly=readonly, verify=verify, timeout=float(timeout))
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        fields: FieldsLike | None = None,
+        length: int | None = None,
+        *,
+        key: str | None = None,
+        capacity: int | None = None,
+        max_bytes: int | str | None = None,
+        readonly: bool = False,
+        timeout: float = 60.0,
+        verify: bool = False,
+    ) -> Cache:
+        """Open the cache at ``path``, creating it first if it is missing.
+
+        * The file exists: it is validated, and any of ``fields``, ``length``,
+          ``key`` given must equal what it holds, else
+          :class:`SchemaMismatchError` lists every difference. A failed open
+          never modifies the file.
+        * It is missing, ``fields`` and ``length`` are given and ``readonly``
+          is false: exactly one of any number of concurrent callers creates
+          it; all of them end up on the same file.
+        * Otherwise: ``FileNotFoundError``.
+
+        ``fields`` maps names to :class:`Field` or ``(shape, dtype)``.
+        ``capacity`` or ``max_bytes`` (an int or ``"8GiB"``/``"500MB"``)
+        limit the cacheable slots to indices ``< capacity`` (default: all
+        ``length``); ``max_bytes`` budgets the per-slot data and slot records,
+        the header and page padding come on top. They only apply when the file
+        is created. ``timeout`` bounds the wait for another creator.
+        ``verify=True`` checks every read against the slot's checksum and
+        treats a mismatch as a miss.
+        """
+        return cls(
+            path,
+            fields,
+            length,
+            key=key,
+            capacity=capacity,
+            max_bytes=max_bytes,
+            readonly=readonly,
+            timeout=timeout,
+            verify=verify,
+        )
+
+    def _attach(self, path: Path, opened: OpenedFile, *, readonly: bool, verify: bool, timeout: float) -> None:
+        header, layout = opened.header, opened.layout
+        try:
+            handle = _Handle(path, opened.fd, layout.file_size, readonly=readonly)
+        except BaseException:
+            os.close(opened.fd)
+            raise
+        self._path = path
+        self._readonly = readonly
+        self._user_verify = verify
+        # Weakly ordered CPUs verify every read: see the argument in _slots.py.
+        self._verify = verify or not STRONGLY_ORDERED
+        self._timeout = timeout
+        self._header: Header = header
+        self._layout: Layout = layout
+        self._fields = header.fields
+        self._length = header.length
+        self._capacity = header.capacity
+        self._handle = handle
+        self._slots = SlotTable(handle.mm, layout, header.capacity, header.record_size, handle.locks)
+        self._arrays = {
+            name: np.ndarray(
+                (header.capacity, *field.shape), field.dtype, buffer=handle.mm, offset=layout.field_offsets[name]
+            )
+            for name, field in header.fields.items()
+        }
+        # Flat byte rows of each field, for checksums.
+        self._raws = tuple(
+            np.ndarray((header.capacity, field.nbytes), np.uint8, buffer=handle.mm, offset=layout.field_offsets[name])
+            for name, field in header.fields.items()
+        )
+        self._items = tuple(self._arrays.items())
+        self._states = self._slots.state_bytes
+        self._finalizer = weakref.finalize(self, handle.close)
+        self._closed = False
+
+    # -- properties -----------------------------------------------------------
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def fields(self) -> dict[str, Field]:
+        return dict(self._fields)
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def key(self) -> str:
+        return self._header.key
+
+    @property
+    def readonly(self) -> bool:
+        return self._readonly
+
+    @property
+    def nbytes(self) -> int:
+        """The size of the file in bytes (header, slot table and data)."""
+        return self._layout.file_size
+
+    @property
+    def created(self) -> dict[str, Any]:
+        """Who created the file and when (informational metadata from the header)."""
+        return dict(self._header.created)
+
+    @property
+    def filled(self) -> int:
+        """Slots READY now, counting every process's writes."""
+        self._check_open()
+        return self._slots.count_ready()
+
+    def __len__(self) -> int:
+        return self._length
+
+    __iter__ = None  # a cache has holes; iterating indices would raise KeyError midway
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name!r}: {field!r}" for name, field in self._fields.items())
+        if self._closed:
+            return f"<Cache {str(self._path)!r} fields={{{fields}}} closed>"
+        return f"<Cache {str(self._path)!r} fields={{{fields}}} filled={self.filled}/{self._capacity}>"
+
+    # -- reading --------------------------------------------------------------
+
+    def get(self, index: int, default: Any = None) -> Any:
+        """The sample at ``index`` as ``{field: numpy array}`` (fresh copies), or ``default`` if not cached."""
+        i = index if type(index) is int and 0 <= index < self._length else self._index(index)
+        if i < self._capacity:
+            if self._states[i] == READY:
+                sample = {name: array[i, ...].copy() for name, array in self._items}
+                if self._verify and not self._intact(i, sample.values()):
+                    return default
+                return sample
+        elif self._closed:
+            self._check_open()
+        return default
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray[Any, Any]]:
+        sample = self.get(index, _MISSING)
+        if sample is _MISSING:
+            raise KeyError(index)
+        result: dict[str, np.ndarray[Any, Any]] = sample
+        return result
+
+    def __contains__(self, index: object) -> bool:
+        i = index if type(index) is int and 0 <= index < self._length else self._index(index)
+        if i < self._capacity:
+            return bool(self._states[i] == READY)
+        self._check_open()
+        return False
+
+    def get_many(self, indices: Any) -> dict[str, np.ndarray[Any, Any]]:
+        """Stacked samples ``{field: array of shape (len(indices), *shape)}``, one gather per field.
+
+        Raises ``KeyError`` (with ``.missing``, the indices not cached) if any
+        index is not cached.
+        """
+        self._check_open()
+        idx = self._index_array(indices)
+        ready = self._slots.ready_mask(idx, self._capacity, self._length)
+        if not ready.all():
+            raise _missing_error(idx[~ready], len(idx))
+        out = {name: gather(array, idx) for name, array in self._items}
+        if self._verify:
+            bad = [row for row, i in enumerate(idx.tolist()) if not self._intact(i, (a[row] for a in out.values()))]
+            if bad:
+                raise _missing_error(idx[bad], len(idx), why="failed their checksum")
+        return out
+
+    def contains_many(self, indices: Any) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        """Which of ``indices`` are cached, as a bool array."""
+        self._check_open()
+        return self._slots.ready_mask(self._index_array(indices), self._capacity, self._length)
+
+    def _intact(self, index: int, arrays: Any) -> bool:
+        crc = 0
+        for array in arrays:
+            crc = zlib.crc32(_byte_view(array), crc)
+        if crc == int(self._slots.checksums[index]):
+            return True
+        log.warning(
+            "slot %d of %s does not match its checksum; treated as a miss "
+            "(cache.verify(fix=True) or `mmapcache verify --fix` resets it)",
+            index,
+            self._path,
+        )
+        return False
+
+    # -- writing --------------------------------------------------------------
+
+    def put(self, index: int, sample: Mapping[str, Any]) -> bool:
+        """Store ``sample`` at ``index``; False (nothing stored) if it is not cacheable or already filled.
+
+        The first writer of a slot wins, across all processes: a slot being
+        filled by another process at the same time also returns False.
+        """
+        i = index if type(index) is int and 0 <= index < self._length else self._index(index)
+        if self._readonly:
+            raise self._readonly_error("put")
+        if i >= self._capacity:
+            self._check_open()
+            return False
+        if self._states[i] == READY:
+            return False
+        arrays = coerce_sample(sample, self._fields)
+        with self._handle.write_lock:
+            return self._fill(i, arrays, None)
+
+    def put_many(self, indices: Any, batch: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        """Store row ``k`` of every field of ``batch`` at ``indices[k]``; which rows were stored."""
+        self._check_open()
+        if self._readonly:
+            raise self._readonly_error("put_many")
+        idx = self._index_array(indices)
+        stored = np.zeros(len(idx), dtype=bool)
+        todo = np.flatnonzero((idx < self._capacity) & ~self._slots.ready_mask(idx, self._capacity, self._length))
+        if not len(todo):
+            return stored
+        arrays = coerce_batch(batch, self._fields, len(idx))
+        with self._handle.write_lock:
+            for row in todo.tolist():
+                stored[row] = self._fill(int(idx[row]), arrays, row)
+        return stored
+
+    def _fill(self, index: int, arrays: list[np.ndarray[Any, Any]], row: int | None) -> bool:
+        slots = self._slots
+        if not slots.claim(index):
+            return False
+        try:
+            crc = 0
+            for (_, target), raw, source in zip(self._items, self._raws, arrays):
+                target[index] = source if row is None else source[row]
+                crc = zlib.crc32(raw[index], crc)
+            slots.publish(index, crc)
+            return True
+        finally:
+            slots.release(index)
+
+    def clear(self) -> None:
+        """Mark every slot empty. Refuses with :class:`CacheInUseError` while any other handle is open."""
+        self._check_open()
+        if self._readonly:
+            raise self._readonly_error("clear")
+        fd = self._handle.fd
+        if not try_lock_exclusive(fd):
+            # The failed conversion dropped our shared lock: take it back.
+            lock_shared(fd, timeout=self._timeout, path=str(self._path))
+            pids = [p for p in flock_holders(os.fstat(fd)) if p != os.getpid()]
+            who = f" (process ids: {', '.join(map(str, pids))})" if pids else ""
+            raise CacheInUseError(
+                f"cannot clear {self._path}: another handle has it open{who}; close the other "
+                "handles (in this process too) or stop the jobs using it first",
+                path=self._path,
+                pids=pids,
+            )
+        try:
+            with self._handle.write_lock:
+                self._slots.states[:] = EMPTY
+                self._slots.checksums[:] = 0
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+
+    # -- checking -------------------------------------------------------------
+
+    def verify(self, fix: bool = False) -> list[Problem]:
+        """Check the header and every slot; return the problems found.
+
+        Finds READY slots whose bytes do not match their checksum, WRITING
+        slots whose writer is gone, and invalid state bytes. With ``fix=True``
+        each bad slot is reset to EMPTY (so it is filled again); slots a live
+        writer holds are left alone. Header problems are reported, never fixed.
+        """
+        self._check_open()
+        if fix and self._readonly:
+            raise self._readonly_error("verify(fix=True)")
+        problems = self._header_problems()
+        with self._handle.write_lock:
+            problems += self._slot_problems(fix)
+        return problems
+
+    def _header_problems(self) -> list[Problem]:
+        try:
+            header, _ = read_header(self._handle.fd, str(self._path))
+        except CacheError as error:
+            return [Problem("header", None, str(error))]
+        if header != self._header:
+            return [Problem("header", None, f"the header of {self._path} changed after it was opened")]
+        return []
+
+    def _slot_problems(self, fix: bool) -> list[Problem]:
+        slots, problems = self._slots, []
+        states = np.array(slots.states)  # a snapshot
+        for i in np.flatnonzero(states > READY).tolist():
+            problems.append(Problem("state", i, f"slot {i} has the invalid state byte {states[i]}"))
+        for i in np.flatnonzero(states == WRITING).tolist():
+            if not slots.writer_alive(i):
+                problems.append(Problem("stuck", i, f"slot {i} was left half-written by a writer that died"))
+        for i in np.flatnonzero(states == READY).tolist():
+            crc = 0
+            for raw in self._raws:
+                crc = zlib.crc32(raw[i], crc)
+            if crc != int(slots.checksums[i]):
+                problems.append(
+                    Problem("checksum", i, f"slot {i} does not match its checksum ({crc:#010x} != {int(slots.checksums[i]):#010x})")
+                )
+        if fix:
+            problems = [Problem(p.kind, p.index, p.message, fixed=p.index is not None and slots.reset(p.index)) for p in problems]
+        return problems
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the file. Idempotent; later use raises ``ValueError``."""
+        if self._closed:
+            return
+        self._closed = True
+        self._states = _CLOSED
+        self._arrays, self._items, self._raws = {}, (), ()
+        self._slots.close()
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Cache:
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A handle pickles as its path and mode: the receiving process maps the
+        # same file instead of receiving a copy of the data.
+        return (_reopen_cache, (str(self._path), self._readonly, self._user_verify, self._timeout))
+
+    # -- helpers --------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"operation on a closed cache ({self._path})")
+
+    def _readonly_error(self, what: str) -> ReadonlyCacheError:
+        self._check_open()
+        return ReadonlyCacheError(
+            f"cannot {what}: {self._path} was opened with readonly=True; open it without "
+            "readonly to write",
+            path=self._path,
+        )
+
+    def _index(self, index: Any) -> int:
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"cache indices must be integers, not {type(index).__name__}")
+        i = int(index)
+        if 0 <= i < self._length:
+            return i
+        raise IndexError(f"index {i} is out of range for a cache of length {self._length}")
+
+    def _index_array(self, indices: Any) -> np.ndarray[Any, np.dtype[np.intp]]:
+        idx = np.asarray(indices)
+        if idx.dtype.kind not in "iu":
+            if idx.size or idx.dtype.kind == "b":
+                raise TypeError(f"indices must be integers, got an array of {idx.dtype}")
+        if idx.ndim != 1:
+            raise ValueError(f"indices must be a 1-D sequence, got shape {idx.shape}")
+        idx = idx.astype(np.intp, copy=False)
+        # One pass catches both ends: negative values become huge as unsigned.
+        if idx.size and idx.view(np.uintp).max() >= self._length:
+            bad = int(idx[(idx < 0) | (idx >= self._length)][0])
+            raise IndexError(f"index {bad} is out of range for a cache of length {self._length}")
+        return idx
+
+
+def _reopen_cache(path: str, readonly: bool, verify: bool, timeout: float) -> Cache:
+    return Cache(path, readonly=readonly, verify=verify, timeout=timeout)
+
+
+def _missing_error(missing: np.ndarray[Any, Any], total: int, why: str = "are not cached") -> KeyError:
+    shown = missing[:10].tolist()
+    more = ", ..." if len(missing) > 10 else ""
+    error = KeyError(f"{len(missing)} of {total} indices {why}: {str(shown)[1:-1]}{more}")
+    error.missing = missing  # type: ignore[attr-defined]
+    return error
+
+
+def _byte_view(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, not bool")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
+    if n < 0:
+        raise ValueError(f"{name} must not be negative, got {n}")
+    return n
+
+
+def _plan_capacity(fields: dict[str, Field], length: int, capacity: int | None, max_bytes: int | str | None) -> int:
+    per_slot = sum(field.nbytes for field in fields.values()) + RECORD_SIZE
+    if max_bytes is not None:
+        budget = parse_bytes(max_bytes)
+        slots = min(length, budget // per_slot)
+        if slots == 0 and length > 0:
+            raise ValueError(
+                f"max_bytes={max_bytes!r} ({budget} bytes) is too small for one slot, which "
+                f"takes {per_slot} bytes ({per_slot - RECORD_SIZE} of data + {RECORD_SIZE} of slot record)"
+            )
+        return slots
+    if capacity is not None:
+        return min(_check_count("capacity", capacity), length)
+    return length
+
+
+def _creation_info() -> dict[str, Any]:
+    from . import __version__
+
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "uid": os.geteuid(),
+        "mmapcache": __version__,
+    }
