@@ -13,7 +13,7 @@ it, so code that already catches ``ValueError`` or ``OSError`` keeps working::
     │                                        writable by others, not a regular file
     ├── CacheInUseError (OSError)            another handle has the cache open
     ├── ReadonlyCacheError (PermissionError) a write through a readonly handle
-    └── CacheTimeout (TimeoutError)          the creation lock was not acquired in time
+    └── CacheTimeoutError (TimeoutError)     the creation lock was not acquired in time
 
 Each error carries the path it is about (``error.path``, may be ``None``) and
 pickles cleanly, so it crosses process boundaries (DataLoader workers, spawn).
@@ -29,7 +29,7 @@ __all__ = [
     "CacheFormatError",
     "CacheInUseError",
     "CacheSpaceError",
-    "CacheTimeout",
+    "CacheTimeoutError",
     "ReadonlyCacheError",
     "SchemaMismatchError",
     "UnsafeCacheFileError",
@@ -121,7 +121,7 @@ class CacheInUseError(CacheError, OSError):
         self.pids: list[int] = list(pids or [])
 
 
-class CacheTimeout(CacheError, TimeoutError):
+class CacheTimeoutError(CacheError, TimeoutError):
     """A lock needed to create, open or remove the cache was not acquired in time."""
 
 

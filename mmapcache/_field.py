@@ -17,7 +17,12 @@ import numpy as np
 
 __all__ = ["Field", "FieldsLike", "normalize_fields"]
 
-_BITS_BY_SIZE = {1: np.dtype("u1"), 2: np.dtype("=u2"), 4: np.dtype("=u4"), 8: np.dtype("=u8")}
+_BITS_BY_SIZE: dict[int, np.dtype[Any]] = {
+    1: np.dtype("u1"),
+    2: np.dtype("=u2"),
+    4: np.dtype("=u4"),
+    8: np.dtype("=u8"),
+}
 
 
 class Field:
@@ -34,7 +39,7 @@ class Field:
     (e.g. ``"bfloat16"``), else it is ``None``.
     """
 
-    __slots__ = ("_shape", "_dtype", "_torch_dtype")
+    __slots__ = ("_dtype", "_shape", "_torch_dtype")
 
     def __init__(self, shape: Iterable[int] | int, dtype: Any) -> None:
         self._shape = _normalize_shape(shape)
@@ -63,8 +68,8 @@ class Field:
         if self._torch_dtype is not None:
             return self._torch_dtype
         if self._dtype.isbuiltin and self._dtype.isnative:
-            return self._dtype.name
-        return self._dtype.str if self._dtype.fields is None else str(self._dtype)
+            return str(self._dtype.name)
+        return str(self._dtype.str if self._dtype.fields is None else self._dtype)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Field):
@@ -92,10 +97,11 @@ def _field_from_state(shape: tuple[int, ...], dtype: np.dtype[Any], torch_dtype:
 
 
 def _normalize_shape(shape: Iterable[int] | int) -> tuple[int, ...]:
-    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
-        shape = (shape,)
+    dims_in: Iterable[Any] = (shape,) if isinstance(shape, (int, np.integer)) else shape
     try:
-        dims = tuple(operator.index(d) for d in shape)
+        if isinstance(shape, bool):
+            raise TypeError
+        dims = tuple(operator.index(d) for d in dims_in)
     except TypeError:
         raise TypeError(f"a Field shape must be a tuple of ints, e.g. (3, 32, 32) or (), not {shape!r}") from None
     if any(d < 0 for d in dims):
@@ -183,8 +189,7 @@ def normalize_fields(fields: FieldsLike) -> dict[str, Field]:
     """Return ``{name: Field}`` in the given order from Fields or ``(shape, dtype)`` pairs."""
     if not isinstance(fields, Mapping):
         raise TypeError(
-            "fields must be a mapping of name -> Field(shape, dtype) or (shape, dtype), "
-            f"not {type(fields).__name__}"
+            f"fields must be a mapping of name -> Field(shape, dtype) or (shape, dtype), not {type(fields).__name__}"
         )
     if not fields:
         raise ValueError("fields must name at least one field")

@@ -23,7 +23,7 @@ import secrets
 import stat
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from ._errors import (
     CacheFormatError,
     CacheInUseError,
     CacheSpaceError,
-    CacheTimeout,
+    CacheTimeoutError,
     SchemaMismatchError,
     UnsafeCacheFileError,
 )
@@ -115,7 +115,7 @@ def open_or_create(
                     + (" (a readonly open never creates)" if readonly else ""),
                     str(path),
                 ) from None
-        except _Replaced:
+        except _ReplacedError:
             continue
         with creation_lock(path, timeout):
             if not os.path.lexists(path):
@@ -124,13 +124,11 @@ def open_or_create(
                 created_now = True
 
 
-class _Replaced(Exception):
+class _ReplacedError(Exception):
     """The name was removed or replaced between open() and taking the lock: retry."""
 
 
-def _open_existing(
-    path: Path, expected: Expected, *, readonly: bool, timeout: float
-) -> tuple[int, Header, Layout]:
+def _open_existing(path: Path, expected: Expected, *, readonly: bool, timeout: float) -> tuple[int, Header, Layout]:
     fd = _open_fd(path, readonly=readonly)
     try:
         st = os.fstat(fd)
@@ -139,9 +137,9 @@ def _open_existing(
         try:
             now = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
-            raise _Replaced from None
+            raise _ReplacedError from None
         if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-            raise _Replaced
+            raise _ReplacedError
         header, layout = read_header(fd, str(path), expected)
         _refresh_mtime(fd)
         return fd, header, layout
@@ -229,10 +227,8 @@ def _field_differences(want: dict[str, Field], found: dict[str, Field]) -> list[
 def _refresh_mtime(fd: int) -> None:
     # Reads through a mapping never touch the mtime; opening does, so
     # `mmapcache gc` sees read-only users as users.
-    try:
+    with suppress(OSError):
         os.utime(fd)
-    except OSError:
-        pass
 
 
 @contextmanager
@@ -251,7 +247,7 @@ def creation_lock(path: Path, timeout: float) -> Iterator[None]:
     try:
         lock.acquire()
     except filelock.Timeout:
-        raise CacheTimeout(
+        raise CacheTimeoutError(
             f"waited {timeout:g} s for the lock {lock_path} (another process is creating or "
             "removing this cache); pass a larger timeout= if creating it takes longer",
             path=path,
@@ -432,10 +428,8 @@ def remove(path: str | os.PathLike[str], *, force: bool = False, timeout: float 
             _remove_leftovers(target)
             # Deleting the lock file while holding it is safe: a waiter that
             # then acquires the unlinked inode sees st_nlink == 0 and retries.
-            try:
+            with suppress(FileNotFoundError):
                 os.unlink(lock_path_for(target))
-            except FileNotFoundError:
-                pass
     finally:
         os.close(fd)
     _fsync_dir(target.parent)

@@ -136,10 +136,10 @@ __all__ = [
     "ALIGNMENT",
     "FORMAT_VERSION",
     "MAGIC",
-    "Header",
-    "Layout",
     "PREFIX_SIZE",
     "RECORD_SIZE",
+    "Header",
+    "Layout",
     "align",
     "compute_layout",
     "pack_header",
@@ -203,15 +203,11 @@ def compute_layout(header: Header) -> Layout:
     return Layout(table_offset=table_offset, field_offsets=offsets, file_size=pos)
 
 
-def new_header(
-    fields: dict[str, Field], length: int, capacity: int, key: str, created: dict[str, Any]
-) -> Header:
+def new_header(fields: dict[str, Field], length: int, capacity: int, key: str, created: dict[str, Any]) -> Header:
     """A header for a new file, with a fresh uuid and the smallest header size that fits."""
     draft = Header(fields, length, capacity, key, uuid_module.uuid4().bytes, created, header_size=ALIGNMENT)
     meta = _metadata_bytes(draft)
-    return Header(
-        fields, length, capacity, key, draft.uuid, created, header_size=align(PREFIX_SIZE + len(meta))
-    )
+    return Header(fields, length, capacity, key, draft.uuid, created, header_size=align(PREFIX_SIZE + len(meta)))
 
 
 def _metadata_bytes(header: Header) -> bytes:
@@ -295,8 +291,7 @@ def unpack_prefix(data: bytes, *, path: str, file_size: int) -> tuple[int, int]:
         )
     if file_size < header_size:
         raise CacheFormatError(
-            f"{path} is truncated: it holds {file_size} bytes, fewer than its "
-            f"{header_size}-byte header",
+            f"{path} is truncated: it holds {file_size} bytes, fewer than its {header_size}-byte header",
             path=path,
         )
     if meta_size > header_size - PREFIX_SIZE:
@@ -332,7 +327,9 @@ def unpack_header(region: bytes, *, path: str) -> Header:
         if not isinstance(key, str) or not isinstance(created, dict):
             raise TypeError("key must be a string and created an object")
     except (ValueError, KeyError, TypeError) as error:
-        raise CacheFormatError(f"{path} has a corrupt header: cannot decode its metadata ({error})", path=path) from None
+        raise CacheFormatError(
+            f"{path} has a corrupt header: cannot decode its metadata ({error})", path=path
+        ) from None
     problems = []
     if record_size != RECORD_SIZE:
         problems.append(f"slot record size {record_size} (expected {RECORD_SIZE})")

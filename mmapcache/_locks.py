@@ -25,7 +25,7 @@ import os
 import struct
 import time
 
-from ._errors import CacheTimeout
+from ._errors import CacheTimeoutError
 
 __all__ = ["SlotLocks", "flock_holders", "lock_shared", "try_lock_exclusive"]
 
@@ -63,7 +63,7 @@ def lock_shared(fd: int, *, timeout: float, path: str) -> None:
             if error.errno not in _CONTENDED:
                 raise
         if time.monotonic() >= deadline:
-            raise CacheTimeout(
+            raise CacheTimeoutError(
                 f"{path} stayed exclusively locked (being cleared or removed) for {timeout:g} s",
                 path=path,
             )

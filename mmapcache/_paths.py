@@ -9,6 +9,7 @@ this user, not writable by others).
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import logging
 import os
@@ -52,10 +53,8 @@ def _user_tag() -> str:
 
 
 def _ensure_private_dir(path: Path, *, strict: bool) -> Path:
-    try:
+    with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700, parents=not strict)
-    except FileExistsError:
-        pass
     if strict:
         check_directory(path, private=True)
     elif not path.is_dir():

@@ -70,8 +70,7 @@ def parse_duration(value: str) -> float:
     match = _DURATION.match(value.lower())
     if match is None:
         raise ValueError(
-            f"cannot read {value!r} as a duration: use a number with one of the units "
-            "s, m, h, d, w (e.g. '7d', '12h')"
+            f"cannot read {value!r} as a duration: use a number with one of the units s, m, h, d, w (e.g. '7d', '12h')"
         )
     return float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
 

@@ -59,7 +59,7 @@ STRONGLY_ORDERED = platform.machine().lower() in {"x86_64", "amd64", "i386", "i4
 class SlotTable:
     """Views of the slot table in a mapping, and the claim/publish protocol on it."""
 
-    __slots__ = ("states", "checksums", "state_bytes", "locks", "_table_offset", "_record_size")
+    __slots__ = ("_record_size", "_table_offset", "checksums", "locks", "state_bytes", "states")
 
     def __init__(self, buffer: Any, layout: Layout, capacity: int, record_size: int, locks: SlotLocks) -> None:
         offset = layout.table_offset
@@ -101,10 +101,13 @@ class SlotTable:
     def release(self, index: int) -> None:
         self.locks.release(self._table_offset + index * self._record_size)
 
-    def ready_mask(self, indices: np.ndarray[Any, np.dtype[np.intp]], capacity: int, length: int) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    def ready_mask(
+        self, indices: np.ndarray[Any, np.dtype[np.intp]], capacity: int, length: int
+    ) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """READY-ness of validated ``indices`` (indices >= capacity are never READY)."""
         if capacity == length:
-            return np.take(self.states, indices) == READY
+            ready: np.ndarray[Any, np.dtype[np.bool_]] = np.take(self.states, indices) == READY
+            return ready
         mask = np.zeros(indices.shape, dtype=bool)
         cacheable = indices < capacity
         mask[cacheable] = np.take(self.states, indices[cacheable]) == READY

@@ -89,21 +89,22 @@ def cast(array: np.ndarray[Any, Any], field: Field, name: str, *, from_python: b
         return array
     source = array.dtype
     python_number = from_python and source.kind in "iub" and target.kind in "fc"
-    if not (np.can_cast(source, target, "same_kind") or python_number or _python_int_fits(array, source, target, from_python)):
+    if not (np.can_cast(source, target, "same_kind") or python_number or _python_int(source, target, from_python)):
         raise TypeError(
             f"field {name!r}: cannot store {source} values in a {field.dtype_name} field "
             f"(only casts within the same kind are allowed, e.g. float64 -> float32); "
             f"convert them to {field.dtype_name} first"
         )
     converted = array.astype(target)
-    if target.kind in "iuSU" and not np.can_cast(source, target, "safe"):
-        if not np.array_equal(converted.astype(source), array):
-            what = "out of range for" if target.kind in "iu" else "too long for"
-            raise ValueError(f"field {name!r}: some values are {what} {field.dtype_name}")
+    narrowing = target.kind in "iuSU" and not np.can_cast(source, target, "safe")
+    if narrowing and not np.array_equal(converted.astype(source), array):
+        what = "out of range for" if target.kind in "iu" else "too long for"
+        raise ValueError(f"field {name!r}: some values are {what} {field.dtype_name}")
     return converted
 
 
-def _python_int_fits(array: np.ndarray[Any, Any], source: np.dtype[Any], target: np.dtype[Any], from_python: bool) -> bool:
+def _python_int(source: np.dtype[Any], target: np.dtype[Any], from_python: bool) -> bool:
     # np.asarray(5) is int64, and int64 -> uint8 is not "same_kind"; a Python
-    # int is any size, so accept it into any integer field when its value fits.
+    # int has no width, so it may go to any integer field (the caller then
+    # checks that every value fits).
     return from_python and source.kind in "iu" and target.kind in "iu"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import mmap
@@ -76,7 +77,7 @@ class _Handle:
     parent died.
     """
 
-    __slots__ = ("path", "fd", "mm", "readonly", "locks", "write_lock", "__weakref__")
+    __slots__ = ("__weakref__", "fd", "locks", "mm", "path", "readonly", "write_lock")
 
     def __init__(self, path: Path, fd: int, size: int, *, readonly: bool) -> None:
         self.path, self.fd, self.readonly = path, fd, readonly
@@ -103,12 +104,10 @@ class _Handle:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        try:
+        # While views of the mapping (e.g. zero-copy tensors) are alive, close()
+        # raises BufferError; the mapping then goes with the last of them.
+        with contextlib.suppress(BufferError):
             self.mm.close()
-        except BufferError:
-            # Views of the mapping (e.g. zero-copy tensors) are still alive;
-            # it is unmapped when the last of them goes.
-            pass
 
 
 _LIVE_HANDLES: weakref.WeakSet[_Handle] = weakref.WeakSet()
@@ -187,9 +186,7 @@ class Cache:
                 key=key or "",
                 created=_creation_info(),
             )
-        opened = open_or_create(
-            target, Expected(wanted, length, key), new, readonly=readonly, timeout=float(timeout)
-        )
+        opened = open_or_create(target, Expected(wanted, length, key), new, readonly=readonly, timeout=float(timeout))
         self._attach(target, opened, readonly=readonly, verify=verify, timeout=float(timeout))
 
     @classmethod
@@ -382,7 +379,7 @@ class Cache:
     def _intact(self, index: int, arrays: Any) -> bool:
         crc = 0
         for array in arrays:
-            crc = zlib.crc32(_byte_view(array), crc)
+            crc = zlib.crc32(_byte_view(array), crc)  # type: ignore[arg-type]  # numpy arrays are buffers
         if crc == int(self._slots.checksums[index]):
             return True
         log.warning(
@@ -435,7 +432,7 @@ class Cache:
             return False
         try:
             crc = 0
-            for (_, target), raw, source in zip(self._items, self._raws, arrays):
+            for (_, target), raw, source in zip(self._items, self._raws, arrays, strict=True):
                 target[index] = source if row is None else source[row]
                 crc = zlib.crc32(raw[index], crc)
             slots.publish(index, crc)
@@ -508,10 +505,17 @@ class Cache:
                 crc = zlib.crc32(raw[i], crc)
             if crc != int(slots.checksums[i]):
                 problems.append(
-                    Problem("checksum", i, f"slot {i} does not match its checksum ({crc:#010x} != {int(slots.checksums[i]):#010x})")
+                    Problem(
+                        "checksum",
+                        i,
+                        f"slot {i} does not match its checksum ({crc:#010x} != {int(slots.checksums[i]):#010x})",
+                    )
                 )
         if fix:
-            problems = [Problem(p.kind, p.index, p.message, fixed=p.index is not None and slots.reset(p.index)) for p in problems]
+            problems = [
+                Problem(p.kind, p.index, p.message, fixed=p.index is not None and slots.reset(p.index))
+                for p in problems
+            ]
         return problems
 
     # -- lifecycle ------------------------------------------------------------
@@ -521,7 +525,7 @@ class Cache:
         if self._closed:
             return
         self._closed = True
-        self._states = _CLOSED
+        self._states = _CLOSED  # type: ignore[assignment]  # every read now raises
         self._arrays, self._items, self._raws = {}, (), ()
         self._slots.close()
         self._finalizer()
@@ -551,8 +555,7 @@ class Cache:
     def _readonly_error(self, what: str) -> ReadonlyCacheError:
         self._check_open()
         return ReadonlyCacheError(
-            f"cannot {what}: {self._path} was opened with readonly=True; open it without "
-            "readonly to write",
+            f"cannot {what}: {self._path} was opened with readonly=True; open it without readonly to write",
             path=self._path,
         )
 
@@ -566,9 +569,8 @@ class Cache:
 
     def _index_array(self, indices: Any) -> np.ndarray[Any, np.dtype[np.intp]]:
         idx = np.asarray(indices)
-        if idx.dtype.kind not in "iu":
-            if idx.size or idx.dtype.kind == "b":
-                raise TypeError(f"indices must be integers, got an array of {idx.dtype}")
+        if idx.dtype.kind not in "iu" and (idx.size or idx.dtype.kind == "b"):
+            raise TypeError(f"indices must be integers, got an array of {idx.dtype}")
         if idx.ndim != 1:
             raise ValueError(f"indices must be a 1-D sequence, got shape {idx.shape}")
         idx = idx.astype(np.intp, copy=False)

@@ -54,7 +54,7 @@ def value_to_storage(value: Any, field: Field, name: str) -> np.ndarray[Any, Any
     return tensor.contiguous().view(_BITS[tensor.element_size()]).numpy()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _numpy_knows(dtype: torch.dtype) -> bool:
     try:
         torch.empty(0, dtype=dtype).numpy()
