@@ -1,0 +1,54 @@
+"""Shared fixtures: every test gets its own cache directory under /dev/shm, removed afterwards."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SHM = Path("/dev/shm")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        default=False,
+        help="also run the long stress tests (marker: slow); MMAPCACHE_SLOW=1 does the same",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow") or os.environ.get("MMAPCACHE_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="long stress test: opt in with --run-slow or MMAPCACHE_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cache_dir() -> Iterator[Path]:
+    """A private directory for this test's caches (in /dev/shm when there is one), removed afterwards."""
+    base = SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else None
+    path = Path(tempfile.mkdtemp(prefix="mmapcache-test-", dir=base))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_default_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Point ``default_dir()`` at a per-test directory so no test ever writes to the real default location."""
+    base = SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else None
+    path = Path(tempfile.mkdtemp(prefix="mmapcache-default-", dir=base))
+    monkeypatch.setenv("MMAPCACHE_DIR", str(path))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
