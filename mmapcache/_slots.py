@@ -63,10 +63,9 @@ class SlotTable:
 
     def __init__(self, buffer: Any, layout: Layout, capacity: int, record_size: int, locks: SlotLocks) -> None:
         offset = layout.table_offset
-        self.states = np.ndarray((capacity,), np.uint8, buffer=buffer, offset=offset, strides=(record_size,))
-        self.checksums = np.ndarray(
-            (capacity,), np.dtype("<u4"), buffer=buffer, offset=offset + 4, strides=(record_size,)
-        )
+        table = np.ndarray((capacity, record_size), np.uint8, buffer=buffer, offset=offset)
+        self.states = table[:, 0]
+        self.checksums = table[:, 4:8].view(np.dtype("<u4"))[:, 0]
         # Indexing a memoryview returns an int about twice as fast as a numpy scalar.
         self.state_bytes = memoryview(buffer)[offset : offset + capacity * record_size : record_size]
         self.locks = locks

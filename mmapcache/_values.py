@@ -95,12 +95,24 @@ def cast(array: np.ndarray[Any, Any], field: Field, name: str, *, from_python: b
             f"(only casts within the same kind are allowed, e.g. float64 -> float32); "
             f"convert them to {field.dtype_name} first"
         )
-    converted = array.astype(target)
-    narrowing = target.kind in "iuSU" and not np.can_cast(source, target, "safe")
-    if narrowing and not np.array_equal(converted.astype(source), array):
-        what = "out of range for" if target.kind in "iu" else "too long for"
-        raise ValueError(f"field {name!r}: some values are {what} {field.dtype_name}")
-    return converted
+    if array.size and not np.can_cast(source, target, "safe"):
+        _check_fits(array, field, name)
+    return array.astype(target)
+
+
+def _check_fits(array: np.ndarray[Any, Any], field: Field, name: str) -> None:
+    """Refuse integer values outside the target's range and strings longer than its width."""
+    target = field.dtype
+    if target.kind in "iu" and array.dtype.kind in "iu":
+        info = np.iinfo(target)
+        low, high = int(array.min()), int(array.max())
+        if low < info.min or high > info.max:
+            raise ValueError(
+                f"field {name!r}: values from {low} to {high} are out of range for "
+                f"{field.dtype_name} ({info.min} to {info.max})"
+            )
+    elif target.kind in "SU" and not np.array_equal(array.astype(target), array):
+        raise ValueError(f"field {name!r}: some strings are too long for {field.dtype_name}")
 
 
 def _python_int(source: np.dtype[Any], target: np.dtype[Any], from_python: bool) -> bool:

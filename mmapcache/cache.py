@@ -568,16 +568,22 @@ class Cache:
         raise IndexError(f"index {i} is out of range for a cache of length {self._length}")
 
     def _index_array(self, indices: Any) -> np.ndarray[Any, np.dtype[np.intp]]:
-        idx = np.asarray(indices)
-        if idx.dtype.kind not in "iu" and (idx.size or idx.dtype.kind == "b"):
-            raise TypeError(f"indices must be integers, got an array of {idx.dtype}")
-        if idx.ndim != 1:
-            raise ValueError(f"indices must be a 1-D sequence, got shape {idx.shape}")
-        idx = idx.astype(np.intp, copy=False)
+        given = np.asarray(indices)
+        if given.ndim != 1:
+            raise ValueError(f"indices must be a 1-D sequence, got shape {given.shape}")
+        if given.dtype.kind not in "iu":
+            if given.size == 0 and given.dtype.kind != "b":
+                return np.zeros(0, np.intp)
+            if given.dtype.kind == "O":  # Python ints beyond 64 bits, or objects
+                for value in given.tolist():
+                    self._index(value)
+            raise TypeError(f"indices must be integers, got an array of {given.dtype}")
+        idx = given.astype(np.intp, copy=False)
         # One pass catches both ends: negative values become huge as unsigned.
-        if idx.size and idx.view(np.uintp).max() >= self._length:
-            bad = int(idx[(idx < 0) | (idx >= self._length)][0])
-            raise IndexError(f"index {bad} is out of range for a cache of length {self._length}")
+        if idx.size and (idx.view(np.uintp).max() >= self._length or given.dtype != idx.dtype):
+            bad = [i for i in given.tolist() if not 0 <= i < self._length]
+            if bad:
+                raise IndexError(f"index {bad[0]} is out of range for a cache of length {self._length}")
         return idx
 
 

@@ -1,0 +1,445 @@
+"""Cache: open-or-create, reads, writes, index rules, pickling, other processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mmapcache
+from mmapcache import Cache, Field, ReadonlyCacheError, SchemaMismatchError
+
+FIELDS = {"image": Field((3, 8, 8), "uint8"), "label": Field((), "int64")}
+
+
+def sample(i: int) -> dict[str, Any]:
+    return {"image": np.full((3, 8, 8), i % 251, np.uint8), "label": i * 10}
+
+
+def assert_sample(got: dict[str, np.ndarray], i: int) -> None:
+    want = sample(i)
+    assert set(got) == set(FIELDS)
+    np.testing.assert_array_equal(got["image"], want["image"])
+    assert got["image"].dtype == np.uint8
+    assert got["label"].shape == ()
+    assert got["label"].dtype == np.int64
+    assert int(got["label"]) == want["label"]
+
+
+@pytest.fixture
+def cache(cache_dir: Path) -> Any:
+    with Cache.open(cache_dir / "c.mmc", FIELDS, length=100, key="test/v1") as c:
+        yield c
+
+
+# -- open or create ---------------------------------------------------------------
+
+
+def test_create_then_reopen_sees_the_data(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    with Cache.open(path, FIELDS, length=10, key="k") as cache:
+        assert cache.put(3, sample(3))
+        assert cache.path == path
+        assert cache.fields == FIELDS
+        assert (cache.length, cache.capacity, cache.key, len(cache)) == (10, 10, "k", 10)
+        assert cache.nbytes == path.stat().st_size
+    with Cache.open(path) as again:
+        assert again.fields == FIELDS
+        assert again.key == "k"
+        assert_sample(again[3], 3)
+
+
+def test_fields_may_be_shape_dtype_pairs(cache_dir: Path) -> None:
+    with Cache.open(cache_dir / "c.mmc", {"x": ((2,), "float32")}, length=4) as cache:
+        assert cache.fields == {"x": Field((2,), np.float32)}
+
+
+def test_missing_file_without_schema_is_file_not_found(cache_dir: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="pass fields= and length="):
+        Cache.open(cache_dir / "absent.mmc")
+    with pytest.raises(FileNotFoundError):
+        Cache.open(cache_dir / "absent.mmc", FIELDS)  # no length
+    with pytest.raises(FileNotFoundError, match="readonly"):
+        Cache.open(cache_dir / "absent.mmc", FIELDS, length=3, readonly=True)
+    assert not (cache_dir / "absent.mmc").exists()
+
+
+def test_schema_mismatch_names_every_difference(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    Cache.open(path, FIELDS, length=10, key="a").close()
+    before = path.read_bytes()
+    other = {"image": Field((3, 8, 8), "float32"), "extra": Field((), "int8")}
+    with pytest.raises(SchemaMismatchError) as info:
+        Cache.open(path, other, length=11, key="b")
+    message = str(info.value)
+    for part in ("'image'", "float32", "'extra'", "'label'", "length: expected 11, found 10", "key: expected 'b'"):
+        assert part in message
+    assert "mmapcache rm" in message
+    assert set(info.value.differences) == {"fields", "length", "key"}
+    assert path.read_bytes() == before  # a failed open never modifies the file
+
+
+@pytest.mark.parametrize("kwargs", [{"length": 10}, {"key": "a"}, {"fields": FIELDS}])
+def test_partial_expectations_that_match_open_the_file(cache_dir: Path, kwargs: dict[str, Any]) -> None:
+    path = cache_dir / "c.mmc"
+    Cache.open(path, FIELDS, length=10, key="a").close()
+    with Cache.open(path, **kwargs) as cache:
+        assert cache.length == 10
+
+
+def test_field_order_does_not_matter_for_matching(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    Cache.open(path, FIELDS, length=5).close()
+    reordered = {"label": FIELDS["label"], "image": FIELDS["image"]}
+    with Cache.open(path, reordered, length=5) as cache:
+        assert list(cache.fields) == ["image", "label"]
+
+
+def test_bad_open_arguments(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    with pytest.raises(ValueError, match="not both"):
+        Cache.open(path, FIELDS, length=10, capacity=5, max_bytes=1000)
+    with pytest.raises(ValueError, match="negative"):
+        Cache.open(path, FIELDS, length=-1)
+    with pytest.raises(TypeError, match="length must be an int"):
+        Cache.open(path, FIELDS, length=2.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="key must be a string"):
+        Cache.open(path, FIELDS, length=10, key=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="too small for one slot"):
+        Cache.open(path, FIELDS, length=10, max_bytes=100)
+    with pytest.raises(ValueError, match="byte size"):
+        Cache.open(path, FIELDS, length=10, max_bytes="lots")
+    with pytest.raises(ValueError, match="at least one field"):
+        Cache.open(path, {}, length=10)
+    assert not path.exists()
+
+
+# -- capacity -----------------------------------------------------------------------
+
+
+def test_capacity_limits_cacheable_indices(cache_dir: Path) -> None:
+    with Cache.open(cache_dir / "c.mmc", FIELDS, length=10, capacity=4) as cache:
+        assert cache.capacity == 4
+        assert [cache.put(i, sample(i)) for i in range(10)] == [True] * 4 + [False] * 6
+        assert cache.filled == 4
+        assert cache.get(7) is None
+        assert 7 not in cache
+        assert cache.contains_many(range(10)).tolist() == [True] * 4 + [False] * 6
+        with pytest.raises(KeyError):
+            cache.get_many([0, 5])
+        assert (
+            cache.put_many([2, 3, 4, 9], {"image": np.zeros((4, 3, 8, 8), np.uint8), "label": [0] * 4}).tolist()
+            == [False] * 4
+        )
+
+
+def test_max_bytes_budgets_data_and_slot_records(cache_dir: Path) -> None:
+    per_slot = 3 * 8 * 8 + 8 + 8  # image + label + slot record
+    with Cache.open(cache_dir / "a.mmc", FIELDS, length=1000, max_bytes=per_slot * 7 + per_slot - 1) as cache:
+        assert cache.capacity == 7
+    with Cache.open(cache_dir / "b.mmc", FIELDS, length=1000, max_bytes="10KiB") as cache:
+        assert cache.capacity == 10 * 1024 // per_slot
+    with Cache.open(cache_dir / "c.mmc", FIELDS, length=5, max_bytes="1GiB") as cache:
+        assert cache.capacity == 5  # never more than length
+
+
+def test_capacity_beyond_length_is_clamped(cache_dir: Path) -> None:
+    with Cache.open(cache_dir / "c.mmc", FIELDS, length=5, capacity=50) as cache:
+        assert cache.capacity == 5
+
+
+def test_zero_length_cache(cache_dir: Path) -> None:
+    with Cache.open(cache_dir / "c.mmc", FIELDS, length=0) as cache:
+        assert len(cache) == 0
+        assert cache.filled == 0
+        with pytest.raises(IndexError):
+            cache.get(0)
+        assert cache.get_many([])["image"].shape == (0, 3, 8, 8)
+
+
+# -- reads and writes ------------------------------------------------------------
+
+
+def test_put_get_round_trip(cache: Cache) -> None:
+    assert cache.get(5) is None
+    assert cache.get(5, "nope") == "nope"
+    assert 5 not in cache
+    with pytest.raises(KeyError):
+        cache[5]
+    assert cache.put(5, sample(5)) is True
+    assert 5 in cache
+    assert_sample(cache.get(5), 5)
+    assert_sample(cache[5], 5)
+    assert cache.filled == 1
+
+
+def test_first_writer_wins(cache: Cache) -> None:
+    assert cache.put(1, sample(1))
+    assert cache.put(1, sample(2)) is False
+    assert_sample(cache[1], 1)
+
+
+def test_get_returns_fresh_copies(cache: Cache) -> None:
+    cache.put(0, sample(0))
+    got = cache[0]
+    got["image"][:] = 99
+    got["label"][...] = -1
+    assert_sample(cache[0], 0)
+    assert got["image"].flags.writeable
+
+
+def test_get_many_stacks_in_order(cache: Cache) -> None:
+    order = [7, 3, 7, 0, 99]
+    for i in set(order):
+        cache.put(i, sample(i))
+    batch = cache.get_many(order)
+    assert batch["image"].shape == (5, 3, 8, 8)
+    assert batch["label"].shape == (5,)
+    for row, i in enumerate(order):
+        assert_sample({name: batch[name][row] for name in batch}, i)
+    assert cache.get_many(np.array(order, dtype=np.uint16))["label"].tolist() == [i * 10 for i in order]
+
+
+def test_get_many_reports_missing_indices(cache: Cache) -> None:
+    cache.put(1, sample(1))
+    with pytest.raises(KeyError, match="2 of 3 indices are not cached") as info:
+        cache.get_many([1, 2, 3])
+    assert info.value.missing.tolist() == [2, 3]  # type: ignore[attr-defined]
+
+
+def test_get_many_output_is_writable_and_independent(cache: Cache) -> None:
+    for i in range(40):
+        cache.put(i, sample(i))
+    batch = cache.get_many(list(range(40)))
+    batch["image"][:] = 0
+    assert_sample(cache[39], 39)
+
+
+def test_put_many_and_contains_many(cache: Cache) -> None:
+    idx = [4, 5, 4, 6]
+    batch = {"image": np.stack([sample(i)["image"] for i in idx]), "label": np.array([i * 10 for i in idx])}
+    assert cache.put_many(idx, batch).tolist() == [True, True, False, True]
+    assert cache.contains_many([3, 4, 5, 6, 7]).tolist() == [False, True, True, True, False]
+    for i in (4, 5, 6):
+        assert_sample(cache[i], i)
+    # an all-filled batch is not even validated: it costs a state read
+    assert cache.put_many([4, 5], {"image": "garbage", "label": None}).tolist() == [False, False]
+
+
+def test_put_many_validates_batch_shape(cache: Cache) -> None:
+    with pytest.raises(ValueError, match=r"field 'image': expected a batch of shape \(2, 3, 8, 8\)"):
+        cache.put_many([0, 1], {"image": np.zeros((3, 3, 8, 8), np.uint8), "label": [1, 2]})
+    assert cache.filled == 0
+
+
+# -- index rules -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("index", [-1, 100, 10**20])
+def test_out_of_range_indices(cache: Cache, index: int) -> None:
+    for call in (cache.get, cache.__getitem__, cache.__contains__, lambda i: cache.put(i, sample(0))):
+        with pytest.raises(IndexError, match="out of range"):
+            call(index)
+    with pytest.raises(IndexError, match="out of range"):
+        cache.get_many([0, index])
+    with pytest.raises(IndexError):
+        cache.contains_many([index])
+
+
+@pytest.mark.parametrize("index", [1.0, "1", None, True, np.float64(1), [1]])
+def test_non_integer_indices(cache: Cache, index: Any) -> None:
+    with pytest.raises(TypeError, match="integers"):
+        cache.get(index)
+    with pytest.raises(TypeError, match="integers"):
+        cache.put(index, sample(0))
+
+
+def test_numpy_integer_indices(cache: Cache) -> None:
+    assert cache.put(np.int64(3), sample(3))
+    assert_sample(cache[np.uint8(3)], 3)
+    assert np.int32(3) in cache
+
+
+@pytest.mark.parametrize("indices", [[1.5], np.array([True, False]), ["a"]])
+def test_non_integer_index_arrays(cache: Cache, indices: Any) -> None:
+    with pytest.raises(TypeError):
+        cache.contains_many(indices)
+
+
+def test_index_arrays_must_be_one_dimensional(cache: Cache) -> None:
+    with pytest.raises(ValueError, match="1-D"):
+        cache.get_many([[1, 2]])
+
+
+# -- value checks ------------------------------------------------------------------
+
+
+def test_wrong_shape_names_field_and_shapes(cache: Cache) -> None:
+    with pytest.raises(ValueError, match=r"field 'image'.*\(3, 8, 8\).*\(3, 8, 7\)"):
+        cache.put(0, {"image": np.zeros((3, 8, 7), np.uint8), "label": 1})
+    assert cache.filled == 0
+
+
+def test_missing_and_extra_fields(cache: Cache) -> None:
+    with pytest.raises(ValueError, match="missing 'label'"):
+        cache.put(0, {"image": np.zeros((3, 8, 8), np.uint8)})
+    with pytest.raises(ValueError, match="unknown 'extra'"):
+        cache.put(0, {**sample(0), "extra": 1})
+    with pytest.raises(TypeError, match="mapping"):
+        cache.put(0, [1, 2])  # type: ignore[arg-type]
+
+
+def test_unsafe_dtypes_are_refused(cache: Cache) -> None:
+    with pytest.raises(TypeError, match=r"field 'image'.*float64.*uint8"):
+        cache.put(0, {"image": np.zeros((3, 8, 8)), "label": 1})
+    with pytest.raises(TypeError, match="field 'label'"):
+        cache.put(0, {"image": np.zeros((3, 8, 8), np.uint8), "label": 1.5})
+    with pytest.raises(ValueError, match="out of range"):
+        cache.put(0, {"image": np.full((3, 8, 8), 300).tolist(), "label": 1})  # Python ints
+    with pytest.raises(ValueError, match="out of range"):
+        cache.put(0, {"image": np.full((3, 8, 8), 300, np.uint16), "label": 1})  # same kind, too big
+    with pytest.raises(TypeError, match="int16"):
+        cache.put(0, {"image": np.full((3, 8, 8), 1, np.int16), "label": 1})  # signed -> unsigned
+    with pytest.raises(ValueError, match="out of range"):
+        cache.put(0, {"image": np.zeros((3, 8, 8), np.uint8), "label": 2**63})
+    assert cache.filled == 0
+
+
+def test_safe_casts_are_accepted(cache: Cache) -> None:
+    # Python ints that fit, and int8 -> int64, cast cleanly.
+    assert cache.put(0, {"image": np.full((3, 8, 8), 255).tolist(), "label": np.int8(-3)})
+    got = cache[0]
+    assert got["image"].max() == 255
+    assert int(got["label"]) == -3
+
+
+def test_readonly_handle_reads_but_refuses_writes(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    with Cache.open(path, FIELDS, length=4) as writer:
+        writer.put(0, sample(0))
+        with Cache.open(path, readonly=True) as reader:
+            assert reader.readonly
+            assert_sample(reader[0], 0)
+            writer.put(1, sample(1))
+            assert_sample(reader[1], 1)  # sees later writes
+            with pytest.raises(ReadonlyCacheError, match="readonly"):
+                reader.put(2, sample(2))
+            with pytest.raises(PermissionError):
+                reader.put_many([2], {"image": np.zeros((1, 3, 8, 8), np.uint8), "label": [0]})
+            with pytest.raises(ReadonlyCacheError):
+                reader.clear()
+
+
+# -- lifecycle ---------------------------------------------------------------------
+
+
+def test_closed_cache_raises_value_error(cache_dir: Path) -> None:
+    cache = Cache.open(cache_dir / "c.mmc", FIELDS, length=4, capacity=2)
+    cache.put(0, sample(0))
+    cache.close()
+    cache.close()  # idempotent
+    assert cache.closed
+    for call in (
+        lambda: cache.get(0),
+        lambda: cache.get(3),
+        lambda: cache[0],
+        lambda: 0 in cache,
+        lambda: cache.put(0, sample(0)),
+        lambda: cache.put(3, sample(0)),
+        lambda: cache.get_many([0]),
+        lambda: cache.contains_many([0]),
+        lambda: cache.filled,
+        lambda: cache.verify(),
+        lambda: cache.clear(),
+    ):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+    assert "closed" in repr(cache)
+
+
+def test_repr_shows_path_fields_and_fill(cache: Cache) -> None:
+    cache.put(0, sample(0))
+    text = repr(cache)
+    assert str(cache.path) in text
+    assert "Field((3, 8, 8), 'uint8')" in text
+    assert "filled=1/100" in text
+
+
+def test_not_iterable(cache: Cache) -> None:
+    with pytest.raises(TypeError):
+        iter(cache)  # type: ignore[call-overload]
+
+
+# -- pickling and other processes ----------------------------------------------------
+
+
+def test_pickle_is_small_and_reopens(cache_dir: Path) -> None:
+    path = cache_dir / "big.mmc"
+    with Cache.open(path, {"x": Field((1024, 1024), "uint8")}, length=64) as cache:
+        cache.put(9, {"x": np.full((1024, 1024), 9, np.uint8)})
+        blob = pickle.dumps(cache)
+        assert len(blob) < 1024  # a 64 MiB cache pickles as its path
+        with pickle.loads(blob) as copy:
+            assert copy.path == path
+            assert copy[9]["x"][5, 5] == 9
+            copy.put(10, {"x": np.full((1024, 1024), 10, np.uint8)})
+            assert cache[10]["x"][0, 0] == 10
+
+
+def _child_reads_and_writes(path: str, queue: Any) -> None:
+    with Cache.open(path) as cache:
+        seen = int(cache[3]["label"])
+        cache.put(4, sample(4))
+    queue.put(seen)
+
+
+def _child_unpickles(blob: bytes, queue: Any) -> None:
+    cache = pickle.loads(blob)
+    queue.put((str(cache.path), cache.readonly, int(cache[3]["label"])))
+    cache.close()
+
+
+def test_second_process_by_path_sees_writes_both_ways(cache: Cache) -> None:
+    ctx = mp.get_context("spawn")
+    cache.put(3, sample(3))
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_reads_and_writes, args=(str(cache.path), queue))
+    child.start()
+    assert queue.get(timeout=60) == 30
+    child.join(60)
+    assert child.exitcode == 0
+    assert_sample(cache[4], 4)  # the child's write, visible through our mapping
+
+
+def test_pickled_handle_reopens_in_a_spawned_process(cache_dir: Path) -> None:
+    ctx = mp.get_context("spawn")
+    with Cache.open(cache_dir / "c.mmc", FIELDS, length=10) as cache:
+        cache.put(3, sample(3))
+        with Cache.open(cache.path, readonly=True) as reader:
+            queue = ctx.Queue()
+            child = ctx.Process(target=_child_unpickles, args=(pickle.dumps(reader), queue))
+            child.start()
+            assert queue.get(timeout=60) == (str(cache.path), True, 30)
+            child.join(60)
+            assert child.exitcode == 0
+
+
+def test_relative_paths_become_absolute(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(cache_dir)
+    with Cache.open("rel.mmc", FIELDS, length=3) as cache:
+        assert cache.path == cache_dir / "rel.mmc"
+
+
+def test_remove_deletes_file_and_side_files(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    Cache.open(path, FIELDS, length=3).close()
+    assert (cache_dir / "c.mmc.lock").exists()
+    mmapcache.remove(path)
+    assert os.listdir(cache_dir) == []
+    with pytest.raises(FileNotFoundError):
+        mmapcache.remove(path)
