@@ -160,6 +160,8 @@ def _open_fd(path: Path, *, readonly: bool) -> int:
                 "(a planted symlink could point at any of your files)",
                 path=path,
             ) from None
+        if error.errno == errno.EISDIR:
+            raise UnsafeCacheFileError(f"{path} is not a regular file", path=path) from None
         if error.errno == errno.EACCES and not readonly:
             raise PermissionError(
                 errno.EACCES,

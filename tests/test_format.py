@@ -1,0 +1,139 @@
+"""The on-disk format: header pack/unpack round trips, layout math, and the spec's byte offsets."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mmapcache import Cache, CacheFormatError, Field
+from mmapcache._format import (
+    ALIGNMENT,
+    MAGIC,
+    PREFIX_SIZE,
+    RECORD_SIZE,
+    Header,
+    align,
+    compute_layout,
+    new_header,
+    pack_header,
+    unpack_header,
+)
+
+FIELDS = {
+    "image": Field((3, 5, 7), "uint8"),
+    "label": Field((), "int64"),
+    "name": Field((), "U12"),
+    "record": Field((2,), np.dtype([("a", "<f4"), ("b", "S3", (2,))])),
+    "half": Field((4,), "bfloat16"),
+}
+
+
+def header(**changes: object) -> Header:
+    base = new_header(FIELDS, length=1000, capacity=600, key="ключ/v1", created={"time": "x"})
+    return Header(**{**base.__dict__, **changes})  # type: ignore[arg-type]
+
+
+def test_align() -> None:
+    assert [align(n) for n in (0, 1, 4096, 4097)] == [0, 4096, 4096, 8192]
+
+
+def test_header_round_trip() -> None:
+    h = header()
+    data = pack_header(h)
+    assert len(data) == h.header_size
+    assert h.header_size % ALIGNMENT == 0
+    assert unpack_header(data, path="p") == h
+
+
+def test_large_schema_grows_the_header() -> None:
+    many = {f"field_{i:04d}": Field((i + 1,), "float32") for i in range(300)}
+    h = new_header(many, length=10, capacity=10, key="", created={})
+    assert h.header_size > ALIGNMENT
+    assert unpack_header(pack_header(h), path="p").fields == many
+
+
+def test_bytes_follow_the_spec() -> None:
+    """A reader written from the docstring alone would decode these offsets."""
+    h = header()
+    data = pack_header(h)
+    assert data[:8] == MAGIC == b"\x89MMC\r\n\x1a\n"
+    version, header_size, meta_size, crc = struct.unpack_from("<IIII", data, 8)
+    length, capacity, record_size, flags = struct.unpack_from("<QQII", data, 24)
+    assert (version, header_size, length, capacity, record_size, flags) == (1, h.header_size, 1000, 600, 8, 0)
+    assert data[48:64] == h.uuid
+    zeroed = bytearray(data)
+    zeroed[20:24] = bytes(4)
+    assert crc == zlib.crc32(zeroed)
+    meta = json.loads(data[PREFIX_SIZE : PREFIX_SIZE + meta_size].decode("utf-8"))
+    assert [f["name"] for f in meta["fields"]] == list(FIELDS)
+    assert meta["fields"][0] == {"name": "image", "shape": [3, 5, 7], "dtype": "|u1", "torch_dtype": None}
+    assert meta["fields"][4]["torch_dtype"] == "bfloat16"
+    assert meta["fields"][4]["dtype"] == "<u2"
+    assert meta["key"] == "ключ/v1"
+    assert meta["checksum"] == "crc32"
+    assert set(data[PREFIX_SIZE + meta_size :]) <= {0}
+
+
+def test_layout_math() -> None:
+    h = header()
+    layout = compute_layout(h)
+    assert layout.table_offset == h.header_size
+    pos = align(h.header_size + 600 * RECORD_SIZE)
+    for name, field in FIELDS.items():
+        assert layout.field_offsets[name] == pos
+        pos = align(pos + 600 * field.nbytes)
+    assert layout.file_size == pos
+
+
+def test_file_on_disk_matches_the_layout(cache_dir: Path) -> None:
+    """Slot i of a field sits at offset_k + i * nbytes_k; the slot record at header_size + i * 8."""
+    path = cache_dir / "c.mmc"
+    fields = {"a": Field((3,), "<u2"), "b": Field((), "<f8")}
+    with Cache.open(path, fields, length=5) as cache:
+        cache.put(4, {"a": np.array([1, 2, 3], "<u2"), "b": 2.5})
+        layout = cache._layout
+        header_size = cache._header.header_size
+    raw = path.read_bytes()
+    assert len(raw) == layout.file_size
+    record = raw[header_size + 4 * RECORD_SIZE : header_size + 5 * RECORD_SIZE]
+    assert record[0] == 2  # READY
+    a_bytes = raw[layout.field_offsets["a"] + 4 * 6 : layout.field_offsets["a"] + 5 * 6]
+    b_bytes = raw[layout.field_offsets["b"] + 4 * 8 : layout.field_offsets["b"] + 5 * 8]
+    assert np.frombuffer(a_bytes, "<u2").tolist() == [1, 2, 3]
+    assert np.frombuffer(b_bytes, "<f8").tolist() == [2.5]
+    assert struct.unpack("<I", record[4:8])[0] == zlib.crc32(b_bytes, zlib.crc32(a_bytes))
+
+
+@pytest.mark.parametrize(
+    ("meta_change", "match"),
+    [
+        ({"fields": []}, "fields must be a non-empty list"),
+        ({"key": 5}, "key must be a string"),
+        ({"checksum": "md5"}, "checksum algorithm"),
+        ({"fields": [{"name": "a", "shape": [1], "dtype": "|O", "torch_dtype": None}]}, "Python objects"),
+    ],
+)
+def test_bad_metadata_with_a_valid_checksum(meta_change: dict[str, object], match: str) -> None:
+    h = header()
+    data = bytearray(pack_header(h))
+    (meta_size,) = struct.unpack_from("<I", data, 16)
+    meta = json.loads(bytes(data[PREFIX_SIZE : PREFIX_SIZE + meta_size]))
+    meta.update(meta_change)
+    blob = json.dumps(meta).encode()
+    data[PREFIX_SIZE:] = bytes(len(data) - PREFIX_SIZE)
+    data[PREFIX_SIZE : PREFIX_SIZE + len(blob)] = blob
+    struct.pack_into("<I", data, 16, len(blob))
+    data[20:24] = bytes(4)
+    struct.pack_into("<I", data, 20, zlib.crc32(data))
+    with pytest.raises(CacheFormatError, match=match):
+        unpack_header(bytes(data), path="p")
+
+
+def test_capacity_larger_than_length_is_corrupt() -> None:
+    with pytest.raises(CacheFormatError, match="capacity"):
+        unpack_header(pack_header(header(capacity=2000)), path="p")
