@@ -255,7 +255,8 @@ def test_full_filesystem_raises_space_error_and_leaves_nothing(tiny_tmpfs: Path)
         Cache.open(path, {"x": Field((1024,), "uint8")}, length=4096)  # 4 MiB > 1 MiB
     error = info.value
     assert error.needed > 4 * 2**20
-    assert error.free is not None and error.free <= 2**20
+    assert error.free is not None
+    assert error.free <= 2**20
     assert isinstance(error, OSError)
     for hint in ("MMAPCACHE_DIR", "max_bytes", "--shm-size"):
         assert hint in str(error)
@@ -271,7 +272,7 @@ def test_fallocate_failure_raises_space_error(tiny_tmpfs: Path) -> None:
     path = tiny_tmpfs / "raced.mmc"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        with pytest.raises(CacheSpaceError, match="needs 2.0 MiB"):
+        with pytest.raises(CacheSpaceError, match=r"needs 2\.0 MiB"):
             _preallocate(fd, 2 * 2**20, path)
     finally:
         os.close(fd)
