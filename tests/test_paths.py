@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 import mmapcache
-from mmapcache import UnsafeCacheFileError
-from mmapcache import _paths
+from mmapcache import UnsafeCacheFileError, _paths
 
 IS_ROOT = os.geteuid() == 0
 
