@@ -1,121 +1,112 @@
-"""The mmapcache file format, version 1.
+r"""The mmapcache file format, version 1.
 
-This docstring is the specification; ``docs/format.md`` carries the same text.
-The format version is independent of the package version. The key words MUST,
-MUST NOT, SHOULD and MAY are used as in RFC 2119.
+This docstring is the specification, written so that a stranger could
+implement a reader or a writer from it; `docs/format.md` carries the same
+text. The format version is independent of the package version. MUST, MUST
+NOT, SHOULD and MAY are used as in RFC 2119.
 
-Overview
---------
-A cache file has three regions, each starting on a multiple of 4096 bytes::
+## Overview
 
-    +--------------------+  0
-    | header             |  header_size bytes (a multiple of 4096)
-    +--------------------+  header_size
-    | slot table         |  capacity * record_size bytes, padded to 4096
-    +--------------------+
-    | field 0 data       |  capacity * nbytes(field 0) bytes, padded to 4096
-    | field 1 data       |  ...
-    | ...                |
-    +--------------------+  file_size
+A cache file has three regions, each starting on a multiple of 4096 bytes:
+
+```
++--------------------+  0
+| header             |  header_size bytes (a multiple of 4096)
++--------------------+  header_size
+| slot table         |  capacity * record_size bytes, padded to 4096
++--------------------+
+| field 0 data       |  capacity * nbytes(field 0) bytes, padded to 4096
+| field 1 data       |  ...
+| ...                |
++--------------------+  file_size
+```
 
 All integers in the header and the slot table are little-endian. Sample data
 uses the byte order its dtype descriptor names.
 
-Header
-------
-======  ====  ===============================================================
-offset  size  content
-======  ====  ===============================================================
-0       8     magic: the bytes ``89 4D 4D 43 0D 0A 1A 0A`` (``b"\\x89MMC\\r\\n\\x1a\\n"``)
-8       4     format version, uint32; this document describes version 1
-12      4     header_size, uint32: bytes in the header region, a non-zero
-              multiple of 4096, at most 64 MiB
-16      4     meta_size, uint32: bytes of the metadata document
-20      4     header checksum, uint32: CRC-32 (zlib/PNG polynomial) of the
-              whole header region ``[0, header_size)`` with these four bytes
-              taken as zero
-24      8     length, uint64: samples in the dataset; valid indices are
-              ``0 <= i < length``
-32      8     capacity, uint64: cacheable slots, ``capacity <= length``;
-              slot ``i`` caches index ``i``; indices ``>= capacity`` are never
-              cached
-40      4     record_size, uint32: bytes per slot record; 8 in version 1
-44      4     flags, uint32: 0 in version 1; a reader MUST reject other values
-48      16    uuid: 16 random bytes drawn when the file was created
-64      m     metadata: ``meta_size`` bytes of UTF-8 JSON (an object, below)
-64+m    ...   zero bytes up to header_size
-======  ====  ===============================================================
+## Header
 
-The metadata object has these members (a reader MUST ignore members it does
-not know, and a writer MUST NOT add members that change how the data is read
-without raising the format version):
+| offset | size | content |
+|-------:|-----:|---------|
+| 0 | 8 | magic: the bytes `89 4D 4D 43 0D 0A 1A 0A` (`\x89MMC\r\n\x1a\n`) |
+| 8 | 4 | format version, uint32; this document describes version 1 |
+| 12 | 4 | header_size, uint32: bytes in the header region, a non-zero multiple of 4096, at most 64 MiB |
+| 16 | 4 | meta_size, uint32: bytes of the metadata document |
+| 20 | 4 | header checksum, uint32: CRC-32 (the zlib/PNG polynomial) of the whole header region `[0, header_size)` with these four bytes taken as zero |
+| 24 | 8 | length, uint64: samples in the dataset; valid indices are `0 <= i < length` |
+| 32 | 8 | capacity, uint64: cacheable slots, `capacity <= length`; slot `i` caches index `i`; indices `>= capacity` are never cached |
+| 40 | 4 | record_size, uint32: bytes per slot record; 8 in version 1 |
+| 44 | 4 | flags, uint32: 0 in version 1; a reader MUST reject other values |
+| 48 | 16 | uuid: 16 random bytes drawn when the file was created |
+| 64 | meta_size | metadata: UTF-8 JSON, an object (below) |
+| 64 + meta_size | ... | zero bytes up to header_size |
 
-``fields``
-    a list, in order, of ``{"name": str, "shape": [int, ...], "dtype": descr,
-    "torch_dtype": str | null}``. ``descr`` is a numpy array-protocol type
-    descriptor as in the ``.npy`` format (``"<f4"``, ``"|u1"``, ``"<U10"``, or a
-    list of ``[name, descr]`` / ``[name, descr, shape]`` for structured dtypes).
-    ``torch_dtype`` names a torch dtype numpy lacks (``"bfloat16"``); its values
-    are stored as raw bits in an unsigned integer of the same width, which is
-    what ``dtype`` then says. Names are unique and non-empty.
-``key``
-    the caller's identity string for the content ("" if none).
-``checksum``
-    the slot checksum algorithm: ``"crc32"`` (zlib/PNG CRC-32) in version 1.
-``created``
-    an object describing the creator (``time`` as ISO 8601 UTC, ``host``,
-    ``pid``, ``uid``, ``mmapcache`` version); informational only.
+The metadata object has these members. A reader MUST ignore members it does
+not know; a writer MUST NOT add members that change how the data is read
+without raising the format version.
 
-Slot table
-----------
-One record of ``record_size`` bytes per slot, slot ``i`` at
-``header_size + i * record_size``:
+- `fields`: a list, in order, of objects
+  `{"name": str, "shape": [int, ...], "dtype": descr, "torch_dtype": str | null}`.
+  `descr` is a numpy array-protocol type descriptor as in the `.npy` format
+  (`"<f4"`, `"|u1"`, `"<U10"`, or a list of `[name, descr]` /
+  `[name, descr, shape]` for structured dtypes). `torch_dtype` names a torch
+  dtype numpy lacks (`"bfloat16"`); its values are stored as raw bits in an
+  unsigned integer of the same width, which is what `dtype` then says. Names
+  are unique and non-empty.
+- `key`: the creator's identity string for the content (`""` if none).
+- `checksum`: the slot checksum algorithm, `"crc32"` (zlib/PNG CRC-32) in
+  version 1.
+- `created`: an object describing the creator (`time` as ISO 8601 UTC,
+  `host`, `pid`, `uid`, `mmapcache` version); informational only.
 
-======  ====  ===============================================================
-offset  size  content
-======  ====  ===============================================================
-0       1     state: 0 EMPTY, 1 WRITING, 2 READY; other values are invalid
-1       3     zero
-4       4     checksum, uint32: CRC-32 of the slot's bytes in every field, in
-              field order (CRC continued from one field to the next); valid
-              only when state is READY
-======  ====  ===============================================================
+## Slot table
 
-Data
-----
-Field ``k`` occupies ``capacity * nbytes_k`` bytes starting at ``offset_k``,
-where ``nbytes_k = prod(shape_k) * itemsize_k`` and offsets are assigned in
-field order::
+One record of `record_size` bytes per slot; slot `i`'s record starts at
+`header_size + i * record_size`.
 
-    pos = align(header_size + capacity * record_size)
-    for each field k: offset_k = pos; pos = align(pos + capacity * nbytes_k)
-    file_size = pos            # align(x) rounds x up to a multiple of 4096
+| offset | size | content |
+|-------:|-----:|---------|
+| 0 | 1 | state: 0 EMPTY, 1 WRITING, 2 READY; other values are invalid |
+| 1 | 3 | zero |
+| 4 | 4 | checksum, uint32: CRC-32 of the slot's bytes in every field, in field order (the CRC continued from one field to the next); meaningful only when the state is READY |
 
-Slot ``i`` of field ``k`` is the C-ordered array of ``shape_k`` at
-``offset_k + i * nbytes_k``. The file MUST be exactly ``file_size`` bytes;
-a reader MUST treat a shorter file as truncated and MUST NOT map it.
+## Data
 
-Rules for writers and readers
------------------------------
-* A writer MUST create the file complete (header, zeroed table, allocated data)
-  under a temporary name and make it visible by linking it to its final name;
-  the header never changes afterwards.
-* A slot is written once: set state WRITING, write the data, write the checksum,
-  then set state READY. A writer holds an exclusive open-file-description lock
-  (``F_OFD_SETLK``) on the single byte of the file at the slot's state offset
-  while it writes; a slot found in state WRITING whose byte is not locked was
-  abandoned by a dead writer and MAY be written again.
-* A reader MUST only use a slot's data after seeing its state READY, and MAY
+Field `k` occupies `capacity * nbytes_k` bytes starting at `offset_k`, where
+`nbytes_k = prod(shape_k) * itemsize_k` and offsets are assigned in field
+order (`align(x)` rounds `x` up to a multiple of 4096):
+
+```
+pos = align(header_size + capacity * record_size)
+for each field k:  offset_k = pos;  pos = align(pos + capacity * nbytes_k)
+file_size = pos
+```
+
+Slot `i` of field `k` is the C-ordered array of `shape_k` at
+`offset_k + i * nbytes_k`. The file MUST be exactly `file_size` bytes; a
+reader MUST treat a shorter file as truncated and MUST NOT map it.
+
+## Rules for writers and readers
+
+- A writer MUST create the file complete (header, zeroed slot table,
+  allocated data) under a temporary name and make it visible by linking it to
+  its final name. The header never changes afterwards.
+- A slot is written once: set its state to WRITING, write the data, write the
+  checksum, then set the state to READY. While it writes, the writer holds an
+  exclusive open-file-description record lock (`F_OFD_SETLK`) on the single
+  byte at the slot's state offset. A slot found WRITING whose byte is not
+  locked was abandoned by a dead writer and MAY be written again.
+- A reader MUST use a slot's data only after seeing its state READY, and MAY
   compare the data against the checksum.
-* Processes holding the file open hold a shared ``flock`` on it; clearing or
-  deleting the file requires the exclusive ``flock``.
+- A process that has the file open holds a shared `flock` on it; clearing or
+  deleting the file requires the exclusive `flock`.
 
-Growing the format
-------------------
-Readers reject other versions. Variable-shape fields are planned as version 2:
-a field entry gains ``"kind": "ragged"`` with a per-slot (offset, length) index
-and a heap region after the fixed-size data; the fixed regions above keep their
-layout.
+## Growing the format
+
+Readers reject other versions. Variable-shape fields (token sequences, images
+of varying size) are planned as version 2: a field entry gains
+`"kind": "ragged"` with a per-slot (offset, length) index and a heap region
+after the fixed-size data, while the regions above keep their layout.
 """
 
 from __future__ import annotations
