@@ -39,3 +39,11 @@ def test_examples_run(document: Path, cache_dir: Path) -> None:
     assert result.returncode == 0, f"{document.name} examples failed:\n{result.stdout}\n{result.stderr}"
     leftovers = [p for p in (cache_dir / "default").rglob("*.mmc")] if (cache_dir / "default").exists() else []
     assert leftovers == [], f"{document.name} examples leave caches behind: {leftovers}"
+
+
+def test_every_public_name_is_in_the_api_reference() -> None:
+    import mmapcache
+
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    missing = [name for name in mmapcache.__all__ if not name.startswith("__") and f"`{name}" not in text]
+    assert missing == [], f"docs/api.md does not document {missing}"
