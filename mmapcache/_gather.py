@@ -9,6 +9,7 @@ allocated page aligned instead.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ PAGE = 4096
 
 def empty_aligned(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
     """An uninitialised array whose data starts on a page boundary (small ones: plain)."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize  # math.prod: ~0.1 µs where np.prod takes ~3 µs
     if nbytes < PAGE:
         return np.empty(shape, dtype)
     raw = np.empty(nbytes + PAGE, np.uint8)
