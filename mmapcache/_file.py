@@ -117,6 +117,7 @@ def open_or_create(
                 ) from None
         except _ReplacedError:
             continue
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         with creation_lock(path, timeout):
             if not os.path.lexists(path):
                 _remove_leftovers(path)

@@ -288,3 +288,10 @@ def test_cache_that_fits_a_small_tmpfs_fills_completely(tiny_tmpfs: Path) -> Non
         assert cache.get_many(range(500))["x"][:, 0].tolist() == [i % 256 for i in range(500)]
     mmapcache.remove(path)
     assert os.listdir(tiny_tmpfs) == []
+
+
+def test_missing_parent_directories_are_created_private(cache_dir: Path) -> None:
+    path = cache_dir / "a" / "b" / "c.mmc"
+    make_cache(path)
+    assert stat.S_IMODE((cache_dir / "a").stat().st_mode) == 0o700
+    assert stat.S_IMODE((cache_dir / "a" / "b").stat().st_mode) == 0o700
