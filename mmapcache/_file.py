@@ -16,6 +16,7 @@ checksum, expectations (fields/length/key), file size against the layout.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -117,12 +118,23 @@ def open_or_create(
                 ) from None
         except _ReplacedError:
             continue
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _make_private_dirs(path.parent)
         with creation_lock(path, timeout):
             if not os.path.lexists(path):
                 _remove_leftovers(path)
                 _create(path, new)
                 created_now = True
+
+
+def _make_private_dirs(directory: Path) -> None:
+    """Create ``directory`` and any missing parents with mode 0700 (``mkdir -p`` would use 0777)."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for each in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            each.mkdir(mode=0o700)
 
 
 class _ReplacedError(Exception):
