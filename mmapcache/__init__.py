@@ -4,6 +4,7 @@
 >>> cache = Cache.open("/dev/shm/x.mmc", {"x": Field((3,), "float32")}, length=10)  # doctest: +SKIP
 """
 
+from ._admin import CacheInfo, DiskUsage, GcReport, disk_usage, gc, info, list_caches
 from ._errors import (
     CacheError,
     CacheFormatError,
@@ -25,15 +26,22 @@ __all__ = [
     "CacheError",
     "CacheFormatError",
     "CacheInUseError",
+    "CacheInfo",
     "CacheSpaceError",
     "CacheTimeoutError",
+    "DiskUsage",
     "Field",
+    "GcReport",
     "Problem",
     "ReadonlyCacheError",
     "SchemaMismatchError",
     "UnsafeCacheFileError",
     "__version__",
     "default_dir",
+    "disk_usage",
+    "gc",
     "in_use",
+    "info",
+    "list_caches",
     "remove",
 ]

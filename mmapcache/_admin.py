@@ -1,0 +1,683 @@
+"""Operating caches: list, inspect, collect and size them — the library side of ``mmapcache`` (the CLI).
+
+Everything here returns data and prints nothing; ``cli.py`` formats it.
+
+Looking must not change anything. A cache file's modification time means
+"last used": every :meth:`Cache.open` refreshes it, read-only users included
+(reads through a mapping never touch it). So :func:`list_caches` and
+:func:`info` never open a :class:`~mmapcache.Cache`: they open the file
+read-only, validate the header with the same code ``Cache.open`` uses, count
+READY slots from the slot table with ``pread``, and ask the in-use ``flock``
+whether anyone has the file open (an exclusive non-blocking attempt, released
+at once; then ``/proc/locks`` for the process ids).
+
+:func:`gc` removes caches that nobody has open and nobody opened within an
+age, through :func:`mmapcache.remove`, which takes the exclusive in-use lock:
+a job that opens the cache at the same moment wins, and the removal is
+skipped. It also removes the temporary files of creators that died half-way
+(``<name>.tmp-*``, as large as the cache they were building), under the
+creation lock that every creator holds while its temporary file exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._errors import CacheError, CacheFormatError, CacheInUseError, CacheTimeoutError, UnsafeCacheFileError
+from ._file import _check_removable, _open_fd, creation_lock, read_header, remove
+from ._format import Header
+from ._locks import flock_holders, try_lock_exclusive
+from ._paths import check_file_stat, default_dir, filesystem_type, is_network_filesystem
+from ._sizes import format_bytes, parse_duration
+from ._slots import READY, WRITING
+
+__all__ = [
+    "CacheInfo",
+    "DiskUsage",
+    "FieldInfo",
+    "GcReport",
+    "Kept",
+    "Removed",
+    "disk_usage",
+    "error_message",
+    "gc",
+    "info",
+    "list_caches",
+    "memory_limit",
+]
+
+SUFFIX = ".mmc"
+TEMP_MARK = ".tmp-"
+DEFAULT_GC_AGE = "7d"
+# A tmpfs smaller than this cannot hold a useful dataset cache (Docker gives 64 MB).
+SMALL_TMPFS = 2**30
+# Below this fraction of free space, say how to make room.
+LOW_FREE_FRACTION = 0.10
+# Slot records read per pread when counting states (8 MiB at 8 bytes a record).
+_CHUNK_RECORDS = 2**20
+# cgroup v1 reports "no limit" as a page-rounded 2**63 - 1.
+_NO_LIMIT = 2**60
+
+
+def _iso(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp))
+
+
+def error_message(error: BaseException) -> str:
+    """The message of ``error`` without Python's ``[Errno 2]`` decoration, naming the file once."""
+    if isinstance(error, OSError) and not isinstance(error, CacheError) and error.strerror:
+        name = error.filename
+        if name is None or os.fspath(name) in error.strerror:
+            return error.strerror
+        return f"{error.strerror}: {os.fspath(name)}"
+    return str(error)
+
+
+# -- data -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    """One field of a cache: ``nbytes`` is the size of one sample of it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "nbytes": self.nbytes}
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """What a cache file holds and who uses it, read without opening it as a cache.
+
+    ``status`` is ``"ok"``, ``"corrupt"`` (not a cache this version reads:
+    bad magic, version or checksum, truncated), ``"unsafe"`` (a symlink,
+    another user's file, writable by others, not a regular file) or
+    ``"unreadable"`` (the file could not be opened or read); ``error`` then
+    says why, and the header fields are ``None``. ``nbytes`` is the file's
+    size, ``last_used`` its modification time (every open refreshes it).
+    ``pids`` lists the processes holding it open where ``/proc/locks`` tells.
+    ``filled`` counts READY slots, ``writing`` slots being written now or
+    abandoned by a writer that died (the next writer reclaims them).
+    """
+
+    path: Path
+    status: str
+    nbytes: int
+    last_used: float
+    in_use: bool
+    pids: tuple[int, ...] = ()
+    error: str | None = None
+    version: int | None = None
+    fields: tuple[FieldInfo, ...] = ()
+    length: int | None = None
+    capacity: int | None = None
+    key: str | None = None
+    created: dict[str, Any] = field(default_factory=dict)
+    filled: int | None = None
+    writing: int | None = None
+    filesystem: str | None = None
+    free: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def fill(self) -> float | None:
+        """``filled / capacity`` (1.0 for a cache of capacity 0), or ``None`` when unknown."""
+        if self.filled is None or self.capacity is None:
+            return None
+        return self.filled / self.capacity if self.capacity else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: paths as strings, ``last_used`` as ISO 8601 UTC (and as a timestamp)."""
+        return {
+            "path": str(self.path),
+            "name": self.path.name,
+            "status": self.status,
+            "error": self.error,
+            "nbytes": self.nbytes,
+            "last_used": _iso(self.last_used),
+            "last_used_timestamp": self.last_used,
+            "in_use": self.in_use,
+            "pids": list(self.pids),
+            "version": self.version,
+            "fields": [f.to_dict() for f in self.fields],
+            "length": self.length,
+            "capacity": self.capacity,
+            "key": self.key,
+            "created": dict(self.created),
+            "filled": self.filled,
+            "writing": self.writing,
+            "fill": self.fill,
+            "filesystem": self.filesystem,
+            "free": self.free,
+        }
+
+
+@dataclass(frozen=True)
+class Removed:
+    """A file :func:`gc` removed (or, in a dry run, would remove).
+
+    ``kind`` is ``"cache"``, ``"corrupt"`` (a damaged cache file) or
+    ``"leftover"`` (the temporary file of a creator that died).
+    """
+
+    path: Path
+    kind: str
+    nbytes: int
+    last_used: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "kind": self.kind,
+            "nbytes": self.nbytes,
+            "last_used": _iso(self.last_used),
+            "last_used_timestamp": self.last_used,
+        }
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A file old enough for :func:`gc` that it left alone, and why (in use: ``pids`` hold it)."""
+
+    path: Path
+    reason: str
+    last_used: float
+    in_use: bool = False
+    pids: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "reason": self.reason,
+            "last_used": _iso(self.last_used),
+            "last_used_timestamp": self.last_used,
+            "in_use": self.in_use,
+            "pids": list(self.pids),
+        }
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What one :func:`gc` run removed and which old files it kept; ``freed`` is in bytes."""
+
+    directory: Path
+    older_than: float
+    dry_run: bool
+    removed: tuple[Removed, ...]
+    kept: tuple[Kept, ...]
+
+    @property
+    def freed(self) -> int:
+        return sum(item.nbytes for item in self.removed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "directory": str(self.directory),
+            "older_than_seconds": self.older_than,
+            "dry_run": self.dry_run,
+            "removed": [item.to_dict() for item in self.removed],
+            "kept": [item.to_dict() for item in self.kept],
+            "freed": self.freed,
+        }
+
+
+@dataclass(frozen=True)
+class DiskUsage:
+    """Space where caches live: the file system's size and free bytes, what caches take there.
+
+    ``cache_bytes`` and ``leftover_bytes`` are allocated bytes (RAM, on
+    tmpfs). ``memory_limit`` is this process's memory cgroup limit (``None``
+    if unlimited or unknown); pages of a tmpfs file count against the cgroup
+    that first touched them. ``warnings`` are sentences saying what is wrong
+    and how to fix it.
+    """
+
+    directory: Path
+    filesystem: str | None
+    total: int
+    free: int
+    caches: int
+    cache_bytes: int
+    leftovers: int
+    leftover_bytes: int
+    memory_limit: int | None
+    warnings: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "directory": str(self.directory),
+            "filesystem": self.filesystem,
+            "total": self.total,
+            "free": self.free,
+            "caches": self.caches,
+            "cache_bytes": self.cache_bytes,
+            "leftovers": self.leftovers,
+            "leftover_bytes": self.leftover_bytes,
+            "memory_limit": self.memory_limit,
+            "warnings": list(self.warnings),
+        }
+
+
+# -- listing and reading --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Location:
+    filesystem: str | None
+    free: int | None
+
+    @classmethod
+    def of(cls, directory: Path) -> _Location:
+        try:
+            st = os.statvfs(directory)
+            free: int | None = st.f_bavail * st.f_frsize
+        except OSError:
+            free = None
+        return cls(filesystem_type(directory), free)
+
+
+def _directory(directory: str | os.PathLike[str] | None) -> Path:
+    if directory is None:
+        return default_dir()
+    path = Path(os.path.abspath(os.fspath(directory)))
+    if not path.is_dir():
+        if not path.exists():
+            raise FileNotFoundError(errno.ENOENT, f"no such directory: {path}", str(path))
+        raise NotADirectoryError(errno.ENOTDIR, f"not a directory: {path}", str(path))
+    return path
+
+
+def _entries(directory: Path, *, recursive: bool) -> Iterator[os.DirEntry[str]]:
+    """Non-directory entries of ``directory`` (and, if ``recursive``, of real subdirectories)."""
+    with os.scandir(directory) as scan:
+        entries = sorted(scan, key=lambda entry: entry.name)
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            if recursive:
+                yield from _entries(Path(entry.path), recursive=True)
+        else:
+            yield entry
+
+
+def _is_cache_name(name: str) -> bool:
+    return name.endswith(SUFFIX) and not name.startswith(".")
+
+
+def _is_leftover_name(name: str) -> bool:
+    head, mark, _ = name.rpartition(TEMP_MARK)
+    return bool(mark) and _is_cache_name(head)
+
+
+def list_caches(directory: str | os.PathLike[str] | None = None, *, recursive: bool = False) -> list[CacheInfo]:
+    """Every ``*.mmc`` file in ``directory`` (default: :func:`mmapcache.default_dir`), sorted by path.
+
+    Damaged or unreadable files are listed too, with ``status`` and ``error``
+    saying what is wrong; one bad file never makes the listing fail. Side
+    files (``*.lock``, ``*.tmp-*``) are not listed. ``recursive=True`` also
+    looks in subdirectories (symlinked directories are not followed).
+    """
+    base = _directory(directory)
+    location = _Location.of(base)
+    found = []
+    for entry in _entries(base, recursive=recursive):
+        if _is_cache_name(entry.name):
+            result, error = _inspect(Path(entry.path), location)
+            if not isinstance(error, FileNotFoundError):  # removed while we listed
+                found.append(result)
+    return found
+
+
+def info(path: str | os.PathLike[str]) -> CacheInfo:
+    """Everything the header of the cache at ``path`` says, its fill, who uses it, and space there.
+
+    Opens the file read-only and does not change it (not even its
+    modification time). Raises ``FileNotFoundError``,
+    :class:`CacheFormatError` for a damaged file or
+    :class:`UnsafeCacheFileError` for one mmapcache would refuse to open.
+    """
+    target = Path(os.path.abspath(os.fspath(path)))
+    result, error = _inspect(target, _Location.of(target.parent))
+    if error is not None:
+        raise error
+    return result
+
+
+def _inspect(path: Path, location: _Location) -> tuple[CacheInfo, Exception | None]:
+    """A :class:`CacheInfo` for ``path``, and the error that kept the header from being read."""
+    try:
+        fd = _open_fd(path, readonly=True)
+    except OSError as error:
+        return _broken(path, location, error), error
+    try:
+        st = os.fstat(fd)
+        try:
+            check_file_stat(str(path), st)
+        except UnsafeCacheFileError as error:
+            return _broken(path, location, error, st=st), error
+        in_use, pids = _usage(fd, st)
+        try:
+            header, _ = read_header(fd, str(path))
+            filled, writing = _count_states(fd, header)
+        except (CacheError, OSError) as error:
+            return _broken(path, location, error, st=st, in_use=in_use, pids=pids), error
+    finally:
+        os.close(fd)
+    return _healthy(path, location, st, header, in_use, pids, filled, writing), None
+
+
+def _usage(fd: int, st: os.stat_result) -> tuple[bool, tuple[int, ...]]:
+    """Whether anyone holds the in-use lock, and who (where /proc/locks tells)."""
+    if try_lock_exclusive(fd):
+        # Nobody had it open; let go at once so that openers are not held up.
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False, ()
+    return True, tuple(flock_holders(st))
+
+
+def _count_states(fd: int, header: Header) -> tuple[int, int]:
+    """READY and WRITING slots, from the slot table read with pread (no mapping, no writes)."""
+    ready = writing = 0
+    record = header.record_size
+    for start in range(0, header.capacity, _CHUNK_RECORDS):
+        count = min(_CHUNK_RECORDS, header.capacity - start)
+        data = os.pread(fd, count * record, header.header_size + start * record)
+        states = np.frombuffer(data, np.uint8)[::record]
+        ready += int(np.count_nonzero(states == READY))
+        writing += int(np.count_nonzero(states == WRITING))
+    return ready, writing
+
+
+def _status(error: BaseException) -> str:
+    if isinstance(error, CacheFormatError):
+        return "corrupt"
+    if isinstance(error, UnsafeCacheFileError):
+        return "unsafe"
+    return "unreadable"
+
+
+def _broken(
+    path: Path,
+    location: _Location,
+    error: BaseException,
+    *,
+    st: os.stat_result | None = None,
+    in_use: bool = False,
+    pids: tuple[int, ...] = (),
+) -> CacheInfo:
+    if st is None:
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+    return CacheInfo(
+        path=path,
+        status=_status(error),
+        nbytes=st.st_size if st is not None else 0,
+        last_used=st.st_mtime if st is not None else 0.0,
+        in_use=in_use,
+        pids=pids,
+        error=error_message(error),
+        filesystem=location.filesystem,
+        free=location.free,
+    )
+
+
+def _healthy(
+    path: Path,
+    location: _Location,
+    st: os.stat_result,
+    header: Header,
+    in_use: bool,
+    pids: tuple[int, ...],
+    filled: int,
+    writing: int,
+) -> CacheInfo:
+    return CacheInfo(
+        path=path,
+        status="ok",
+        nbytes=st.st_size,
+        last_used=st.st_mtime,
+        in_use=in_use,
+        pids=pids,
+        version=header.version,
+        fields=tuple(FieldInfo(name, f.shape, f.dtype_name, f.nbytes) for name, f in header.fields.items()),
+        length=header.length,
+        capacity=header.capacity,
+        key=header.key,
+        created=dict(header.created),
+        filled=filled,
+        writing=writing,
+        filesystem=location.filesystem,
+        free=location.free,
+    )
+
+
+# -- garbage collection ---------------------------------------------------------------------
+
+
+def gc(
+    directory: str | os.PathLike[str] | None = None,
+    *,
+    older_than: float | str = DEFAULT_GC_AGE,
+    dry_run: bool = False,
+    recursive: bool = False,
+) -> GcReport:
+    """Remove the caches in ``directory`` that nobody has open and nobody opened for ``older_than``.
+
+    ``older_than`` is seconds or a duration such as ``"7d"``, ``"12h"``.
+    "Opened" includes read-only use: every open refreshes the file's
+    modification time. A cache in use is never touched, however old: it is
+    reported in :attr:`GcReport.kept` with the process ids holding it. Damaged
+    ``*.mmc`` files that start like a cache are removed by the same rule;
+    files that are not mmapcache files are kept. Temporary files left by
+    creators that died are removed once they are as old. ``dry_run=True``
+    reports what would go and removes nothing.
+    """
+    age = parse_duration(older_than) if isinstance(older_than, str) else float(older_than)
+    if age < 0:
+        raise ValueError(f"older_than must not be negative, got {older_than!r}")
+    base = _directory(directory)
+    cutoff = time.time() - age
+    removed: list[Removed] = []
+    kept: list[Kept] = []
+    for item in list_caches(base, recursive=recursive):
+        if item.last_used <= cutoff:
+            _collect_cache(item, cutoff, dry_run, removed, kept)
+    for entry in _entries(base, recursive=recursive):
+        if _is_leftover_name(entry.name):
+            _collect_leftover(Path(entry.path), cutoff, dry_run, removed, kept)
+    return GcReport(base, age, dry_run, tuple(removed), tuple(kept))
+
+
+def _collect_cache(item: CacheInfo, cutoff: float, dry_run: bool, removed: list[Removed], kept: list[Kept]) -> None:
+    kind = "cache" if item.ok else "corrupt"
+    if item.in_use:
+        kept.append(Kept(item.path, "in use", item.last_used, in_use=True, pids=item.pids))
+        return
+    refusal = _not_removable(item)
+    if refusal is not None:
+        kept.append(Kept(item.path, refusal, item.last_used))
+        return
+    if dry_run:
+        removed.append(Removed(item.path, kind, item.nbytes, item.last_used))
+        return
+    try:
+        # Re-check the age right before removing: a job may have opened and
+        # closed it since it was listed. (One that still has it open makes
+        # remove() refuse: it takes the exclusive in-use lock.)
+        if os.stat(item.path, follow_symlinks=False).st_mtime > cutoff:
+            return
+        remove(item.path, timeout=10.0)
+    except FileNotFoundError:
+        return
+    except CacheInUseError as error:
+        kept.append(Kept(item.path, "in use", item.last_used, in_use=True, pids=tuple(error.pids)))
+        return
+    except (CacheError, OSError) as error:
+        kept.append(Kept(item.path, error_message(error), item.last_used))
+        return
+    removed.append(Removed(item.path, kind, item.nbytes, item.last_used))
+
+
+def _not_removable(item: CacheInfo) -> str | None:
+    """Why :func:`mmapcache.remove` would refuse a damaged file (it deletes only what looks like a cache)."""
+    if item.ok:
+        return None
+    if item.status != "corrupt":
+        return f"{item.status}: {item.error}"
+    try:
+        fd = _open_fd(item.path, readonly=True)
+    except OSError as error:
+        return error_message(error)
+    try:
+        _check_removable(fd, item.path, os.fstat(fd))
+    except (CacheError, OSError) as error:
+        return error_message(error)
+    finally:
+        os.close(fd)
+    return None
+
+
+def _collect_leftover(path: Path, cutoff: float, dry_run: bool, removed: list[Removed], kept: list[Kept]) -> None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if st.st_mtime > cutoff or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        return
+    if not dry_run:
+        target = path.with_name(path.name.rpartition(TEMP_MARK)[0])
+        try:
+            # Only a creator holding this lock makes (and removes) a temp file, so
+            # while we hold it, every temp file of this name was abandoned.
+            with creation_lock(target, timeout=0):
+                if not os.path.samestat(st, os.lstat(path)):
+                    return
+                os.unlink(path)
+        except CacheTimeoutError:
+            kept.append(Kept(path, "a creator is building this cache right now", st.st_mtime))
+            return
+        except FileNotFoundError:
+            return
+        except (CacheError, OSError) as error:
+            kept.append(Kept(path, error_message(error), st.st_mtime))
+            return
+    removed.append(Removed(path, "leftover", st.st_blocks * 512, st.st_mtime))
+
+
+# -- space ----------------------------------------------------------------------------------
+
+
+def disk_usage(directory: str | os.PathLike[str] | None = None, *, recursive: bool = False) -> DiskUsage:
+    """Free space where caches live, what caches take there, and warnings with their fixes.
+
+    Warns when the location is a small tmpfs (Docker's default /dev/shm is
+    64 MB), nearly full, on a network file system, charged to a memory cgroup
+    limit, or holds leftovers of interrupted creations.
+    """
+    base = _directory(directory)
+    st = os.statvfs(base)
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    caches = cache_bytes = leftovers = leftover_bytes = 0
+    for entry in _entries(base, recursive=recursive):
+        with contextlib.suppress(OSError):
+            allocated = entry.stat(follow_symlinks=False).st_blocks * 512
+            if _is_cache_name(entry.name):
+                caches, cache_bytes = caches + 1, cache_bytes + allocated
+            elif _is_leftover_name(entry.name):
+                leftovers, leftover_bytes = leftovers + 1, leftover_bytes + allocated
+    fs_type = filesystem_type(base)
+    limit = memory_limit() if fs_type == "tmpfs" else None
+    usage = DiskUsage(base, fs_type, total, free, caches, cache_bytes, leftovers, leftover_bytes, limit, ())
+    return replace(usage, warnings=tuple(_warnings(usage)))
+
+
+def _warnings(usage: DiskUsage) -> list[str]:
+    found = []
+    where = str(usage.directory)
+    in_shm = where == "/dev/shm" or where.startswith("/dev/shm/")
+    if usage.filesystem == "tmpfs" and usage.total < SMALL_TMPFS:
+        mount = "/dev/shm" if in_shm else f"the tmpfs holding {where}"
+        docker = " (Docker's default is 64 MB)" if in_shm else ""
+        found.append(
+            f"{mount} is only {format_bytes(usage.total)}{docker}: too small for most dataset caches. "
+            "Give the container a larger one (`docker run --shm-size=16g ...`, `shm_size: 16gb` in "
+            "docker compose) or put caches on a local disk: `export MMAPCACHE_DIR=/path/to/local/nvme`"
+        )
+    if usage.total and usage.free < LOW_FREE_FRACTION * usage.total:
+        found.append(
+            f"{where} is nearly full ({format_bytes(usage.free)} free of {format_bytes(usage.total)}): "
+            "remove unused caches (`mmapcache gc`, `mmapcache rm PATH`) or set MMAPCACHE_DIR to a larger disk"
+        )
+    if is_network_filesystem(usage.filesystem):
+        found.append(
+            f"{where} is on a {usage.filesystem} file system: locks and shared mappings are not coherent "
+            "across machines there. Use /dev/shm or a local disk (MMAPCACHE_DIR)"
+        )
+    if usage.memory_limit is not None:
+        found.append(
+            f"files in {where} are RAM charged to the memory cgroup (limit {format_bytes(usage.memory_limit)} "
+            "here): caches and the training processes share that limit, and exceeding it gets processes "
+            "OOM-killed. Size caches to leave room (max_bytes=...), or use a local disk (MMAPCACHE_DIR)"
+        )
+    if usage.leftovers:
+        found.append(
+            f"{usage.leftovers} temporary file(s) ({format_bytes(usage.leftover_bytes)}) were left by cache "
+            "creations that did not finish; `mmapcache gc` removes them"
+        )
+    return found
+
+
+def memory_limit() -> int | None:
+    """This process's memory cgroup limit in bytes (cgroup v1 or v2), or ``None`` if unlimited or unknown."""
+    for candidate in _cgroup_limit_files():
+        try:
+            text = candidate.read_text().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            return None
+        return value if value < _NO_LIMIT else None
+    return None
+
+
+def _cgroup_limit_files() -> list[Path]:
+    """Limit files for our cgroup, most specific first (in a container the root view is ours)."""
+    root = Path("/sys/fs/cgroup")
+    v1: list[Path] = []
+    v2: list[Path] = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, relative = parts
+        relative = relative.lstrip("/")
+        if "memory" in controllers.split(","):
+            v1 = [root / "memory" / relative / "memory.limit_in_bytes", root / "memory" / "memory.limit_in_bytes"]
+        elif controllers == "":
+            v2 = [root / relative / "memory.max", root / "memory.max"]
+    return [path for path in v1 + v2 if path.exists()]

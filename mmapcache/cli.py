@@ -1,0 +1,532 @@
+"""``mmapcache`` (and ``python -m mmapcache``): see, check and clean up caches from a shell.
+
+The one module that prints. Each command calls a library function that returns
+data (``mmapcache._admin``, ``Cache.verify``, ``mmapcache.remove``) and formats
+it here. Errors the user can act on print ``ErrorName: message`` on stderr
+and exit with status 1, without a traceback.
+
+Exit status: 0 success (``verify``: the cache is clean); 1 ``verify`` found
+problems, ``rm`` or ``gc`` left a cache in place (in use, not a cache file),
+or an error; 2 the command line was wrong; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ._admin import (
+    DEFAULT_GC_AGE,
+    CacheInfo,
+    DiskUsage,
+    GcReport,
+    disk_usage,
+    error_message,
+    gc,
+    info,
+    list_caches,
+)
+from ._errors import CacheError, CacheFormatError
+from ._file import remove
+from ._paths import default_dir
+from ._sizes import format_age, format_bytes, parse_duration
+from ._version import __version__
+from .cache import Cache, Problem
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+# verify lists at most this many problems one by one, then counts the rest.
+MAX_PROBLEMS_SHOWN = 20
+
+Command = Callable[[argparse.Namespace], int]
+
+
+# -- formatting (pure: strings in, strings out) ---------------------------------------------
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns, two spaces apart; the last column is not padded."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+    lines = []
+    for row in [header, *rows]:
+        cells = [*(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)), row[-1]]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "x".join(map(str, shape)) if shape else "scalar"
+
+
+def _fields(item: CacheInfo) -> str:
+    return ", ".join(f"{f.name} {_shape(f.shape) + ' ' if f.shape else ''}{f.dtype}" for f in item.fields)
+
+
+def _fill(item: CacheInfo) -> str:
+    if item.filled is None or item.capacity is None:
+        return "-"
+    return f"{item.filled}/{item.capacity} ({100 * (item.fill or 0):.0f}%)"
+
+
+def _pids(pids: Sequence[int]) -> str:
+    if not pids:
+        return ""
+    return f"pid {pids[0]}" if len(pids) == 1 else f"pids {', '.join(map(str, pids))}"
+
+
+def _in_use(item: CacheInfo) -> str:
+    if not item.in_use:
+        return "no"
+    return f"yes ({_pids(item.pids)})" if item.pids else "yes"
+
+
+def _age(timestamp: float, now: float) -> str:
+    return format_age(now - timestamp)
+
+
+def _name(path: Path, base: Path) -> str:
+    try:
+        return str(path.relative_to(base))
+    except ValueError:
+        return str(path)
+
+
+def _ls_row(item: CacheInfo, base: Path, now: float) -> list[str]:
+    name, size, used = _name(item.path, base), format_bytes(item.nbytes), _age(item.last_used, now)
+    if item.ok:
+        return [name, size, _fill(item), used, _in_use(item), repr(item.key), _fields(item)]
+    return [name, size, item.status.upper(), used, _in_use(item), "", ""]
+
+
+def _ls_footer(caches: Sequence[CacheInfo], base: Path) -> str:
+    where = caches[0]
+    space = f", {format_bytes(where.free)} free" if where.free is not None else ""
+    fs = f" ({where.filesystem}{space})" if where.filesystem else ""
+    broken = sum(not item.ok for item in caches)
+    damaged = f", {broken} damaged" if broken else ""
+    plural = "s" if len(caches) != 1 else ""
+    total = format_bytes(sum(item.nbytes for item in caches))
+    return f"{len(caches)} cache{plural}{damaged}, {total} in {base}{fs}"
+
+
+def format_ls(caches: Sequence[CacheInfo], base: Path, now: float) -> str:
+    """The ``ls`` table: one row per cache; under a damaged file's row, what is wrong with it."""
+    if not caches:
+        return f"no caches (*.mmc) in {base}"
+    header = ["NAME", "SIZE", "FILLED", "LAST USED", "IN USE", "KEY", "FIELDS"]
+    lines = _table(header, [_ls_row(item, base, now) for item in caches])
+    out = [lines[0]]
+    for item, line in zip(caches, lines[1:], strict=True):
+        out.append(line)
+        if item.error is not None:
+            out.append(f"  {item.error}")
+    out.append(_ls_footer(caches, base))
+    return "\n".join(out)
+
+
+def _filled(item: CacheInfo) -> str:
+    text = f"{item.filled} of {item.capacity} slots ({100 * (item.fill or 0):.1f}%)"
+    if item.writing:
+        text += f", {item.writing} being written (or left half-written by a writer that died)"
+    return text
+
+
+def _capacity(item: CacheInfo) -> str:
+    capacity, length = item.capacity or 0, item.length or 0
+    if capacity == length:
+        reach = "every index"
+    else:
+        reach = f"indices 0..{capacity - 1} of {length}" if capacity else "no index"
+    per_sample = format_bytes(sum(f.nbytes for f in item.fields))
+    return f"{capacity} slots ({reach} cacheable), {per_sample} per sample"
+
+
+def _created(created: dict[str, Any]) -> str:
+    parts = [str(created.get("time", "unknown time"))]
+    if "host" in created:
+        parts.append(f"on {created['host']}")
+    if "pid" in created:
+        parts.append(f"by pid {created['pid']}")
+    parts.append(f"(uid {created.get('uid', '?')}, mmapcache {created.get('mmapcache', '?')})")
+    return " ".join(parts)
+
+
+def _last_used(timestamp: float, now: float) -> str:
+    return f"{_age(timestamp, now)} ({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(timestamp))})"
+
+
+def format_info(item: CacheInfo, now: float) -> str:
+    """``info``: the header in full, the fill, who uses the file, and the space where it lives."""
+    fields = _table(
+        ["name", "shape", "dtype", "bytes/sample"],
+        [[f.name, _shape(f.shape), f.dtype, format_bytes(f.nbytes)] for f in item.fields],
+    )
+    in_use = (f"yes, by {_pids(item.pids)}" if item.pids else "yes") if item.in_use else "no"
+    free = f"{format_bytes(item.free)} free" if item.free is not None else "free space unknown"
+    rows = [
+        ("path", str(item.path)),
+        ("format", f"version {item.version}"),
+        ("key", repr(item.key)),
+        ("length", f"{item.length} samples"),
+        ("capacity", _capacity(item)),
+        ("filled", _filled(item)),
+        ("fields", fields[0]),
+        *(("", line) for line in fields[1:]),
+        ("size", f"{format_bytes(item.nbytes)} ({item.nbytes} bytes)"),
+        ("created", _created(item.created)),
+        ("last used", _last_used(item.last_used, now)),
+        ("in use", in_use),
+        ("file system", f"{item.filesystem or 'unknown'}, {free}"),
+    ]
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label.ljust(width)}  {value}".rstrip() for label, value in rows)
+
+
+def format_problems(path: Path, problems: Sequence[Problem], *, fix: bool) -> str:
+    if not problems:
+        return f"{path}: clean"
+    plural = "s" if len(problems) != 1 else ""
+    lines = [f"{path}: {len(problems)} problem{plural}"]
+    lines += [f"  {problem}" for problem in problems[:MAX_PROBLEMS_SHOWN]]
+    if len(problems) > MAX_PROBLEMS_SHOWN:
+        lines.append(f"  ... and {len(problems) - MAX_PROBLEMS_SHOWN} more")
+    fixed = sum(problem.fixed for problem in problems)
+    if fix:
+        lines.append(f"fixed {fixed} of {len(problems)}: those slots are empty again and refill on the next miss")
+    elif any(problem.index is not None for problem in problems):
+        lines.append(f"run `mmapcache verify --fix {path}` to reset the bad slots")
+    return "\n".join(lines)
+
+
+def format_gc(report: GcReport, now: float) -> str:
+    verb = "would remove" if report.dry_run else "removed"
+    lines = []
+    for item in report.removed:
+        what = (
+            "leftover of an unfinished creation"
+            if item.kind == "leftover"
+            else f"last used {_age(item.last_used, now)}"
+        )
+        damaged = " (damaged)" if item.kind == "corrupt" else ""
+        lines.append(f"{verb} {_name(item.path, report.directory)}{damaged}  {format_bytes(item.nbytes)}  {what}")
+    for kept in report.kept:
+        why = f"in use by {_pids(kept.pids)}" if kept.in_use and kept.pids else kept.reason
+        lines.append(f"kept {_name(kept.path, report.directory)}: {why} (last used {_age(kept.last_used, now)})")
+    age = format_age(report.older_than).removesuffix(" ago")
+    if not report.removed:
+        lines.append(f"nothing to remove in {report.directory}: no cache there unused for {age}")
+    else:
+        freed = "would free" if report.dry_run else "freed"
+        lines.append(f"{freed} {format_bytes(report.freed)} in {report.directory}")
+    return "\n".join(lines)
+
+
+def format_df(usage: DiskUsage) -> str:
+    used = usage.total - usage.free
+    percent = f" ({100 * usage.free / usage.total:.0f}%)" if usage.total else ""
+    plural = "s" if usage.caches != 1 else ""
+    rows = [
+        ("location", str(usage.directory)),
+        ("file system", usage.filesystem or "unknown"),
+        ("size", f"{format_bytes(usage.total)}, {format_bytes(used)} used, {format_bytes(usage.free)} free{percent}"),
+        ("caches", f"{usage.caches} file{plural}, {format_bytes(usage.cache_bytes)}"),
+    ]
+    if usage.leftovers:
+        rows.append(("leftovers", f"{usage.leftovers} temporary file(s), {format_bytes(usage.leftover_bytes)}"))
+    if usage.memory_limit is not None:
+        rows.append(("memory limit", f"{format_bytes(usage.memory_limit)} (memory cgroup; tmpfs files count)"))
+    width = max(len(label) for label, _ in rows)
+    lines = [f"{label.ljust(width)}  {value}" for label, value in rows]
+    lines += [f"warning: {warning}" for warning in usage.warnings]
+    return "\n".join(lines)
+
+
+def _json(data: Any) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False)
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+def _resolve(argument: str) -> Path:
+    """PATH as given if it exists; a bare name (``train`` or ``train.mmc``) is looked up in the default directory."""
+    path = Path(argument)
+    if os.path.lexists(path) or os.sep in argument:
+        return path
+    base = default_dir()
+    for name in (argument, argument + ".mmc"):
+        if os.path.lexists(base / name):
+            return base / name
+    raise FileNotFoundError(
+        errno.ENOENT,
+        f"no cache file {argument!r} here or in {base}; `mmapcache ls` lists the caches there",
+        argument,
+    )
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    base = Path(os.path.abspath(args.dir)) if args.dir else default_dir()
+    caches = list_caches(base, recursive=args.recursive)
+    print(_json([item.to_dict() for item in caches]) if args.json else format_ls(caches, base, time.time()))
+    return EXIT_OK
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    item = info(_resolve(args.path))
+    print(_json(item.to_dict()) if args.json else format_info(item, time.time()))
+    return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    path = _resolve(args.path)
+    try:
+        cache = Cache.open(path, readonly=not args.fix)
+    except CacheFormatError as error:
+        # A damaged header is what verify is for: report it as a problem.
+        problems = [Problem("header", None, str(error))]
+    else:
+        with cache:
+            problems = cache.verify(fix=args.fix)
+    print(format_problems(path, problems, fix=args.fix))
+    return EXIT_PROBLEMS if problems else EXIT_OK
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    status = EXIT_OK
+    for argument in args.paths:
+        try:
+            path = _resolve(argument)
+            size = os.lstat(path).st_size
+            remove(path, force=args.force)
+        except (CacheError, OSError) as error:
+            _print_error(error)
+            status = EXIT_PROBLEMS
+        else:
+            print(f"removed {path} ({format_bytes(size)})")
+    return status
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    report = gc(args.dir, older_than=args.older_than, dry_run=args.dry_run, recursive=args.recursive)
+    print(_json(report.to_dict()) if args.json else format_gc(report, time.time()))
+    return EXIT_PROBLEMS if report.kept else EXIT_OK
+
+
+def _cmd_df(args: argparse.Namespace) -> int:
+    usage = disk_usage(args.dir, recursive=args.recursive)
+    print(_json(usage.to_dict()) if args.json else format_df(usage))
+    return EXIT_OK
+
+
+# -- the parser -----------------------------------------------------------------------------
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+_DESCRIPTION = """\
+See, check and clean up mmapcache cache files (*.mmc).
+
+Caches live in MMAPCACHE_DIR if set, else in /dev/shm/mmapcache-$USER (RAM).
+PATH arguments take a path, or a bare name (train or train.mmc) in that directory."""
+
+_EPILOG = """\
+exit status:
+  0    success (verify: the cache is clean)
+  1    verify found problems; rm or gc left a cache in place (in use, not a
+       cache file); or an error, printed as `ErrorName: message`
+  2    wrong command line
+  130  interrupted
+
+examples:
+  mmapcache ls
+  mmapcache info train.mmc
+  mmapcache gc --older-than 7d --dry-run
+  mmapcache df"""
+
+_COMMANDS: list[tuple[str, str, str, Command]] = [
+    (
+        "ls",
+        "list the caches in a directory",
+        """\
+List every *.mmc file in DIR (default: the default cache directory): size,
+fill, when it was last used (opened, reads included), whether a process has it
+open, key and fields. Damaged or unreadable files are listed as such.
+
+examples:
+  mmapcache ls
+  mmapcache ls /local/nvme/caches --json""",
+        _cmd_ls,
+    ),
+    (
+        "info",
+        "show everything about one cache",
+        """\
+Show the header of a cache in full (format version, fields with shape, dtype
+and bytes, length, capacity, key, creator), how full it is, who has it open and
+the free space where it lives. Reads the file without changing it.
+
+examples:
+  mmapcache info train.mmc
+  mmapcache info /dev/shm/mmapcache-$USER/train.mmc --json""",
+        _cmd_info,
+    ),
+    (
+        "verify",
+        "check a cache's header and every slot against its checksum",
+        """\
+Check the header and every slot: READY slots whose bytes do not match their
+checksum, slots left half-written by a writer that died, invalid states.
+Exit status 0 when clean, 1 when problems were found (they are listed).
+--fix resets each bad slot to empty, so that it is filled again; safe while
+other processes use the cache.
+
+examples:
+  mmapcache verify train.mmc
+  mmapcache verify --fix train.mmc""",
+        _cmd_verify,
+    ),
+    (
+        "rm",
+        "remove caches (refuses one a process has open)",
+        """\
+Remove cache files and their side files. Refuses a cache that a process has
+open (exit status 1) and names those processes. --force removes it anyway:
+processes that have it open keep their (now nameless) copy until they close
+it, and new openers create a new file, so they no longer share.
+
+examples:
+  mmapcache rm train.mmc
+  mmapcache rm /dev/shm/mmapcache-$USER/old-*.mmc""",
+        _cmd_rm,
+    ),
+    (
+        "gc",
+        "remove caches nobody has used for a while",
+        """\
+Remove the caches in DIR (default: the default cache directory) that no
+process has open and none has opened for --older-than (default 7d); opening
+read-only counts as use. Never touches a cache in use, however old: it is
+reported as kept, with the process ids, and the exit status is 1. Also removes
+temporary files left by cache creations that did not finish.
+
+examples:
+  mmapcache gc --dry-run
+  mmapcache gc --older-than 12h
+  mmapcache gc /local/nvme/caches --older-than 30d --json""",
+        _cmd_gc,
+    ),
+    (
+        "df",
+        "free space where caches live, and warnings about it",
+        """\
+Show the size and free space of the file system holding DIR (default: the
+default cache directory), what the caches there take, and warnings: a small
+/dev/shm (Docker's default is 64 MB: use --shm-size), a nearly full one, a
+memory cgroup limit that tmpfs files count against, leftovers to collect.
+
+examples:
+  mmapcache df
+  mmapcache df /local/nvme/caches --json""",
+        _cmd_df,
+    ),
+]
+
+
+def _add_arguments(name: str, sub: argparse.ArgumentParser) -> None:
+    if name in ("ls", "gc", "df"):
+        sub.add_argument("dir", nargs="?", metavar="DIR", help="directory to look in (default: %(default)s)")
+        sub.add_argument("-r", "--recursive", action="store_true", help="also look in subdirectories")
+    if name in ("info", "verify"):
+        sub.add_argument("path", metavar="PATH", help="a cache file, or a name in the default directory")
+    if name == "verify":
+        sub.add_argument("--fix", action="store_true", help="reset bad slots to empty")
+    if name == "rm":
+        sub.add_argument("paths", nargs="+", metavar="PATH", help="cache files, or names in the default directory")
+        sub.add_argument("-f", "--force", action="store_true", help="remove even while processes have it open")
+    if name == "gc":
+        sub.add_argument(
+            "--older-than",
+            type=_duration,
+            default=DEFAULT_GC_AGE,
+            metavar="AGE",
+            help="remove caches not used for this long: 90s, 30m, 12h, 7d, 2w (default: %(default)s)",
+        )
+        sub.add_argument("-n", "--dry-run", action="store_true", help="show what would be removed, remove nothing")
+    if name in ("ls", "info", "gc", "df"):
+        sub.add_argument("--json", action="store_true", help="print JSON for scripts instead of text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mmapcache",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"mmapcache {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="also log what the library does")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for name, summary, description, run in _COMMANDS:
+        sub = commands.add_parser(
+            name,
+            help=summary,
+            description=description,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        _add_arguments(name, sub)
+        sub.set_defaults(run=run)
+    return parser
+
+
+# -- entry point ----------------------------------------------------------------------------
+
+
+def _print_error(error: BaseException) -> None:
+    print(f"{type(error).__name__}: {error_message(error)}", file=sys.stderr)
+
+
+def _setup_logging(verbose: bool) -> None:
+    # Library warnings (e.g. "removing ... although processes ... have it open")
+    # reach the user as one plain line each.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    logger = logging.getLogger("mmapcache")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``mmapcache`` command line; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run: Command | None = getattr(args, "run", None)
+    if run is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    _setup_logging(args.verbose)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader (`| head`) went away: not an error. Keep Python's exit
+        # flush from complaining about the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except (CacheError, OSError, ValueError) as error:
+        _print_error(error)
+        return EXIT_PROBLEMS
