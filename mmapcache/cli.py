@@ -93,6 +93,14 @@ def _age(timestamp: float, now: float) -> str:
     return format_age(now - timestamp)
 
 
+def _span(seconds: float) -> str:
+    """A duration as given on the command line: ``7d``, ``12h``, ``90s``."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
 def _name(path: Path, base: Path) -> str:
     try:
         return str(path.relative_to(base))
@@ -221,7 +229,7 @@ def format_gc(report: GcReport, now: float) -> str:
     for kept in report.kept:
         why = f"in use by {_pids(kept.pids)}" if kept.in_use and kept.pids else kept.reason
         lines.append(f"kept {_name(kept.path, report.directory)}: {why} (last used {_age(kept.last_used, now)})")
-    age = format_age(report.older_than).removesuffix(" ago")
+    age = _span(report.older_than)
     if not report.removed:
         lines.append(f"nothing to remove in {report.directory}: no cache there unused for {age}")
     else:
