@@ -127,7 +127,7 @@ class CacheInfo:
     length: int | None = None
     capacity: int | None = None
     key: str | None = None
-    created: dict[str, Any] = field(default_factory=dict)
+    created: dict[str, Any] = field(default_factory=dict, hash=False)
     filled: int | None = None
     writing: int | None = None
     filesystem: str | None = None

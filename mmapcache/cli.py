@@ -510,11 +510,13 @@ def _print_error(error: BaseException) -> None:
 def _setup_logging(verbose: bool) -> None:
     # Library warnings (e.g. "removing ... although processes ... have it open")
     # reach the user as one plain line each.
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
     logger = logging.getLogger("mmapcache")
-    logger.addHandler(handler)
     logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    if not any(getattr(h, "name", None) == "mmapcache.cli" for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.set_name("mmapcache.cli")
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        logger.addHandler(handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -535,6 +537,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         # flush from complaining about the closed pipe.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    except (CacheError, OSError, ValueError) as error:
+    except (CacheError, OSError) as error:
         _print_error(error)
         return EXIT_PROBLEMS
