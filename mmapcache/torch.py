@@ -1,17 +1,57 @@
-"""PyTorch binding: the only module of mmapcache that imports torch."""
+"""PyTorch binding: the only module of mmapcache that imports torch.
+
+:class:`CachedDataset` wraps a map-style dataset and keeps its samples in one
+:class:`~mmapcache.Cache` file that every process on the node opens by path:
+DataLoader workers, DDP ranks, other jobs, the next run.
+
+How a sample maps to the file
+-----------------------------
+A sample is a leaf (tensor, ndarray, numpy scalar, Python bool/int/float) or a
+tuple, list or dict of leaves, nested one level. Each leaf is one cache field,
+named by its place in the sample, so that a process that opens a warm cache
+rebuilds the structure from the field names alone, without asking the dataset:
+
+=====================  ==============  ======================================
+sample                 field names     note
+=====================  ==============  ======================================
+``x``                  ``.``           a bare leaf
+``(x, y)``             ``0``, ``1``    tuple positions are digits
+``[x, y]``             ``[0]``, ``[1]``
+``{"image": x}``       ``image``       keys ``[A-Za-z_][A-Za-z0-9_.-]*`` as is,
+``{"a b": x}``         ``"a b"``       other keys JSON-quoted
+``(x, {"m": y})``      ``0``, ``1/m``  one level of nesting, joined by ``/``
+=====================  ==============  ======================================
+"""
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.data
 
+from ._errors import SchemaMismatchError
 from ._field import Field
-from ._values import cast
+from ._paths import default_dir
+from ._slots import STRONGLY_ORDERED
+from ._values import cast, coerce_value
+from .cache import Cache
 
-__all__ = ["value_to_storage"]
+__all__ = ["CachedDataset", "value_to_storage"]
+
+log = logging.getLogger("mmapcache")
 
 _BITS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 
@@ -61,3 +101,708 @@ def _numpy_knows(dtype: torch.dtype) -> bool:
     except TypeError:
         return False
     return True
+
+
+# -- sample structure <-> field names ------------------------------------------
+
+_SUPPORTED = (
+    "a torch.Tensor, a numpy array or scalar, a Python bool/int/float, "
+    "or a tuple/list/dict of those (nested at most one level)"
+)
+_SIMPLE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+_BARE = "."
+
+# A node of a sample's structure: an int is a leaf (its field's position);
+# a container is (kind, keys, children) with kind "tuple", "list" or "dict".
+_Node = int | tuple[str, tuple[Any, ...], tuple[Any, ...]]
+
+
+def _component(kind: str, key: Any) -> str:
+    if kind == "tuple":
+        return str(key)
+    if kind == "list":
+        return f"[{key}]"
+    return key if _SIMPLE_KEY.fullmatch(key) else json.dumps(key)
+
+
+def _parse_name(name: str) -> list[tuple[str, Any]]:
+    """``"1/m"`` -> ``[("tuple", 1), ("dict", "m")]``; ValueError if it is no CachedDataset name."""
+    if name == _BARE:
+        return []
+    parts: list[tuple[str, Any]] = []
+    pos = 0
+    while True:
+        if name.startswith('"', pos):
+            key, pos = json.JSONDecoder().raw_decode(name, pos)
+            if not isinstance(key, str):
+                raise ValueError(name)
+            parts.append(("dict", key))
+        else:
+            end = name.find("/", pos)
+            end = len(name) if end < 0 else end
+            text = name[pos:end]
+            if text.isdigit() and text.isascii():
+                parts.append(("tuple", int(text)))
+            elif re.fullmatch(r"\[\d+\]", text):
+                parts.append(("list", int(text[1:-1])))
+            elif _SIMPLE_KEY.fullmatch(text):
+                parts.append(("dict", text))
+            else:
+                raise ValueError(name)
+            pos = end
+        if pos == len(name):
+            return parts
+        if name[pos] != "/":
+            raise ValueError(name)
+        pos += 1
+
+
+def _tree_from_names(names: Sequence[str]) -> _Node:
+    """The structure a list of field names describes (the inverse of naming)."""
+    paths = [_parse_name(name) for name in names]
+    if len(paths) == 1 and not paths[0]:
+        return 0
+    if any(not p or len(p) > 2 for p in paths):
+        raise ValueError("not a CachedDataset layout")
+    return _build_tree([(p, i) for i, p in enumerate(paths)])
+
+
+def _build_tree(entries: list[tuple[list[tuple[str, Any]], int]]) -> _Node:
+    kinds = {path[0][0] for path, _ in entries}
+    if len(kinds) != 1:
+        raise ValueError("mixed containers")
+    (kind,) = kinds
+    groups: dict[Any, list[tuple[list[tuple[str, Any]], int]]] = {}
+    for path, position in entries:
+        groups.setdefault(path[0][1], []).append((path[1:], position))
+    keys = tuple(groups)
+    if kind != "dict" and sorted(keys) != list(range(len(keys))):
+        raise ValueError("positions are not 0..n-1")
+    if kind != "dict":
+        keys = tuple(sorted(keys))
+    children: list[_Node] = []
+    for key in keys:
+        group = groups[key]
+        if len(group) == 1 and not group[0][0]:
+            children.append(group[0][1])
+        elif all(rest for rest, _ in group):
+            children.append(_build_tree(group))
+        else:
+            raise ValueError("a leaf and a container share a name")
+    return (kind, keys, tuple(children))
+
+
+def _is_leaf(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, np.ndarray, np.generic, bool, int, float))
+
+
+def _container(value: Any, where: str) -> tuple[str, tuple[Any, ...], tuple[Any, ...]] | None:
+    """``(kind, keys, values)`` if ``value`` is a supported container, None if it is not a container."""
+    if type(value) is tuple:
+        return ("tuple", tuple(range(len(value))), value)
+    if type(value) is list:
+        return ("list", tuple(range(len(value))), tuple(value))
+    if isinstance(value, Mapping):
+        bad = [k for k in value if not isinstance(k, str) or not k]
+        if bad:
+            raise TypeError(f"{where}: dict keys must be non-empty strings to be cached, got {bad[0]!r}")
+        return ("dict", tuple(value), tuple(value.values()))
+    if isinstance(value, tuple):  # a namedtuple or other tuple subclass
+        raise TypeError(
+            f"{where}: {type(value).__name__} (a tuple subclass) cannot be rebuilt from the cache; "
+            "return a plain tuple or a dict from the dataset (or convert it in transform)"
+        )
+    return None
+
+
+def _where(path: list[tuple[str, Any]]) -> str:
+    return f"field {'/'.join(_component(k, v) for k, v in path) or _BARE!r}"
+
+
+def _leaf_field(value: Any, path: list[tuple[str, Any]]) -> Field:
+    where = _where(path)
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.is_nested:
+            raise TypeError(f"{where}: {value.layout} tensors cannot be cached; use dense tensors ({_SUPPORTED})")
+        return Field(tuple(value.shape), value.dtype)
+    if isinstance(value, (np.ndarray, np.generic)):
+        dtype = value.dtype
+        if dtype.kind not in "biufc" or not _torch_knows(dtype.newbyteorder("=")):
+            raise TypeError(f"{where}: numpy dtype {dtype} has no torch equivalent; supported: {_SUPPORTED}")
+        return Field(np.shape(value), dtype.newbyteorder("="))
+    if isinstance(value, bool):
+        return Field((), np.bool_)
+    if isinstance(value, int):
+        return Field((), np.int64)
+    if isinstance(value, float):
+        return Field((), np.float64)
+    raise TypeError(f"{where}: {type(value).__name__} values cannot be cached; supported: {_SUPPORTED}")
+
+
+@functools.cache
+def _torch_knows(dtype: np.dtype[Any]) -> bool:
+    try:
+        torch.from_numpy(np.empty(0, dtype))
+    except TypeError:
+        return False
+    return True
+
+
+def infer_fields(sample: Any) -> dict[str, Field]:
+    """The cache fields for ``sample``, named by their place in it (see the module docstring)."""
+    fields: dict[str, Field] = {}
+
+    def visit(value: Any, path: list[tuple[str, Any]]) -> None:
+        if _is_leaf(value):
+            fields[_BARE if not path else "/".join(_component(k, v) for k, v in path)] = _leaf_field(value, path)
+            return
+        where = _where(path) if path else "the sample"
+        container = _container(value, where)
+        if container is None or len(path) >= 2:
+            what = "a container nested more than one level" if container else f"{type(value).__name__}"
+            raise TypeError(f"{where}: {what} cannot be cached; supported: {_SUPPORTED}")
+        kind, keys, values = container
+        if not keys:
+            raise ValueError(f"{where}: an empty {kind} cannot be cached; supported: {_SUPPORTED}")
+        for key, item in zip(keys, values, strict=True):
+            visit(item, [*path, (kind, key)])
+
+    visit(sample, [])
+    return fields
+
+
+class _Schema:
+    """The fields of the cache, and how to go between samples and per-field leaves."""
+
+    def __init__(self, fields: dict[str, Field]) -> None:
+        self.fields = dict(fields)
+        self.names = tuple(fields)
+        try:
+            self.tree = _tree_from_names(self.names)
+        except ValueError:
+            raise SchemaMismatchError(
+                f"the cache's fields {list(self.names)} were not laid out by CachedDataset (see "
+                "mmapcache.torch's docstring for the naming); use another key or path",
+                differences={"fields": (None, list(self.names))},
+            ) from None
+        self.dtypes = tuple(_torch_dtype(f) if f.torch_dtype is not None else None for f in fields.values())
+        self.build = _builder(self.tree)
+
+    def to_tensors(self, arrays: Iterable[np.ndarray[Any, Any]]) -> list[torch.Tensor]:
+        """Storage arrays (one per field) as tensors of the fields' torch dtypes, sharing memory."""
+        tensors = []
+        for array, dtype in zip(arrays, self.dtypes, strict=True):
+            tensor = torch.from_numpy(array)
+            tensors.append(tensor if dtype is None else tensor.view(dtype))
+        return tensors
+
+    def flatten(self, sample: Any) -> list[Any]:
+        """``sample``'s leaves in field order; ValueError/TypeError naming the first part that does not fit."""
+        leaves: list[Any] = [None] * len(self.names)
+
+        def visit(node: _Node, value: Any, path: list[tuple[str, Any]]) -> None:
+            if isinstance(node, int):
+                if not _is_leaf(value):
+                    _leaf_field(value, path)  # raises the right error
+                    raise TypeError(f"{_where(path)}: expected {_SUPPORTED}, got {type(value).__name__}")
+                leaves[node] = value
+                return
+            kind, keys, children = node
+            container = _container(value, _where(path) if path else "the sample")
+            if container is None or container[0] != kind or container[1] != keys:
+                got = f"{container[0]} with keys {list(container[1])}" if container else f"a {type(value).__name__}"
+                raise ValueError(
+                    f"{_where(path) if path else 'the sample'}: the cache holds a {kind} with keys "
+                    f"{list(keys)} here, the dataset gave {got}"
+                )
+            for key, child, item in zip(keys, children, container[2], strict=True):
+                visit(child, item, [*path, (kind, key)])
+
+        visit(self.tree, sample, [])
+        return leaves
+
+
+def _builder(tree: _Node) -> Callable[[list[Sequence[torch.Tensor]]], list[Any]]:
+    """A function from per-field columns of per-sample tensors to a list of samples.
+
+    The flat shapes (a bare leaf, a tuple, list or dict of leaves) take one
+    C-level ``zip`` per batch; nested ones build each sample in Python.
+    """
+    if isinstance(tree, int):
+        return lambda columns: list(columns[0])
+    kind, keys, children = tree
+    if all(isinstance(child, int) for child in children):
+        order = list(children)
+        if order == list(range(len(order))):
+            if kind == "tuple":
+                return lambda columns: list(zip(*columns, strict=True))
+            if kind == "list":
+                return lambda columns: [list(values) for values in zip(*columns, strict=True)]
+            return lambda columns: [dict(zip(keys, values, strict=True)) for values in zip(*columns, strict=True)]
+    make = _maker(tree)
+    return lambda columns: [make(values) for values in zip(*columns, strict=True)]
+
+
+def _maker(node: _Node) -> Callable[[Sequence[torch.Tensor]], Any]:
+    if isinstance(node, int):
+        return lambda values: values[node]
+    kind, keys, children = node
+    makers = [_maker(child) for child in children]
+    if kind == "tuple":
+        return lambda values: tuple(m(values) for m in makers)
+    if kind == "list":
+        return lambda values: [m(values) for m in makers]
+    return lambda values: {k: m(values) for k, m in zip(keys, makers, strict=True)}
+
+
+# -- the dataset -----------------------------------------------------------------
+
+
+def _default_path(key: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._-")[:80] or "cache"
+    digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
+    return default_dir() / f"{safe}-{digest}.mmc"
+
+
+_LIVE: weakref.WeakSet[CachedDataset] = weakref.WeakSet()
+
+
+def _reset_stats_in_child() -> None:
+    for dataset in list(_LIVE):
+        dataset._reset_stats()
+
+
+os.register_at_fork(after_in_child=_reset_stats_in_child)
+
+
+class CachedDataset(torch.utils.data.Dataset[Any]):
+    """``dataset`` with every sample cached in one file that all processes on the node share.
+
+    >>> ds = CachedDataset(decoded, key="imagenet-train/resize256/v1", transform=augment)  # doctest: +SKIP
+    >>> loader = DataLoader(ds, batch_size=256, shuffle=True, num_workers=8)  # doctest: +SKIP
+
+    ``dataset`` is any map-style dataset (``__len__`` and ``__getitem__``)
+    whose samples are tensors, numpy arrays, Python bool/int/float, or a
+    tuple/list/dict of those nested one level, each of a fixed shape and
+    dtype. ``ds[i]`` returns the structure ``dataset[i]`` has, with every leaf
+    a torch tensor (Python scalars become 0-d tensors; dtypes are kept).
+
+    ``key`` names the cached content: the dataset and its deterministic
+    preprocessing. Change it whenever they change: a cache is reused whenever
+    the key matches. ``path`` defaults to ``default_dir()/<key>-<hash>.mmc``.
+    The file is opened, or created with the schema of the first sample
+    fetched, on first use, in whichever process gets there first: no rank
+    detection. ``max_bytes``/``capacity`` cache only the first indices
+    (the rest are read from ``dataset`` every time); they apply when the file
+    is created.
+
+    ``transform`` runs after the cache on every access (random augmentation).
+    ``copy=False`` returns zero-copy tensors over a read-only mapping of the
+    file (an in-place write to one crashes the process with SIGSEGV rather
+    than corrupting the shared cache); the default returns fresh tensors.
+    ``verify=True`` checks each read against its slot checksum.
+
+    It pickles as its path and arguments (plus ``dataset`` and ``transform``),
+    never the cached data, so spawn/forkserver workers and ``ddp_spawn``
+    receive it cheaply and reopen the file.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        key: str,
+        transform: Callable[[Any], Any] | None = None,
+        max_bytes: int | str | None = None,
+        capacity: int | None = None,
+        copy: bool = True,
+        verify: bool = False,
+    ) -> None:
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a string naming the cached content, not {type(key).__name__}")
+        if not key:
+            raise ValueError("key must not be empty: it names the cached content (dataset + preprocessing)")
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise TypeError(f"dataset must be map-style (define __len__ and __getitem__); got {type(dataset).__name__}")
+        if capacity is not None and max_bytes is not None:
+            raise ValueError("give capacity= or max_bytes=, not both")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform must be callable, not {type(transform).__name__}")
+        self.dataset = dataset
+        self.key = key
+        self.path = Path(os.path.abspath(os.fspath(path))) if path is not None else _default_path(key)
+        self.transform = transform
+        self.max_bytes = max_bytes
+        self.capacity = capacity
+        self.copy = bool(copy)
+        self.verify = bool(verify)
+        # Weakly ordered CPUs check every read (see mmapcache._slots); zero-copy views too.
+        self._check_reads = self.verify or not STRONGLY_ORDERED
+        self._init_process_state()
+
+    def _init_process_state(self) -> None:
+        self._cache: Cache | None = None
+        self._schema: _Schema | None = None
+        self._checked = False  # a sample from `dataset` was compared with the cache's fields
+        self._views: list[torch.Tensor] | None = None  # copy=False: tensors over a read-only mapping
+        self._readonly: Cache | None = None
+        self._lock = threading.Lock()
+        self._reset_stats()
+        _LIVE.add(self)
+
+    def _reset_stats(self) -> None:
+        self._hits = self._misses = self._written = 0
+
+    # -- pickling: the path and the arguments, never the data -------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        keep = ("dataset", "key", "path", "transform", "max_bytes", "capacity", "copy", "verify", "_check_reads")
+        return {name: self.__dict__[name] for name in keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_process_state()
+
+    # -- the cache ---------------------------------------------------------------
+
+    @property
+    def cache(self) -> Cache:
+        """The :class:`~mmapcache.Cache`, opened now if needed (created from ``dataset[0]`` if missing)."""
+        cache = self._cache or self._open_existing()
+        if cache is None:
+            if len(self) == 0:
+                raise ValueError("cannot create a cache for an empty dataset")
+            sample = self._fetch([0])
+            self._store([0], sample)
+            cache = self._cache
+            assert cache is not None
+        return cache
+
+    def _open_existing(self) -> Cache | None:
+        """Open the file if it exists (schema from its header); None if nobody created it yet."""
+        with self._lock:
+            if self._cache is None:
+                try:
+                    cache = Cache.open(self.path, length=len(self.dataset), key=self.key, verify=self.verify)
+                except FileNotFoundError:
+                    return None
+                self._adopt(cache, checked=False)
+            return self._cache
+
+    def _create(self, sample: Any) -> Cache:
+        """Open the file, creating it with the fields of ``sample`` if it is missing."""
+        fields = infer_fields(sample)
+        with self._lock:
+            if self._cache is None:
+                cache = Cache.open(
+                    self.path,
+                    fields,
+                    len(self.dataset),
+                    key=self.key,
+                    capacity=self.capacity,
+                    max_bytes=self.max_bytes,
+                    verify=self.verify,
+                )
+                self._adopt(cache, checked=True)
+            assert self._cache is not None
+            return self._cache
+
+    def _adopt(self, cache: Cache, *, checked: bool) -> None:
+        self._schema = _Schema(cache.fields)
+        self._checked = checked
+        if not self.copy:
+            self._readonly = Cache.open(self.path, readonly=True)
+            with warnings.catch_warnings():
+                # The mapping is PROT_READ: torch cannot make a tensor read-only,
+                # but the kernel refuses the write. That is the point of copy=False.
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+                self._views = self._schema.to_tensors(self._readonly._arrays.values())
+        self._cache = cache
+
+    def _check_schema(self, sample: Any, index: int) -> None:
+        """The first sample this process fetches for an opened cache must fit its fields exactly."""
+        assert self._cache is not None
+        fields = infer_fields(sample)
+        found = self._cache.fields
+        if fields != found:
+            raise SchemaMismatchError(
+                f"the cache at {self.path} (key {self.key!r}) holds samples with fields "
+                f"{_describe(found)}, but dataset[{index}] has {_describe(fields)}. If the data or its "
+                "preprocessing changed, change the key; if the old cache is stale, remove it "
+                f"(`mmapcache rm {self.path}`)",
+                path=self.path,
+                differences={"fields": (fields, found)},
+            )
+        self._checked = True
+
+    def close(self) -> None:
+        """Release the file in this process (reopened on next use). Zero-copy tensors stay valid."""
+        with self._lock:
+            for cache in (self._cache, self._readonly):
+                if cache is not None:
+                    cache.close()
+            self._cache = self._readonly = None
+            self._views = None
+            self._schema = None
+
+    # -- reading -------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        i = self._index(index)
+        cache = self._cache or self._open_existing()
+        sample: Any = None
+        if cache is not None:
+            schema = self._schema
+            assert schema is not None
+            if self._views is not None:
+                if i in cache and (not self._check_reads or cache.get(i) is not None):
+                    sample = schema.build([[view[i]] for view in self._views])[0]
+            else:
+                stored = cache.get(i)
+                if stored is not None:
+                    sample = schema.build([[t] for t in schema.to_tensors(stored.values())])[0]
+        if sample is None:
+            sample = self._load([i])[0]
+        else:
+            self._hits += 1
+        return sample if self.transform is None else self.transform(sample)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The samples at ``indices``: one vectorized read for the hits, one batch write for the misses.
+
+        torch's DataLoader calls this with each batch of indices when it is
+        defined; ``default_collate`` then stacks the returned samples.
+        """
+        cache = self._cache or self._open_existing()
+        if cache is None:
+            samples = self._load([self._index(i) for i in indices])
+        else:
+            try:
+                samples = self._read_hits(cache, indices)
+            except KeyError:
+                samples = self._read_mixed(cache, indices)
+            else:
+                self._hits += len(samples)
+        if self.transform is not None:
+            transform = self.transform
+            samples = [transform(sample) for sample in samples]
+        return samples
+
+    def _read_hits(self, cache: Cache, indices: Sequence[int]) -> list[Any]:
+        """The samples at ``indices``, all of which must be cached; else ``KeyError`` (with ``.missing``)."""
+        schema = self._schema
+        assert schema is not None
+        if self._views is None:
+            # One gather per field into a fresh batch; each sample is a view of its row.
+            arrays = cache.get_many(indices)
+            return schema.build([t.unbind(0) for t in schema.to_tensors(arrays.values())])
+        if self._check_reads:
+            cache.get_many(indices)  # checks every slot's checksum; the copy is dropped
+        else:
+            ready = cache.contains_many(indices)
+            if not ready.all():
+                error = KeyError("not cached")
+                error.missing = np.asarray(indices)[~ready]  # type: ignore[attr-defined]
+                raise error
+        return schema.build([list(map(view.__getitem__, indices)) for view in self._views])
+
+    def _read_mixed(self, cache: Cache, indices: Sequence[int]) -> list[Any]:
+        """Some of ``indices`` are missing: read the hits together, load the rest, keep the order."""
+        idx = np.asarray(indices, dtype=np.intp)
+        ready = cache.contains_many(idx)
+        hits: list[Any] = []
+        while ready.any():
+            try:
+                hits = self._read_hits(cache, idx[ready].tolist())
+                break
+            except KeyError as error:  # slots that failed their checksum (verify): misses
+                missing = getattr(error, "missing", None)
+                if missing is None:
+                    raise
+                ready &= ~np.isin(idx, missing)
+        out: list[Any] = [None] * len(idx)
+        for row, sample in zip(np.flatnonzero(ready).tolist(), hits, strict=True):
+            out[row] = sample
+        self._hits += len(hits)
+        miss_rows = np.flatnonzero(~ready).tolist()
+        for row, sample in zip(miss_rows, self._load(idx[miss_rows].tolist()), strict=True):
+            out[row] = sample
+        return out
+
+    # -- misses ----------------------------------------------------------------------
+
+    def _fetch(self, indices: list[int]) -> list[Any]:
+        """Raw samples from the wrapped dataset (through its ``__getitems__`` when it has one)."""
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems is not None and len(indices) > 1:
+            samples = list(getitems(indices))
+            if len(samples) != len(indices):
+                raise ValueError(f"dataset.__getitems__ returned {len(samples)} samples for {len(indices)} indices")
+            return samples
+        return [self.dataset[i] for i in indices]
+
+    def _load(self, indices: list[int]) -> list[Any]:
+        """Misses: fetch from the dataset, write them back in one batch, return them as a hit would be."""
+        self._misses += len(indices)
+        return self._store(indices, self._fetch(indices))
+
+    def _store(self, indices: list[int], raw: list[Any]) -> list[Any]:
+        cache = self._cache or self._open_existing() or self._create(raw[0])
+        if not self._checked:
+            self._check_schema(raw[0], indices[0])
+        schema = self._schema
+        assert schema is not None
+        columns: list[list[np.ndarray[Any, Any]]] = [[] for _ in schema.names]
+        for index, sample in zip(indices, raw, strict=True):
+            try:
+                leaves = schema.flatten(sample)
+                for column, leaf, (name, field) in zip(columns, leaves, schema.fields.items(), strict=True):
+                    _check_dtype(leaf, field, name)
+                    column.append(coerce_value(leaf, field, name))
+            except (TypeError, ValueError) as error:
+                raise type(error)(
+                    f"dataset[{index}]: {error}. mmapcache caches samples of one fixed structure, shapes "
+                    f"and dtypes ({_describe(schema.fields)}, from the first sample); pad, crop or resize "
+                    "before the cache, or move variable parts into transform"
+                ) from None
+        batch = schema.to_tensors(np.stack(column) for column in columns)
+        stored = cache.put_many(indices, dict(zip(schema.names, batch, strict=True)))
+        self._written += int(np.count_nonzero(stored))
+        return schema.build([t.unbind(0) for t in batch])
+
+    # -- filling and statistics ----------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this process: ``hits``, ``misses`` (reads that went to ``dataset``), ``written``
+        (slots this process filled), and the file's ``filled`` (by any process), ``capacity``, ``length``.
+
+        Opens the cache (creating it from ``dataset[0]`` if missing). DataLoader
+        workers count in their own processes, not in the parent's ``stats()``.
+        """
+        cache = self.cache
+        return {
+            "hits": self._hits,
+            "misses": self._misses,
+            "written": self._written,
+            "filled": cache.filled,
+            "capacity": cache.capacity,
+            "length": cache.length,
+        }
+
+    def missing(self) -> np.ndarray[Any, np.dtype[np.intp]]:
+        """The cacheable indices (``< capacity``) not filled yet."""
+        cache = self.cache
+        everything = np.arange(cache.capacity, dtype=np.intp)
+        missing: np.ndarray[Any, np.dtype[np.intp]] = everything[~cache.contains_many(everything)]
+        return missing
+
+    def fill(self, num_workers: int = 0, batch_size: int = 64, progress: bool = True) -> int:
+        """Fill every missing cacheable slot; return how many slots this call filled.
+
+        ``num_workers > 0`` loads batches in that many worker processes
+        (through a DataLoader, so ``dataset`` must pickle under its
+        multiprocessing context); each worker writes straight into the file.
+        ``progress`` shows a tqdm bar when tqdm is installed.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        before = self._written
+        missing = self.missing()  # may create the file, storing dataset[0]
+        chunks = [missing[start : start + batch_size] for start in range(0, len(missing), batch_size)]
+        bar = _progress(len(missing), f"filling {self.path.name}", enabled=progress)
+        filled = self._written - before
+        try:
+            if num_workers > 0 and chunks:
+                loader = torch.utils.data.DataLoader(
+                    _FillTasks(self, chunks), batch_size=None, num_workers=num_workers, collate_fn=_identity
+                )
+                for done, wrote in loader:
+                    filled += wrote
+                    if bar is not None:
+                        bar.update(done)
+            else:
+                for chunk in chunks:
+                    done, wrote = self._fill_chunk(chunk)
+                    filled += wrote
+                    if bar is not None:
+                        bar.update(done)
+        finally:
+            if bar is not None:
+                bar.close()
+        return filled
+
+    def _fill_chunk(self, chunk: np.ndarray[Any, Any]) -> tuple[int, int]:
+        """Load and store ``chunk``'s slots still missing; (slots handled, slots this call wrote)."""
+        cache = self.cache
+        todo = chunk[~cache.contains_many(chunk)].tolist()
+        before = self._written
+        if todo:
+            self._store(todo, self._fetch(todo))
+        return len(chunk), self._written - before
+
+    def __repr__(self) -> str:
+        return f"CachedDataset({type(self.dataset).__name__}, {str(self.path)!r}, key={self.key!r})"
+
+    def _index(self, index: Any) -> int:
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            if isinstance(index, torch.Tensor) and index.ndim == 0 and not index.is_floating_point():
+                index = int(index)
+            else:
+                raise TypeError(f"CachedDataset indices must be integers, not {type(index).__name__}")
+        n = len(self.dataset)
+        i = int(index)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {index} is out of range for a dataset of length {n}")
+        return i
+
+
+class _FillTasks(torch.utils.data.Dataset[tuple[int, int]]):
+    """fill()'s work items for DataLoader workers: each loads and stores one chunk of indices."""
+
+    def __init__(self, dataset: CachedDataset, chunks: list[np.ndarray[Any, Any]]) -> None:
+        self.dataset, self.chunks = dataset, chunks
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, k: int) -> tuple[int, int]:
+        return self.dataset._fill_chunk(self.chunks[k])
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _progress(total: int, description: str, *, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        log.info("%s: %d samples (install tqdm for a progress bar)", description, total)
+        return None
+    return tqdm(total=total, desc=description, unit="sample")
+
+
+def _check_dtype(value: Any, field: Field, name: str) -> None:
+    """Tensors and arrays must keep the dtype of the first sample: a silent cast would change the data."""
+    if isinstance(value, torch.Tensor):
+        got, want = str(value.dtype).removeprefix("torch."), field.dtype_name
+    elif isinstance(value, (np.ndarray, np.generic)):
+        got, want = str(value.dtype.newbyteorder("=")), field.dtype_name
+        if field.torch_dtype is not None:
+            want = f"torch.{want}"
+    else:
+        return  # Python scalars follow the casting rules of mmapcache._values
+    if got != want:
+        raise TypeError(f"field {name!r}: the dataset gave {got} values, the cache holds {want}")
+
+
+def _describe(fields: Mapping[str, Field]) -> str:
+    return "{" + ", ".join(f"{name!r}: {field.shape} {field.dtype_name}" for name, field in fields.items()) + "}"

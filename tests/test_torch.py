@@ -1,0 +1,494 @@
+"""CachedDataset: real DataLoaders (fork, spawn, forkserver workers), real processes, real files."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Subset
+from torch_helpers import NoGetitems, Recorded, accesses, as_collated, check_batch, identity, reference, same
+
+from mmapcache import Cache, SchemaMismatchError, default_dir
+from mmapcache.torch import CachedDataset
+
+HERE = Path(__file__).resolve().parent
+N = 96
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")]))
+    return env
+
+
+# -- DataLoader workers under each start method ---------------------------------------
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_dataloader_workers(context: str, cache_dir: Path) -> None:
+    log = cache_dir / "accesses"
+    ds = CachedDataset(Recorded(N, log), cache_dir / "c.mmc", key="recorded/v1")
+
+    def loader(**kwargs: Any) -> DataLoader[Any]:
+        return DataLoader(ds, num_workers=2, multiprocessing_context=context, **kwargs)
+
+    # Epoch 1, batched through __getitems__: every sample is loaded and cached exactly once.
+    seen = [i for batch in loader(batch_size=8, shuffle=True) for i in check_batch(batch)]
+    assert sorted(seen) == list(range(N))
+    first = accesses(log)
+    assert Counter(i for _, _, i in first) == Counter(range(N))
+    assert len({pid for pid, _, _ in first}) == 2, "both workers should have loaded samples"
+    assert os.getpid() not in {pid for pid, _, _ in first}, "only the workers touch the dataset"
+    with Cache(cache_dir / "c.mmc") as cache:
+        assert cache.filled == N
+
+    # Epoch 2, new workers, a custom batch sampler: zero misses.
+    batches = list(BatchSampler(SequentialSampler(range(N)), batch_size=12, drop_last=False))[::-1]
+    seen = [i for batch in loader(batch_sampler=batches) for i in check_batch(batch)]
+    assert sorted(seen) == list(range(N))
+
+    # Epoch 3, batch_size=None: DataLoader calls ds[i] per sample, no collation.
+    reverse = range(N - 1, -1, -1)
+    for index, sample in zip(reverse, loader(batch_size=None, sampler=reverse, collate_fn=identity), strict=True):
+        assert same(sample, as_collated(index))
+    assert accesses(log) == first, "a warm cache must not touch the dataset"
+
+
+def test_dataloader_without_getitems(cache_dir: Path) -> None:
+    """The per-sample path (no __getitems__) fills and serves the same samples."""
+    log = cache_dir / "accesses"
+    ds = NoGetitems(Recorded(N, log), key="recorded/v1")
+    for _ in range(2):
+        seen = [i for batch in DataLoader(ds, batch_size=8, shuffle=True, num_workers=2) for i in check_batch(batch)]
+        assert sorted(seen) == list(range(N))
+    assert sorted(i for _, _, i in accesses(log)) == list(range(N))
+    # The same file serves the batched path too.
+    assert ds.cache.filled == N
+    fast = CachedDataset(Recorded(N, log), key="recorded/v1")
+    assert fast.path == ds.path
+    for batch in DataLoader(fast, batch_size=32):
+        check_batch(batch)
+    assert fast.stats()["misses"] == 0
+
+
+def test_subset_and_concat(cache_dir: Path) -> None:
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="recorded/v1")
+    part = Subset(ds, list(range(10, 30)))
+    for batch in DataLoader(part, batch_size=7):
+        assert check_batch(batch)
+    both = ds + ds
+    assert same(both[N + 13], as_collated(13))
+    assert ds.stats()["misses"] == 20
+
+
+# -- samples in, the same samples out ------------------------------------------------------
+
+
+class Structured(torch.utils.data.Dataset[Any]):
+    """Samples of one of several shapes of structure."""
+
+    def __init__(self, kind: str, length: int = 20) -> None:
+        self.kind, self.length = kind, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> Any:
+        x = torch.arange(6, dtype=torch.float32).reshape(2, 3) + i
+        samples: dict[str, Any] = {
+            "bare": x,
+            "bare-int": i,
+            "ndarray": np.full((4,), i, np.int16),
+            "tuple": (x, i, float(i) / 7, i % 2 == 0),
+            "list": [x, np.float32(i)],
+            "dict": {"image": x, "label": i, "a key/with spaces": np.uint8(i)},
+            "nested": (x, {"mask": x > i + 2, "n": i}, [np.int32(i), x.double()]),
+            "list-of-dicts": [{"a": x}, {"a": x * 2}],
+        }
+        return samples[self.kind]
+
+
+def _expected(value: Any) -> Any:
+    """What CachedDataset turns a dataset value into: tensors everywhere, containers kept."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (np.ndarray, np.generic)):
+        return torch.from_numpy(np.array(value))
+    if isinstance(value, float):
+        return torch.tensor(value, dtype=torch.float64)  # as default_collate does
+    if isinstance(value, (bool, int)):
+        return torch.tensor(value)
+    if isinstance(value, tuple):
+        return tuple(_expected(v) for v in value)
+    if isinstance(value, list):
+        return [_expected(v) for v in value]
+    return {k: _expected(v) for k, v in value.items()}
+
+
+@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("kind", ["bare", "bare-int", "ndarray", "tuple", "list", "dict", "nested", "list-of-dicts"])
+def test_structure_roundtrip(kind: str, copy: bool, cache_dir: Path) -> None:
+    source = Structured(kind)
+    ds = CachedDataset(source, cache_dir / "c.mmc", key=kind, copy=copy)
+    order = [5, 1, 5, 19, 0]
+    cold = ds.__getitems__(order)  # misses, including a duplicate
+    single = [ds[i] for i in order]  # hits, one at a time
+    warm = ds.__getitems__(order)  # hits, batched
+    mixed = ds.__getitems__([2, 5, 3, 19])  # half and half
+    for got in (cold, single, warm):
+        for i, sample in zip(order, got, strict=True):
+            assert same(sample, _expected(source[i])), (kind, i, sample)
+    for i, sample in zip([2, 5, 3, 19], mixed, strict=True):
+        assert same(sample, _expected(source[i]))
+    # A new process view of the file (reopened by path) rebuilds the structure from field names alone.
+    again = pickle.loads(pickle.dumps(CachedDataset(source, ds.path, key=kind)))
+    assert same(again[19], _expected(source[19]))
+    assert again.stats()["misses"] == 0
+
+
+def test_python_scalars_collate_like_default_collate(cache_dir: Path) -> None:
+    source = Structured("tuple")
+    ds = CachedDataset(source, cache_dir / "c.mmc", key="tuple")
+    cached = next(iter(DataLoader(ds, batch_size=4)))
+    plain = next(iter(DataLoader(source, batch_size=4)))
+    assert [t.dtype for t in cached] == [t.dtype for t in plain]  # int64, float64, bool as default_collate
+    assert all(torch.equal(a, b) for a, b in zip(cached, plain, strict=True))
+
+
+def test_half_precision_bits_roundtrip(cache_dir: Path) -> None:
+    special = torch.tensor([0.0, -0.0, 1.5, float("inf"), float("-inf"), float("nan"), 1e-7, 65504.0])
+
+    class Halves(torch.utils.data.Dataset[Any]):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> Any:
+            g = torch.Generator().manual_seed(i)
+            noise = torch.randn(8, generator=g) * 10 ** (i - 2)
+            return {"fp16": (special + noise).half(), "bf16": (special * noise).bfloat16()}
+
+    source = Halves()
+    ds = CachedDataset(source, cache_dir / "c.mmc", key="halves")
+    assert {n: f.dtype_name for n, f in ds.cache.fields.items()} == {"fp16": "float16", "bf16": "bfloat16"}
+    for _ in range(2):  # cold, then warm
+        for i, sample in enumerate(ds.__getitems__(list(range(4)))):
+            assert same(sample, source[i])  # bit-exact, NaN included
+        batch = next(iter(DataLoader(ds, batch_size=4)))
+        assert batch["bf16"].dtype == torch.bfloat16
+        assert batch["fp16"].dtype == torch.float16
+
+
+# -- what cannot be cached --------------------------------------------------------------------
+
+
+class Bad(torch.utils.data.Dataset[Any]):
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Any:
+        x = torch.zeros(3)
+        return {
+            "str": (x, "cat"),
+            "none": {"image": x, "label": None},
+            "ragged": (torch.zeros(i + 1), i),
+            "deep": (x, ([x],)),
+            "namedtuple": collections.namedtuple("Pair", "a b")(x, i),
+            "intkeys": {0: x},
+            "empty": (x, ()),
+            "object-array": np.array(["a", None], dtype=object),
+            "dtype-changes": x if i == 0 else x.long(),
+        }[self.kind]
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "words"),
+    [
+        ("str", TypeError, ["'1'", "str", "supported"]),
+        ("none", TypeError, ["'label'", "NoneType", "supported"]),
+        ("ragged", ValueError, ["'0'", "shape", "fixed"]),
+        ("deep", TypeError, ["'1/0'", "nested more than one level"]),
+        ("namedtuple", TypeError, ["Pair", "plain tuple"]),
+        ("intkeys", TypeError, ["strings"]),
+        ("empty", ValueError, ["'1'", "empty tuple"]),
+        ("object-array", TypeError, ["'.'", "object", "torch"]),
+        ("dtype-changes", TypeError, ["'.'", "int64", "float32"]),
+    ],
+)
+def test_uncacheable_values_are_named(kind: str, error: type[Exception], words: list[str], cache_dir: Path) -> None:
+    ds = CachedDataset(Bad(kind), cache_dir / "c.mmc", key=kind)
+    with pytest.raises(error) as info:
+        ds.__getitems__([0, 1, 2])
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+# -- the key and the schema ---------------------------------------------------------------------
+
+
+class Shaped(torch.utils.data.Dataset[Any]):
+    def __init__(self, side: int, length: int = 10) -> None:
+        self.side, self.length = side, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.full((self.side, self.side), i % 256, dtype=torch.uint8), i
+
+
+def test_schema_mismatch_tells_what_to_do(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    old = CachedDataset(Shaped(4), path, key="images/v1")
+    old.__getitems__([0, 1])
+    # Same key, other preprocessing: found at the first miss.
+    new = CachedDataset(Shaped(8), path, key="images/v1")
+    assert same(new[0], old[0])  # a hit: the key says it is the same content
+    with pytest.raises(SchemaMismatchError) as info:
+        new[5]
+    message = str(info.value)
+    assert "change the key" in message
+    assert "mmapcache rm" in message
+    assert "(8, 8)" in message
+    # Another key at the same path, or another length: refused when opening.
+    with pytest.raises(SchemaMismatchError, match="key"):
+        CachedDataset(Shaped(4), path, key="images/v2")[0]
+    with pytest.raises(SchemaMismatchError, match="length"):
+        CachedDataset(Shaped(4, length=11), path, key="images/v1")[0]
+    # Reopened by path in a new process: refused at its first miss too.
+    with pytest.raises(SchemaMismatchError):
+        pickle.loads(pickle.dumps(CachedDataset(Shaped(8), path, key="images/v1"))).__getitems__([7])
+
+
+def test_default_path_from_key() -> None:
+    ds = CachedDataset(Shaped(4), key="imagenet-train/resize256/v1")
+    other = CachedDataset(Shaped(4), key="imagenet-train/resize256/v2")
+    weird = CachedDataset(Shaped(4), key="../../etc/passwd ✓")
+    assert ds.path.parent == default_dir() == weird.path.parent
+    assert ds.path.name.startswith("imagenet-train_resize256_v1-")
+    assert ds.path.suffix == ".mmc"
+    assert ds.path != other.path
+    assert "/" not in weird.path.name
+    assert ".." not in weird.path.name
+    assert ds.path == CachedDataset(Shaped(8), key="imagenet-train/resize256/v1").path
+    with pytest.raises(ValueError, match="empty"):
+        CachedDataset(Shaped(4), key="")
+
+
+# -- partial caching and transforms -------------------------------------------------------------
+
+
+def test_partial_caching_with_max_bytes(cache_dir: Path) -> None:
+    log = cache_dir / "accesses"
+    ds = CachedDataset(Recorded(N, log), key="partial", max_bytes="12KiB")
+    for batch in DataLoader(ds, batch_size=10, shuffle=True, num_workers=2):
+        check_batch(batch)
+    capacity = ds.cache.capacity
+    assert 0 < capacity < N
+    assert ds.cache.filled == capacity
+    first = len(accesses(log))
+    assert first == N
+    for batch in DataLoader(ds, batch_size=10, shuffle=True, num_workers=2):
+        check_batch(batch)
+    second = [i for _, _, i in accesses(log)[first:]]
+    assert sorted(second) == list(range(capacity, N)), "only the uncacheable tail is loaded again"
+    assert ds.fill(progress=False) == 0
+
+
+def _noisy(sample: Any) -> Any:
+    image, label, extra = sample
+    image = image.float()
+    image.add_(torch.rand(image.shape))  # in place on a fresh tensor
+    extra["half"].mul_(2)  # in place on the tensor the cache returned: must not reach the cache
+    return image, label, extra
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_transform_runs_after_the_cache(batched: bool, cache_dir: Path) -> None:
+    ds = CachedDataset(Recorded(16), key="noisy", transform=_noisy)
+    ids = list(range(16))
+
+    def epoch() -> list[Any]:
+        return ds.__getitems__(ids) if batched else [ds[i] for i in ids]
+
+    one, two = epoch(), epoch()
+    assert ds.stats()["misses"] == 16
+    assert ds.stats()["hits"] == 16
+    for i in ids:
+        image, _, extra = reference(i)
+        assert not torch.equal(one[i][0], two[i][0])  # random per epoch
+        assert torch.all((one[i][0] - image.float()).abs() <= 1)
+        assert torch.equal(one[i][2]["half"], extra["half"] * 2)
+        assert torch.equal(two[i][2]["half"], extra["half"] * 2)
+        stored = ds.cache.get(i)
+        assert stored is not None
+        assert np.array_equal(stored["0"], image.numpy())  # the cache holds the untransformed sample
+        assert np.array_equal(stored["2/half"], extra["half"].numpy())
+
+
+# -- copy=False --------------------------------------------------------------------------------
+
+
+def test_copy_false_gives_readonly_views(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    CachedDataset(Recorded(N), path, key="views").fill(progress=False)
+    ds = CachedDataset(Recorded(N), path, key="views", copy=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "not writable" warning is handled, not leaked
+        a, b = ds[7], ds.__getitems__([7, 8])[0]
+        batch = next(iter(DataLoader(ds, batch_size=8)))
+    assert a[0].data_ptr() == b[0].data_ptr(), "both are views of the same bytes of the file"
+    assert same(a, as_collated(7))
+    assert check_batch(batch)
+    assert ds.stats()["misses"] == 0
+    fresh = CachedDataset(Recorded(N), path, key="views")
+    x, y = fresh[7], fresh[7]
+    assert x[0].data_ptr() != y[0].data_ptr()
+    # Writing through a view is refused by the kernel (the mapping is read-only); the cache stays intact.
+    script = textwrap.dedent(
+        f"""
+        from mmapcache.torch import CachedDataset
+        from torch_helpers import Recorded
+        ds = CachedDataset(Recorded({N}), {str(path)!r}, key="views", copy=False)
+        image = ds[7][0]
+        print("read", int(image.sum()), flush=True)
+        image.add_(1)
+        print("wrote", flush=True)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == -signal.SIGSEGV, run.stderr
+    assert "read" in run.stdout
+    assert "wrote" not in run.stdout
+    assert same(fresh[7], as_collated(7))
+
+
+def test_copy_true_tensors_are_fresh(cache_dir: Path) -> None:
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="fresh")
+    ds.fill(progress=False)
+    for sample in [ds[3], *ds.__getitems__([3, 4])]:
+        sample[0].zero_()
+        sample[2]["bf16"].fill_(1)
+    assert same(ds[3], as_collated(3))
+    assert same(ds.__getitems__([4])[0], as_collated(4))
+
+
+# -- fill, stats, pickling ----------------------------------------------------------------------
+
+
+def test_fill_in_process_and_with_workers(cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = cache_dir / "accesses"
+    ds = CachedDataset(Recorded(N, log), key="fill")
+    ds[3]
+    assert ds.fill(batch_size=10) == N - 1
+    assert "filling" in capsys.readouterr().err  # the tqdm bar
+    assert ds.fill() == 0
+    assert Counter(i for _, _, i in accesses(log)) == Counter(range(N))
+    assert ds.stats() == {"hits": 0, "misses": 1, "written": N, "filled": N, "capacity": N, "length": N}
+
+    other = CachedDataset(Recorded(N, log), key="fill-workers")
+    before = len(accesses(log))
+    assert other.fill(num_workers=2, batch_size=8, progress=False) == N
+    filled_by = accesses(log)[before:]
+    assert sorted(i for _, _, i in filled_by) == list(range(N))
+    assert len({pid for pid, _, _ in filled_by} - {os.getpid()}) == 2, "two worker processes filled it"
+    assert other.cache.filled == N
+    assert other.fill(num_workers=2, progress=False) == 0
+
+
+def test_stats_are_per_process(cache_dir: Path) -> None:
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="stats")
+    ds.__getitems__([0, 1, 2])
+    ds.__getitems__([1, 2, 3])
+    assert ds.stats() == {"hits": 2, "misses": 4, "written": 4, "filled": 4, "capacity": N, "length": N}
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            ds[0]
+            os.write(write, json.dumps(ds.stats()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        child = json.loads(pipe.read())
+    os.waitpid(pid, 0)
+    assert child == {"hits": 1, "misses": 0, "written": 0, "filled": 4, "capacity": N, "length": N}
+
+
+def test_pickles_by_path(cache_dir: Path) -> None:
+    source = Shaped(64, length=4000)  # 16 MB of samples
+    ds = CachedDataset(source, cache_dir / "c.mmc", key="big")
+    ds.fill(progress=False)
+    ds[5]
+    blob = pickle.dumps(ds)
+    assert len(blob) < len(pickle.dumps(source)) + 400
+    clone = pickle.loads(blob)
+    assert clone.path == ds.path
+    assert same(clone[3999], ds[3999])
+    assert clone.stats()["misses"] == 0
+    assert clone.stats()["hits"] == 1
+
+
+def test_core_imports_without_torch(cache_dir: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["torch"] = None  # any import of torch now fails
+        import numpy as np, mmapcache
+        with mmapcache.Cache({str(cache_dir / "c.mmc")!r}, {{"x": ((3,), "float32")}}, 4) as cache:
+            cache.put(1, {{"x": np.ones(3)}})
+            assert cache.get(1)["x"].sum() == 3
+        assert "mmapcache.torch" not in sys.modules
+        print("ok")
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip() == "ok", run.stderr
+
+
+# -- two jobs on one node ------------------------------------------------------------------------
+
+
+def test_two_concurrent_jobs_share_one_file(cache_dir: Path) -> None:
+    log, start = cache_dir / "accesses", cache_dir / "go"
+    args = ["--length", "400", "--key", "shared/v1", "--log", str(log), "--start", str(start)]
+    jobs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "torch_helpers.py"), *args],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    start.touch()
+    results = []
+    for job in jobs:
+        out, err = job.communicate(timeout=120)
+        assert job.returncode == 0, err
+        results.append(json.loads(out))
+    a, b = results
+    assert a["path"] == b["path"]
+    assert [p.name for p in Path(a["path"]).parent.glob("*.mmc")] == [Path(a["path"]).name]
+    assert a["filled"] == b["filled"] == 400
+    assert a["written"] + b["written"] == 400, "every slot was written once, by one of the jobs"
+    loaded = Counter(i for _, _, i in accesses(log))
+    assert set(loaded) == set(range(400))
+    assert sum(loaded.values()) == a["misses"] + b["misses"]
