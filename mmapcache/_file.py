@@ -51,7 +51,7 @@ from ._format import (
     unpack_header,
     unpack_prefix,
 )
-from ._locks import flock_holders, lock_shared, try_lock_exclusive
+from ._locks import flock_holders, lock_exclusive_soon, lock_shared, try_lock_exclusive
 from ._paths import check_file_stat, filesystem_type, is_network_filesystem
 
 __all__ = ["Expected", "OpenedFile", "in_use", "lock_path_for", "open_or_create", "read_header", "remove"]
@@ -427,7 +427,7 @@ def remove(path: str | os.PathLike[str], *, force: bool = False, timeout: float 
             raise FileNotFoundError(errno.ENOENT, f"{target} was replaced while removing it", str(target))
         _check_removable(fd, target, st)
         with creation_lock(target, timeout):
-            if not try_lock_exclusive(fd):
+            if not lock_exclusive_soon(fd, holds_shared=False, path=str(target), timeout=timeout):
                 pids = flock_holders(st)
                 if not force:
                     who = f" (process ids: {', '.join(map(str, pids))})" if pids else ""

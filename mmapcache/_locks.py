@@ -27,7 +27,7 @@ import time
 
 from ._errors import CacheTimeoutError
 
-__all__ = ["SlotLocks", "flock_holders", "lock_shared", "try_lock_exclusive"]
+__all__ = ["SlotLocks", "flock_holders", "lock_exclusive_soon", "lock_shared", "try_lock_exclusive"]
 
 _CONTENDED = (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
 
@@ -46,6 +46,24 @@ def try_lock_exclusive(fd: int) -> bool:
             return False
         raise
     return True
+
+
+def lock_exclusive_soon(fd: int, *, holds_shared: bool, path: str, timeout: float, tries: int = 5) -> bool:
+    """Try for the exclusive in-use lock a few times over ~30 ms; False if it stays taken.
+
+    Another process probing "is this in use?" (``in_use``, ``mmapcache ls``)
+    holds the exclusive lock for microseconds; a single attempt would mistake
+    that probe for a user. When ``holds_shared``, a failed attempt dropped our
+    shared lock, which is taken back before trying again or giving up.
+    """
+    for attempt in range(tries):
+        if try_lock_exclusive(fd):
+            return True
+        if holds_shared:
+            lock_shared(fd, timeout=timeout, path=path)
+        if attempt + 1 < tries:
+            time.sleep(0.002 * 2**attempt)
+    return False
 
 
 def lock_shared(fd: int, *, timeout: float, path: str) -> None:

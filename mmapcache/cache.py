@@ -26,7 +26,7 @@ from ._field import Field, FieldsLike, normalize_fields
 from ._file import Expected, NewFile, OpenedFile, open_or_create, read_header
 from ._format import RECORD_SIZE, Header, Layout
 from ._gather import gather
-from ._locks import SlotLocks, flock_holders, lock_shared, try_lock_exclusive
+from ._locks import SlotLocks, flock_holders, lock_exclusive_soon
 from ._sizes import parse_bytes
 from ._slots import EMPTY, READY, STRONGLY_ORDERED, WRITING, SlotTable
 from ._values import coerce_batch, coerce_sample
@@ -450,9 +450,7 @@ class Cache:
         if self._readonly:
             raise self._readonly_error("clear")
         fd = self._handle.fd
-        if not try_lock_exclusive(fd):
-            # The failed conversion dropped our shared lock: take it back.
-            lock_shared(fd, timeout=self._timeout, path=str(self._path))
+        if not lock_exclusive_soon(fd, holds_shared=True, path=str(self._path), timeout=self._timeout):
             pids = [p for p in flock_holders(os.fstat(fd)) if p != os.getpid()]
             who = f" (process ids: {', '.join(map(str, pids))})" if pids else ""
             raise CacheInUseError(

@@ -326,7 +326,9 @@ def _cmd_rm(args: argparse.Namespace) -> int:
 def _cmd_gc(args: argparse.Namespace) -> int:
     report = gc(args.dir, older_than=args.older_than, dry_run=args.dry_run, recursive=args.recursive)
     print(_json(report.to_dict()) if args.json else format_gc(report, time.time()))
-    return EXIT_PROBLEMS if report.kept else EXIT_OK
+    # Keeping a cache in use is gc doing its job, not a failure: a nightly cron
+    # gc must not fail because a long job still holds an old cache.
+    return EXIT_OK
 
 
 def _cmd_df(args: argparse.Namespace) -> int:
@@ -354,8 +356,9 @@ PATH arguments take a path, or a bare name (train or train.mmc) in that director
 _EPILOG = """\
 exit status:
   0    success (verify: the cache is clean)
-  1    verify found problems; rm or gc left a cache in place (in use, not a
-       cache file); or an error, printed as `ErrorName: message`
+  1    verify found problems; rm left a cache in place (in use, not a cache
+       file); or an error, printed as `ErrorName: message`. gc exits 0 when
+       it keeps caches in use (it lists them)
   2    wrong command line
   130  interrupted
 

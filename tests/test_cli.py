@@ -392,7 +392,7 @@ def test_gc_refuses_a_cache_in_use(cache_dir: Path, hold: object) -> None:
     holder = hold(path)  # type: ignore[operator]
     age(path, 30 * DAY)
     result = run("gc", str(cache_dir))
-    assert result.returncode == 1
+    assert result.returncode == 0  # keeping a cache in use is not a failure (nightly cron)
     assert f"kept a.mmc: in use by pid {holder.pid}" in result.stdout
     assert path.exists()
     holder.send_signal(signal.SIGKILL)
