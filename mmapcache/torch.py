@@ -367,12 +367,14 @@ def _default_path(key: str) -> Path:
 _LIVE: weakref.WeakSet[CachedDataset] = weakref.WeakSet()
 
 
-def _reset_stats_in_child() -> None:
+def _after_fork_in_child() -> None:
+    # Counters are per process; a lock held by another thread at fork time would never be released.
     for dataset in list(_LIVE):
         dataset._reset_stats()
+        dataset._lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_reset_stats_in_child)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class CachedDataset(torch.utils.data.Dataset[Any]):
@@ -437,11 +439,11 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         self.capacity = capacity
         self.copy = bool(copy)
         self.verify = bool(verify)
-        # Weakly ordered CPUs check every read (see mmapcache._slots); zero-copy views too.
-        self._check_reads = self.verify or not STRONGLY_ORDERED
         self._init_process_state()
 
     def _init_process_state(self) -> None:
+        # Weakly ordered CPUs check every read (see mmapcache._slots); zero-copy views too.
+        self._check_reads = self.verify or not STRONGLY_ORDERED
         self._cache: Cache | None = None
         self._schema: _Schema | None = None
         self._checked = False  # a sample from `dataset` was compared with the cache's fields
@@ -457,7 +459,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     # -- pickling: the path and the arguments, never the data -------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("dataset", "key", "path", "transform", "max_bytes", "capacity", "copy", "verify", "_check_reads")
+        keep = ("dataset", "key", "path", "transform", "max_bytes", "capacity", "copy", "verify")
         return {name: self.__dict__[name] for name in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -469,7 +471,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     @property
     def cache(self) -> Cache:
         """The :class:`~mmapcache.Cache`, opened now if needed (created from ``dataset[0]`` if missing)."""
-        cache = self._cache or self._open_existing()
+        cache = self._opened()
         if cache is None:
             if len(self) == 0:
                 raise ValueError("cannot create a cache for an empty dataset")
@@ -478,6 +480,10 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             cache = self._cache
             assert cache is not None
         return cache
+
+    def _opened(self) -> Cache | None:
+        # `is None`, not truthiness: a Cache has a __len__.
+        return self._cache if self._cache is not None else self._open_existing()
 
     def _open_existing(self) -> Cache | None:
         """Open the file if it exists (schema from its header); None if nobody created it yet."""
@@ -553,7 +559,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
 
     def __getitem__(self, index: int) -> Any:
         i = self._index(index)
-        cache = self._cache or self._open_existing()
+        cache = self._opened()
         sample: Any = None
         if cache is not None:
             schema = self._schema
@@ -577,7 +583,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         torch's DataLoader calls this with each batch of indices when it is
         defined; ``default_collate`` then stacks the returned samples.
         """
-        cache = self._cache or self._open_existing()
+        cache = self._opened()
         if cache is None:
             samples = self._load([self._index(i) for i in indices])
         else:
@@ -651,7 +657,9 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         return self._store(indices, self._fetch(indices))
 
     def _store(self, indices: list[int], raw: list[Any]) -> list[Any]:
-        cache = self._cache or self._open_existing() or self._create(raw[0])
+        cache = self._opened()
+        if cache is None:
+            cache = self._create(raw[0])
         if not self._checked:
             self._check_schema(raw[0], indices[0])
         schema = self._schema
@@ -693,8 +701,8 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             "length": cache.length,
         }
 
-    def missing(self) -> np.ndarray[Any, np.dtype[np.intp]]:
-        """The cacheable indices (``< capacity``) not filled yet."""
+    def _missing(self) -> np.ndarray[Any, np.dtype[np.intp]]:
+        """The cacheable indices (``< capacity``) not filled yet (creates the file if needed)."""
         cache = self.cache
         everything = np.arange(cache.capacity, dtype=np.intp)
         missing: np.ndarray[Any, np.dtype[np.intp]] = everything[~cache.contains_many(everything)]
@@ -711,7 +719,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         before = self._written
-        missing = self.missing()  # may create the file, storing dataset[0]
+        missing = self._missing()  # may create the file, storing dataset[0]
         chunks = [missing[start : start + batch_size] for start in range(0, len(missing), batch_size)]
         bar = _progress(len(missing), f"filling {self.path.name}", enabled=progress)
         filled = self._written - before
