@@ -1,6 +1,7 @@
-"""A real Lightning run: 2 CPU processes (gloo), DataLoader workers, one cache file for the node.
+"""Real DDP on the CPU (gloo), 2 ranks with DataLoader workers: one cache file for the node.
 
-Each ``Trainer.fit`` runs in its own Python process (``lightning_run.py``), so
+Lightning ``ddp`` and ``ddp_spawn``, and plain torch DDP under ``torchrun``.
+Each run is its own Python process (``lightning_run.py``, ``ddp_run.py``), so
 the pytest process never initialises torch.distributed.
 """
 
@@ -16,8 +17,6 @@ import pytest
 from torch_helpers import accesses
 
 from mmapcache import Cache, default_dir
-
-pytest.importorskip("lightning")
 
 HERE = Path(__file__).resolve().parent
 LENGTH = 64
@@ -42,9 +41,13 @@ def _fit(strategy: str, log: Path, ranks: Path) -> None:
         capture_output=True,
         text=True,
         timeout=240,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])},
+        env=_env(),
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
 
 
 def _rank_pids(ranks: Path) -> dict[int, int]:
@@ -55,11 +58,7 @@ def _rank_pids(ranks: Path) -> dict[int, int]:
     return pids
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
-def test_ddp_shares_one_cache_and_the_next_run_is_warm(strategy: str, cache_dir: Path) -> None:
-    log, ranks = cache_dir / "accesses", cache_dir / "ranks"
-    _fit(strategy, log, ranks)
-
+def _check_first_run(log: Path, ranks: Path) -> list[tuple[int, int, int]]:
     files = list(default_dir().glob("*.mmc"))
     assert len(files) == 1, f"one cache file for the node, found {files}"
     with Cache(files[0]) as cache:
@@ -74,8 +73,27 @@ def test_ddp_shares_one_cache_and_the_next_run_is_warm(strategy: str, cache_dir:
     assert writers[1] > 0, "rank 1 wrote"
     assert sum(writers.values()) == LENGTH
     assert None not in writers
+    return first
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_ddp_shares_one_cache_and_the_next_run_is_warm(strategy: str, cache_dir: Path) -> None:
+    log, ranks = cache_dir / "accesses", cache_dir / "ranks"
+    pytest.importorskip("lightning")
+    _fit(strategy, log, ranks)
+    first = _check_first_run(log, ranks)
 
     # A second fit in a new process: the whole node starts warm.
     _fit(strategy, log, ranks)
     assert accesses(log) == first, "the second run must have zero misses"
     assert len(list(default_dir().glob("*.mmc"))) == 1
+
+
+def test_torchrun(cache_dir: Path) -> None:
+    """Plain DDP: torchrun sets RANK/WORLD_SIZE; CachedDataset still needs none of them."""
+    log, ranks = cache_dir / "accesses", cache_dir / "ranks"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    command += [str(HERE / "ddp_run.py"), "--length", str(LENGTH), "--access-log", str(log), "--rank-log", str(ranks)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=240, env=_env())
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    _check_first_run(log, ranks)  # two epochs ran: the second one loaded nothing
