@@ -317,9 +317,12 @@ def unpack_header(region: bytes, *, path: str) -> Header:
         created = meta.get("created", {})
         if not isinstance(key, str) or not isinstance(created, dict):
             raise TypeError("key must be a string and created an object")
-    except (ValueError, KeyError, TypeError) as error:
+    # numpy parses comma-string dtypes ("(2,)u1,") with ast.literal_eval, so a
+    # damaged descriptor can also raise SyntaxError; deeply nested JSON raises
+    # RecursionError. Found by tests/test_header_fuzz.py.
+    except (ValueError, KeyError, TypeError, SyntaxError, OverflowError, RecursionError) as error:
         raise CacheFormatError(
-            f"{path} has a corrupt header: cannot decode its metadata ({error})", path=path
+            f"{path} has a corrupt header: cannot decode its metadata ({type(error).__name__}: {error})", path=path
         ) from None
     problems = []
     if record_size != RECORD_SIZE:
