@@ -1,0 +1,694 @@
+"""Epoch time of a JPEG-decoding dataset through ``DataLoader``, and node memory under 2-process DDP.
+
+Part 1, epoch time, same run: a folder of generated 256 px JPEGs, decoded with
+Pillow and resized to 112 px (uint8 CHW tensor + int label), read in shuffled
+batches of 64 through ``torch.utils.data.DataLoader`` with ``num_workers`` 0 and
+2, by
+
+* ``uncached`` — the decoding dataset itself;
+* ``stocaching`` — stocaching's ``SharedCache`` used as its README shows (in its
+  own virtualenv: stocaching pins numpy<2);
+* ``mmapcache`` — ``mmapcache.torch.CachedDataset`` (default ``copy=True``), and
+  ``mmapcache copy=False`` (zero-copy views) over the same cache file.
+
+Each library runs in its own long-lived process; the parent sends it "run an
+epoch" commands, interleaving the libraries round by round, so every ratio
+compares epochs measured minutes apart at most. The first epoch of a cached
+dataset fills it (reported separately); warm epochs are what the rounds time.
+Also: the first epoch of a *new* process on the existing mmapcache file (the
+second run of a job; stocaching cannot do this: its cache dies with the process).
+Targets: warm epoch >= 10x faster than uncached, and not slower than stocaching.
+
+Part 2, memory: two processes act as DDP ranks (a gloo process group,
+``DistributedSampler``, a DataLoader worker each); each rank reads its half of
+the data in epoch 0 (filling the cache) and the other half in epoch 1. Then the
+parent adds up, over the ranks and their workers, PSS from
+``/proc/<pid>/smaps_rollup`` and the tmpfs bytes of every /dev/shm file they map
+(stocaching's multiprocessing heap arenas, mmapcache's cache file). Targets:
+mmapcache's node memory ~1x the data, stocaching's ~2x (one copy per rank).
+
+Run ``python benchmarks/bench_dataloader.py`` (a few minutes) or ``--quick``
+(< 1 minute). The stocaching side needs ``benchmarks/.venv-stocaching``
+(``--setup-stocaching`` creates it) or ``--stocaching-python``; without it that
+side is skipped. Results go to ``benchmarks/results/bench_dataloader[-quick].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+HERE = Path(__file__).resolve().parent
+VENV = HERE / ".venv-stocaching"
+MARK = "@@"  # prefix of protocol lines on a child's stdout (stocaching prints to stdout too)
+KEY = "bench-dataloader/jpeg256-to-112/v1"
+BATCH = 64
+
+
+# -- the dataset ---------------------------------------------------------------------
+
+
+def make_jpegs(directory: Path, n: int, px: int = 256, seed: int = 0) -> None:
+    """``n`` JPEGs of smooth colour fields plus noise (so decoding does real work)."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        small = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+        base = np.asarray(small.resize((px, px), Image.Resampling.BICUBIC), dtype=np.int16)
+        noisy = np.clip(base + rng.integers(-24, 24, base.shape), 0, 255).astype(np.uint8)
+        Image.fromarray(noisy).save(directory / f"{i:06d}.jpg", quality=90)
+
+
+class DecodeCounter:
+    """Samples decoded, counted in anonymous shared memory so forked DataLoader workers add to it.
+
+    One slot per process kind (main process, worker 0, worker 1, ...), so no
+    two processes ever increment the same slot.
+    """
+
+    def __init__(self) -> None:
+        self._mm = mmap.mmap(-1, 4096)
+        self.slots = np.frombuffer(self._mm, np.int64)
+
+    def add(self) -> None:
+        info = torch.utils.data.get_worker_info()
+        self.slots[0 if info is None else 1 + info.id] += 1
+
+    def total(self) -> int:
+        return int(self.slots.sum())
+
+
+class JpegDataset(Dataset[tuple[torch.Tensor, int]]):
+    """Decode a JPEG with Pillow, resize to ``size`` px, return (uint8 CHW tensor, label)."""
+
+    def __init__(self, root: str, n: int, size: int, counter: DecodeCounter | None = None) -> None:
+        self.files = [os.path.join(root, f"{i:06d}.jpg") for i in range(n)]
+        self.labels = [i % 10 for i in range(n)]
+        self.size = size
+        self.counter = counter
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        with Image.open(self.files[i]) as im:
+            rgb = im.convert("RGB").resize((self.size, self.size), Image.Resampling.BILINEAR)
+        if self.counter is not None:
+            self.counter.add()
+        return torch.from_numpy(np.array(rgb)).permute(2, 0, 1).contiguous(), self.labels[i]
+
+
+class StocachingDataset(Dataset[tuple[torch.Tensor, int]]):
+    """The decoding dataset behind stocaching's ``SharedCache``, the way stocaching's README wires it."""
+
+    def __init__(self, base: JpegDataset) -> None:
+        from stocaching import SharedCache
+
+        self.base = base
+        self.cache = SharedCache(size_limit_gib=8, dataset_len=len(base), data_dims=(3, base.size, base.size))
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x = self.cache.get_slot(i)
+        if x is None:
+            x, _ = self.base[i]
+            self.cache.set_slot(i, x)
+        return x, self.base.labels[i]
+
+
+def have_cached_dataset() -> bool:
+    try:
+        import mmapcache.torch
+    except ImportError:
+        return False
+    return hasattr(mmapcache.torch, "CachedDataset")
+
+
+def build(mode: str, base: JpegDataset, cache_path: str) -> dict[str, Dataset[Any]]:
+    """The datasets one child process serves, by variant name."""
+    if mode == "uncached":
+        return {"uncached": base}
+    if mode == "stocaching":
+        return {"stocaching": StocachingDataset(base)}
+    from mmapcache.torch import CachedDataset
+
+    return {
+        "mmapcache": CachedDataset(base, cache_path, key=KEY),
+        "mmapcache copy=False": CachedDataset(base, cache_path, key=KEY, copy=False),
+    }
+
+
+# -- child processes -----------------------------------------------------------------
+
+
+def reply(obj: dict[str, Any]) -> None:
+    print(MARK + json.dumps(obj), flush=True)
+
+
+def tree_cpu() -> float:
+    """CPU seconds of this process and its live children (DataLoader workers)."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += sum(child.cpu_times()[:2])
+    return total
+
+
+def run_epoch(loader: DataLoader[Any]) -> int:
+    batches = 0
+    for _batch in loader:
+        batches += 1
+    return batches
+
+
+def serve(args: argparse.Namespace) -> None:
+    """A child holding one library's datasets; runs epochs on command (JSON lines on stdin)."""
+    torch.set_num_threads(1)
+    counter = DecodeCounter()
+    base = JpegDataset(args.data, args.n, args.size, counter)
+    datasets = build(args.serve, base, args.cache_path)
+    loaders: dict[tuple[str, int], DataLoader[Any]] = {}
+    reply({"pid": os.getpid(), "variants": list(datasets), "numpy": np.__version__, "torch": torch.__version__})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "quit":
+            break
+        if cmd["cmd"] == "epoch":
+            key = (cmd["variant"], cmd["workers"])
+            if key not in loaders:
+                workers = cmd["workers"]
+                loaders[key] = DataLoader(
+                    datasets[cmd["variant"]],
+                    batch_size=BATCH,
+                    shuffle=True,
+                    num_workers=workers,
+                    persistent_workers=workers > 0,
+                )
+            walls, decodes = [], []
+            count = cmd.get("count", 1)
+            c0 = tree_cpu()  # CPU times tick in 10 ms: add them up over all the epochs
+            for _ in range(count):
+                before = counter.total()
+                t0 = time.perf_counter()
+                batches = run_epoch(loaders[key])
+                walls.append(time.perf_counter() - t0)
+                decodes.append(counter.total() - before)
+            cpu = (tree_cpu() - c0) / count
+            reply({"wall": walls, "cpu": [cpu] * count, "decodes": decodes, "batches": batches})
+        elif cmd["cmd"] == "check":
+            # CRC of the image bytes of a few samples, through each variant's __getitem__.
+            crcs = {}
+            for name, ds in datasets.items():
+                crc = 0
+                for i in range(0, len(ds), max(1, len(ds) // 16)):
+                    crc = zlib.crc32(ds[i][0].contiguous().numpy().tobytes(), crc)
+                crcs[name] = crc
+            stats = {n: ds.stats() for n, ds in datasets.items() if hasattr(ds, "stats")}
+            reply({"crc": crcs, "stats": stats})
+    reply({"bye": True})
+
+
+class Child:
+    """The parent's end of a child process speaking the JSON-lines protocol."""
+
+    def __init__(self, python: str, argv: list[str], *, handshake: bool = True) -> None:
+        self.proc = subprocess.Popen(
+            [python, str(Path(__file__).resolve()), *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.hello: dict[str, Any] = self.read() if handshake else {}
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"child {self.proc.args} exited with {self.proc.wait()}")
+            if line.startswith(MARK):
+                message: dict[str, Any] = json.loads(line[len(MARK) :])
+                return message
+            sys.stderr.write(f"  [child {self.proc.pid}] {line}")
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        self.send(json.dumps(cmd))
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call(cmd="quit")
+                self.proc.wait(timeout=60)
+            except (RuntimeError, OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+# -- DDP ranks -----------------------------------------------------------------------
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    """One of two DDP-like ranks: fill its shard (epoch 0), read the other shard (epoch 1), wait."""
+    import torch.distributed as dist
+    from torch.utils.data.distributed import DistributedSampler
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank_id, world_size=args.world
+    )
+    counter = DecodeCounter()
+    base = JpegDataset(args.data, args.n, args.size, counter)
+    ds: Dataset[Any]
+    if args.rank == "stocaching":
+        ds = StocachingDataset(base)
+    else:
+        from mmapcache.torch import CachedDataset
+
+        ds = CachedDataset(base, args.cache_path, key=KEY)
+    sampler = DistributedSampler(ds, num_replicas=args.world, rank=args.rank_id, shuffle=True, seed=0)
+    loader = DataLoader(
+        ds,
+        batch_size=BATCH,
+        sampler=sampler,
+        num_workers=args.ddp_workers,
+        persistent_workers=args.ddp_workers > 0,
+    )
+    epochs = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        dist.barrier()
+        before = counter.total()
+        t0 = time.perf_counter()
+        run_epoch(loader)
+        epochs.append({"wall": time.perf_counter() - t0, "decodes": counter.total() - before})
+    dist.barrier()
+    reply({"pid": os.getpid(), "rank": args.rank_id, "epochs": epochs, "samples": len(sampler)})
+    sys.stdin.readline()  # the parent measures memory now, then says go
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def smaps_rollup(pid: int) -> dict[str, int]:
+    fields: dict[str, int] = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return fields
+
+
+def shm_files(pid: int) -> dict[tuple[str, int], dict[str, Any]]:
+    """The /dev/shm files ``pid`` maps, by (device, inode): name and bytes allocated in tmpfs."""
+    found: dict[tuple[str, int], dict[str, Any]] = {}
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or not parts[5].startswith("/dev/shm/"):
+                continue
+            key = (parts[3], int(parts[4]))
+            if key in found:
+                continue
+            try:
+                st = os.stat(f"/proc/{pid}/map_files/{parts[0]}")  # works for unlinked files too (root)
+                allocated = st.st_blocks * 512
+            except OSError:
+                allocated = -1
+            found[key] = {"name": parts[5].strip(), "allocated": allocated}
+    return found
+
+
+def classify(name: str) -> str:
+    base = os.path.basename(name.replace(" (deleted)", ""))
+    if base.startswith("pym-"):
+        return "multiprocessing heap"
+    if base.endswith(".mmc"):
+        return "mmapcache file"
+    if base.startswith("torch_"):
+        return "torch IPC"
+    return "other"
+
+
+def measure_memory(pids: list[int]) -> dict[str, Any]:
+    import psutil
+
+    procs: list[int] = []
+    for pid in pids:
+        procs.append(pid)
+        procs.extend(child.pid for child in psutil.Process(pid).children(recursive=True))
+    totals = {"Rss": 0, "Pss": 0, "Pss_Anon": 0, "Pss_File": 0, "Pss_Shmem": 0}
+    files: dict[tuple[str, int], dict[str, Any]] = {}
+    for pid in procs:
+        rollup = smaps_rollup(pid)
+        for name in totals:
+            totals[name] += rollup.get(name, 0)
+        files.update(shm_files(pid))
+    by_kind: dict[str, int] = {}
+    for info in files.values():
+        kind = classify(info["name"])
+        by_kind[kind] = by_kind.get(kind, 0) + max(0, info["allocated"])
+    return {
+        "processes": len(procs),
+        "smaps_rollup_sum": totals,
+        "shm_bytes_by_kind": by_kind,
+        "shm_files": [{"name": i["name"], "allocated": i["allocated"]} for i in files.values()],
+    }
+
+
+def ddp_memory(lib: str, python: str, common: list[str], workers: int) -> dict[str, Any]:
+    port = free_port()
+    extra = ["--ddp-workers", str(workers)]
+    ranks = [
+        Child(
+            python,
+            [*common, "--rank", lib, "--rank-id", str(r), "--world", "2", "--port", str(port), *extra],
+            handshake=False,  # both ranks must run before either can report
+        )
+        for r in range(2)
+    ]
+    try:
+        for rank in ranks:
+            rank.hello = rank.read()
+        memory = measure_memory([rank.hello["pid"] for rank in ranks])
+        result = {"ranks": [rank.hello for rank in ranks], "memory": memory}
+        for rank in ranks:
+            rank.send("go")
+        for rank in ranks:
+            rank.proc.wait(timeout=120)
+        return result
+    finally:
+        for rank in ranks:
+            if rank.proc.poll() is None:
+                rank.proc.kill()
+                rank.proc.wait()
+
+
+# -- the parent ----------------------------------------------------------------------
+
+
+def setup_stocaching(venv: Path) -> Path:
+    """Create ``venv`` with stocaching, numpy<2, Pillow, psutil and this machine's torch version."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, f"torch=={torch.__version__.split('+')[0]}"], check=True)
+    subprocess.run([*pip, "stocaching", "numpy<2", "Pillow", "psutil"], check=True)
+    return venv / "bin" / "python"
+
+
+def med(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def main() -> None:
+    from _common import fmt_bytes, machine_info, table, write_results
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="768 images, 3 rounds (< 1 minute)")
+    parser.add_argument("--n", type=int, help="number of images (default 6000, quick 768)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 5, quick 3)")
+    parser.add_argument("--workers", default="0,2", help="DataLoader num_workers values to time (default 0,2)")
+    parser.add_argument("--ddp-workers", type=int, default=1, help="DataLoader workers per DDP rank (default 1)")
+    parser.add_argument("--stocaching-python", help=f"python of a venv with stocaching (default {VENV}/bin/python)")
+    parser.add_argument("--setup-stocaching", action="store_true", help=f"create {VENV} first")
+    parser.add_argument("--no-ddp", action="store_true", help="skip the DDP memory part")
+    # Internal: child processes.
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", help=argparse.SUPPRESS)
+    parser.add_argument("--rank-id", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, default=112, help=argparse.SUPPRESS)
+    parser.add_argument("--cache-path", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        return serve(args)
+    if args.rank:
+        return rank_main(args)
+
+    # A SIGTERM runs the cleanup below (temporary JPEGs, the /dev/shm cache files) too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    quick: bool = args.quick
+    n = args.n or (768 if quick else 6000)
+    rounds = args.rounds or (3 if quick else 5)
+    warm_reps = 5
+    worker_counts = [int(w) for w in args.workers.split(",")]
+    sto_python = args.stocaching_python or str(VENV / "bin" / "python")
+    if args.setup_stocaching:
+        sto_python = str(setup_stocaching(VENV))
+    have_sto = Path(sto_python).exists()
+    have_mmc = have_cached_dataset()
+    info = machine_info()
+    sample_bytes = 3 * args.size * args.size
+    data_bytes = n * sample_bytes
+    print(f"machine: {info['cpu']}, {info['cores']} cores; torch {info.get('torch')}, numpy {info.get('numpy')}")
+    print(f"{n} JPEGs 256 px -> uint8 3x{args.size}x{args.size} ({fmt_bytes(data_bytes)} decoded), batch {BATCH}")
+    if not have_sto:
+        print(f"stocaching side skipped: no {sto_python} (run with --setup-stocaching)")
+    if not have_mmc:
+        print("mmapcache side skipped: mmapcache.torch has no CachedDataset yet")
+    results: dict[str, Any] = {
+        "machine": info,
+        "quick": quick,
+        "n": n,
+        "image": [3, args.size, args.size],
+        "batch": BATCH,
+        "data_bytes": data_bytes,
+        "rounds": rounds,
+        "warm_epochs_per_round": warm_reps,
+    }
+    jpegs = Path(tempfile.mkdtemp(prefix="mmapcache-bench-jpeg-"))
+    shm = Path(tempfile.mkdtemp(prefix="mmapcache-bench-", dir="/dev/shm"))
+    children: dict[str, Child] = {}
+    try:
+        t0 = time.perf_counter()
+        make_jpegs(jpegs, n)
+        print(f"generated the JPEGs in {time.perf_counter() - t0:.1f} s")
+        common = ["--data", str(jpegs), "--n", str(n), "--size", str(args.size)]
+        plan = [("uncached", sys.executable)]
+        if have_sto:
+            plan.append(("stocaching", sto_python))
+        if have_mmc:
+            plan.append(("mmapcache", sys.executable))
+        for mode, python in plan:
+            children[mode] = Child(python, [*common, "--serve", mode, "--cache-path", str(shm / "epochs.mmc")])
+        variants = {v: mode for mode, child in children.items() for v in child.hello["variants"]}
+        results["child_versions"] = {
+            m: {"numpy": c.hello["numpy"], "torch": c.hello["torch"]} for m, c in children.items()
+        }
+
+        # First epochs: the fill of each cache (num_workers=0), then one untimed epoch per loader.
+        first: dict[str, Any] = {}
+        for w in worker_counts:
+            for v, mode in variants.items():
+                first[f"{v} w={w}"] = children[mode].call(cmd="epoch", variant=v, workers=w)
+        results["first_epochs"] = first
+        fill_rows = [[k, r["wall"][0], r["cpu"][0], r["decodes"][0]] for k, r in first.items()]
+        print("\nfirst epoch per loader (for the cached variants at w=0: the fill)")
+        print(table(["variant", "wall s", "cpu s", "decodes"], fill_rows))
+
+        # Interleaved rounds.
+        raw: dict[str, dict[str, list[Any]]] = {}
+        names = list(variants)
+        for r in range(rounds):
+            for w in worker_counts:
+                order = names[r % len(names) :] + names[: r % len(names)]
+                for v in order:
+                    count = 1 if v == "uncached" else warm_reps
+                    out = children[variants[v]].call(cmd="epoch", variant=v, workers=w, count=count)
+                    slot = raw.setdefault(f"{v} w={w}", {"wall": [], "cpu": [], "decodes": []})
+                    slot["wall"].append(med(out["wall"]))
+                    slot["cpu"].append(med(out["cpu"]))
+                    slot["decodes"].append(sum(out["decodes"]))
+            print(f"round {r + 1}/{rounds} done")
+        results["rounds_raw"] = raw
+        checks = {mode: child.call(cmd="check") for mode, child in children.items()}
+        results["checks"] = checks
+        crcs = {v: c for check in checks.values() for v, c in check["crc"].items()}
+        results["same_samples"] = len(set(crcs.values())) == 1
+        if not results["same_samples"]:
+            print(f"WARNING: variants returned different samples: {crcs}")
+
+        summary = []
+        for w in worker_counts:
+            unc = raw[f"uncached w={w}"]
+            sto = raw.get(f"stocaching w={w}")
+            for v in names:
+                cur = raw[f"{v} w={w}"]
+                row: dict[str, Any] = {
+                    "variant": v,
+                    "workers": w,
+                    "wall_s": med(cur["wall"]),
+                    "cpu_s": med(cur["cpu"]),
+                    "decodes_in_rounds": sum(cur["decodes"]),
+                    "speedup_vs_uncached": med([u / c for u, c in zip(unc["wall"], cur["wall"], strict=True)]),
+                }
+                if sto is not None:
+                    row["time_vs_stocaching"] = med([c / s for c, s in zip(cur["wall"], sto["wall"], strict=True)])
+                    row["cpu_vs_stocaching"] = med([c / s for c, s in zip(cur["cpu"], sto["cpu"], strict=True)])
+                summary.append(row)
+        results["epochs"] = summary
+        print(f"\nepoch times: medians over {rounds} interleaved rounds (warm: median of {warm_reps} epochs a round)")
+        print(
+            table(
+                ["variant", "workers", "wall s", "cpu s", "x faster than uncached", "time / stocaching", "decodes"],
+                [
+                    [
+                        r["variant"],
+                        r["workers"],
+                        r["wall_s"],
+                        r["cpu_s"],
+                        r["speedup_vs_uncached"],
+                        r.get("time_vs_stocaching", "-"),
+                        r["decodes_in_rounds"],
+                    ]
+                    for r in summary
+                ],
+            )
+        )
+        for child in children.values():
+            child.close()
+
+        if have_mmc:
+            # The next run: a new process whose first epoch reads the file the previous one filled.
+            fresh = Child(sys.executable, [*common, "--serve", "mmapcache", "--cache-path", str(shm / "epochs.mmc")])
+            try:
+                out = fresh.call(cmd="epoch", variant="mmapcache", workers=0, count=2)
+            finally:
+                fresh.close()
+            unc_wall = med(raw["uncached w=0"]["wall"])
+            results["new_process"] = {
+                "first_epoch_s": out["wall"][0],
+                "second_epoch_s": out["wall"][1],
+                "decodes": out["decodes"],
+                "speedup_vs_uncached_median": unc_wall / out["wall"][0],
+            }
+            print(
+                f"\nnew process on the filled mmapcache file: first epoch {out['wall'][0]:.3f} s "
+                f"(decodes {out['decodes'][0]}; {unc_wall / out['wall'][0]:.1f}x faster than uncached), "
+                f"second {out['wall'][1]:.3f} s"
+            )
+
+        if not args.no_ddp:
+            ddp: dict[str, Any] = {}
+            if have_sto:
+                ddp["stocaching"] = ddp_memory("stocaching", sto_python, common, args.ddp_workers)
+            if have_mmc:
+                ddp["mmapcache"] = ddp_memory(
+                    "mmapcache", sys.executable, [*common, "--cache-path", str(shm / "ddp.mmc")], args.ddp_workers
+                )
+            rows = []
+            for lib, res in ddp.items():
+                mem = res["memory"]
+                kind = "mmapcache file" if lib == "mmapcache" else "multiprocessing heap"
+                cache_bytes = mem["shm_bytes_by_kind"].get(kind, 0)
+                pss_shmem = mem["smaps_rollup_sum"]["Pss_Shmem"]
+                res["cache_bytes"] = cache_bytes
+                res["cache_vs_data"] = cache_bytes / data_bytes
+                res["pss_shmem_vs_data"] = pss_shmem / data_bytes
+                epochs = [[e["wall"] for e in rank["epochs"]] for rank in res["ranks"]]
+                decodes = [[e["decodes"] for e in rank["epochs"]] for rank in res["ranks"]]
+                rows.append(
+                    [
+                        lib,
+                        mem["processes"],
+                        fmt_bytes(cache_bytes),
+                        res["cache_vs_data"],
+                        fmt_bytes(pss_shmem),
+                        res["pss_shmem_vs_data"],
+                        fmt_bytes(mem["smaps_rollup_sum"]["Pss"]),
+                        str(decodes),
+                        " ".join(f"{a:.2f}/{b:.2f}" for a, b in epochs),
+                    ]
+                )
+            results["ddp"] = ddp
+            print(f"\n2 DDP ranks x {args.ddp_workers} DataLoader worker(s); data = {fmt_bytes(data_bytes)}")
+            print(
+                table(
+                    [
+                        "library",
+                        "procs",
+                        "cache tmpfs",
+                        "x data",
+                        "sum Pss_Shmem",
+                        "x data",
+                        "sum Pss (all)",
+                        "decodes [rank][epoch]",
+                        "epoch0/epoch1 s per rank",
+                    ],
+                    rows,
+                )
+            )
+    finally:
+        for child in children.values():
+            if child.proc.poll() is None:
+                child.proc.kill()
+                child.proc.wait()
+        shutil.rmtree(jpegs, ignore_errors=True)
+        if have_mmc:
+            import mmapcache
+
+            for name in ("epochs.mmc", "ddp.mmc"):
+                if (shm / name).exists():
+                    mmapcache.remove(shm / name, force=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    print_targets(results)
+    print(f"\nresults: {write_results('bench_dataloader', results, quick=quick)}")
+
+
+def print_targets(results: dict[str, Any]) -> None:
+    from _common import table
+
+    rows = []
+    for r in results.get("epochs", []):
+        if r["variant"].startswith("mmapcache"):
+            label = f"{r['variant']} w={r['workers']}"
+            rows.append([label, "warm epoch speedup vs uncached", ">= 10", r["speedup_vs_uncached"]])
+            if "time_vs_stocaching" in r:
+                rows.append([label, "warm epoch time / stocaching", "<= 1", r["time_vs_stocaching"]])
+    for lib, target in (("mmapcache", "~ 1"), ("stocaching", "~ 2")):
+        if lib in results.get("ddp", {}):
+            rows.append([lib, "DDP node cache memory / data", target, results["ddp"][lib]["cache_vs_data"]])
+    if rows:
+        print("\nTargets")
+        print(table(["what", "figure", "target", "measured"], rows))
+
+
+if __name__ == "__main__":
+    main()
