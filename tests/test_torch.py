@@ -388,6 +388,23 @@ def test_copy_true_tensors_are_fresh(cache_dir: Path) -> None:
     assert same(ds.__getitems__([4])[0], as_collated(4))
 
 
+@pytest.mark.parametrize("copy", [True, False])
+def test_verify_treats_a_damaged_slot_as_a_miss(copy: bool, cache_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = cache_dir / "c.mmc"
+    CachedDataset(Recorded(N), path, key="damaged").fill(progress=False)
+    with Cache(path) as cache:
+        cache._arrays["0"][3, 0, 0, 0] ^= 0xFF  # flip bits behind the slot protocol's back
+    log = cache_dir / "accesses"
+    ds = CachedDataset(Recorded(N, log), path, key="damaged", copy=copy, verify=True)
+    samples = ds.__getitems__([2, 3, 4])
+    for i, sample in zip([2, 3, 4], samples, strict=True):
+        assert same(sample, as_collated(i))
+    assert same(ds[3], as_collated(3))
+    assert [i for _, _, i in accesses(log)] == [3, 3], "the damaged slot is loaded from the dataset each time"
+    assert ds.stats()["hits"] == 2
+    assert "does not match its checksum" in caplog.text
+
+
 # -- fill, stats, pickling ----------------------------------------------------------------------
 
 
@@ -465,9 +482,9 @@ def test_core_imports_without_torch(cache_dir: Path) -> None:
 # -- two jobs on one node ------------------------------------------------------------------------
 
 
-def test_two_concurrent_jobs_share_one_file(cache_dir: Path) -> None:
+def _run_jobs(cache_dir: Path, count: int, length: int, extra: list[str]) -> list[dict[str, Any]]:
     log, start = cache_dir / "accesses", cache_dir / "go"
-    args = ["--length", "400", "--key", "shared/v1", "--log", str(log), "--start", str(start)]
+    args = ["--length", str(length), "--key", "shared/v1", "--log", str(log), "--start", str(start), *extra]
     jobs = [
         subprocess.Popen(
             [sys.executable, str(HERE / "torch_helpers.py"), *args],
@@ -476,19 +493,32 @@ def test_two_concurrent_jobs_share_one_file(cache_dir: Path) -> None:
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(2)
+        for _ in range(count)
     ]
     start.touch()
     results = []
     for job in jobs:
-        out, err = job.communicate(timeout=120)
+        out, err = job.communicate(timeout=600)
         assert job.returncode == 0, err
         results.append(json.loads(out))
-    a, b = results
-    assert a["path"] == b["path"]
-    assert [p.name for p in Path(a["path"]).parent.glob("*.mmc")] == [Path(a["path"]).name]
-    assert a["filled"] == b["filled"] == 400
+    paths = {r["path"] for r in results}
+    assert len(paths) == 1
+    (path,) = paths
+    assert [p.name for p in Path(path).parent.glob("*.mmc")] == [Path(path).name]
+    with Cache(path) as cache:
+        assert cache.filled == length
+    assert set(i for _, _, i in accesses(log)) == set(range(length))
+    return results
+
+
+def test_two_concurrent_jobs_share_one_file(cache_dir: Path) -> None:
+    a, b = _run_jobs(cache_dir, 2, 400, [])
     assert a["written"] + b["written"] == 400, "every slot was written once, by one of the jobs"
-    loaded = Counter(i for _, _, i in accesses(log))
-    assert set(loaded) == set(range(400))
-    assert sum(loaded.values()) == a["misses"] + b["misses"]
+    assert sum(1 for _ in accesses(cache_dir / "accesses")) == a["misses"] + b["misses"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_four_jobs_with_workers_share_one_file(context: str, cache_dir: Path) -> None:
+    """Four jobs, each with two DataLoader workers: ten processes fill and read one file."""
+    _run_jobs(cache_dir, 4, 3000, ["--workers", "2", "--context", context])

@@ -132,14 +132,19 @@ def run_job(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--key", required=True)
     parser.add_argument("--log", required=True)
     parser.add_argument("--start", help="wait until this file exists before reading")
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--context", default=None, help="DataLoader multiprocessing context")
     args = parser.parse_args(argv)
     if args.start:
         while not os.path.exists(args.start):
             time.sleep(0.005)
     ds = CachedDataset(Recorded(args.length, args.log), key=args.key)
     seen: list[int] = []
+    context = args.context if args.workers else None
     for _ in range(2):
-        for batch in DataLoader(ds, batch_size=16, shuffle=True):
+        for batch in DataLoader(
+            ds, batch_size=16, shuffle=True, num_workers=args.workers, multiprocessing_context=context
+        ):
             seen += check_batch(batch)
     assert sorted(seen) == sorted(list(range(args.length)) * 2)
     return {"path": str(ds.path), "pid": os.getpid(), **ds.stats()}
