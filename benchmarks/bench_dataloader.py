@@ -170,7 +170,7 @@ def tree_cpu() -> float:
     import psutil
 
     me = psutil.Process()
-    total = sum(me.cpu_times()[:2])
+    total: float = sum(me.cpu_times()[:2])
     for child in me.children(recursive=True):
         with contextlib.suppress(psutil.NoSuchProcess):
             total += sum(child.cpu_times()[:2])
@@ -218,12 +218,14 @@ def serve(args: argparse.Namespace) -> None:
                 decodes.append(counter.total() - before)
             cpu = (tree_cpu() - c0) / count
             reply({"wall": walls, "cpu": [cpu] * count, "decodes": decodes, "batches": batches})
+        elif cmd["cmd"] == "breakdown":
+            reply(breakdown(datasets, args.n, cmd["rounds"], cmd["reps"]))
         elif cmd["cmd"] == "check":
             # CRC of the image bytes of a few samples, through each variant's __getitem__.
             crcs = {}
             for name, ds in datasets.items():
                 crc = 0
-                for i in range(0, len(ds), max(1, len(ds) // 16)):
+                for i in range(0, args.n, max(1, args.n // 16)):
                     crc = zlib.crc32(ds[i][0].contiguous().numpy().tobytes(), crc)
                 crcs[name] = crc
             stats = {n: ds.stats() for n, ds in datasets.items() if hasattr(ds, "stats")}
@@ -231,11 +233,45 @@ def serve(args: argparse.Namespace) -> None:
     reply({"bye": True})
 
 
+def breakdown(datasets: dict[str, Any], n: int, rounds: int, reps: int) -> dict[str, list[float]]:
+    """Where a warm batch's time goes, in this process (num_workers=0), seconds per batch of 64.
+
+    "views + collate" is what a cache that hands out views of its storage pays
+    (stocaching's hit path, minus its per-sample Python: a state check and a
+    row view of the same mapping here): the floor for ``default_collate``.
+    """
+    from _common import run_interleaved
+    from torch.utils.data import default_collate
+
+    ds, dsv = datasets["mmapcache"], datasets["mmapcache copy=False"]
+    cache = ds.cache
+    image, label = (torch.from_numpy(a) for a in cache._arrays.values())
+    states = cache._states
+    ready = 2  # mmapcache._slots.READY
+
+    def views(batch: list[int]) -> object:
+        return default_collate([(image[i], int(label[i])) for i in batch if states[i] == ready])
+
+    def inputs(r: int) -> list[list[int]]:
+        rng = np.random.default_rng(1000 + r)
+        return [rng.integers(0, n, BATCH).tolist() for _ in range(reps)]
+
+    variants = {
+        "mmapcache: __getitems__ + collate": lambda b: default_collate(ds.__getitems__(b)),
+        "mmapcache: __getitems__ only": lambda b: ds.__getitems__(b),
+        "mmapcache: Cache.get_many only": lambda b: cache.get_many(b),
+        "mmapcache copy=False: __getitems__ + collate": lambda b: default_collate(dsv.__getitems__(b)),
+        "mmapcache copy=False: __getitems__ only": lambda b: dsv.__getitems__(b),
+        "views + collate (the floor)": views,
+    }
+    return run_interleaved(variants, inputs, rounds=rounds)
+
+
 class Child:
     """The parent's end of a child process speaking the JSON-lines protocol."""
 
     def __init__(self, python: str, argv: list[str], *, handshake: bool = True) -> None:
-        self.proc = subprocess.Popen(
+        self.proc: subprocess.Popen[str] = subprocess.Popen(
             [python, str(Path(__file__).resolve()), *argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -248,7 +284,7 @@ class Child:
         while True:
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"child {self.proc.args} exited with {self.proc.wait()}")
+                raise RuntimeError(f"child {self.proc.args!r} exited with {self.proc.wait()}")
             if line.startswith(MARK):
                 message: dict[str, Any] = json.loads(line[len(MARK) :])
                 return message
@@ -294,7 +330,9 @@ def rank_main(args: argparse.Namespace) -> None:
         from mmapcache.torch import CachedDataset
 
         ds = CachedDataset(base, args.cache_path, key=KEY)
-    sampler = DistributedSampler(ds, num_replicas=args.world, rank=args.rank_id, shuffle=True, seed=0)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        ds, num_replicas=args.world, rank=args.rank_id, shuffle=True, seed=0
+    )
     loader = DataLoader(
         ds,
         batch_size=BATCH,
@@ -540,6 +578,24 @@ def main() -> None:
         results["rounds_raw"] = raw
         checks = {mode: child.call(cmd="check") for mode, child in children.items()}
         results["checks"] = checks
+        if have_mmc:
+            times = children["mmapcache"].call(cmd="breakdown", rounds=rounds * 3, reps=25)
+            floor = times["views + collate (the floor)"]
+            results["batch_breakdown"] = {
+                name: {
+                    "median_us": med(ts) * 1e6,
+                    "time_vs_floor": med([t / f for t, f in zip(ts, floor, strict=True)]),
+                    "rounds_us": [t * 1e6 for t in ts],
+                }
+                for name, ts in times.items()
+            }
+            print(f"\nwarm batch of {BATCH}, in-process (num_workers=0): where the time goes")
+            print(
+                table(
+                    ["path", "µs per batch", "time / floor"],
+                    [[k, v["median_us"], v["time_vs_floor"]] for k, v in results["batch_breakdown"].items()],
+                )
+            )
         crcs = {v: c for check in checks.values() for v, c in check["crc"].items()}
         results["same_samples"] = len(set(crcs.values())) == 1
         if not results["same_samples"]:
