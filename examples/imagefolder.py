@@ -48,7 +48,7 @@ class JPEGFolder(Dataset[tuple[torch.Tensor, int]]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path = self.files[index]
         with Image.open(path) as image:
-            pixels = image.convert("RGB").resize((self.size, self.size), Image.BILINEAR)
+            pixels = image.convert("RGB").resize((self.size, self.size), Image.Resampling.BILINEAR)
         chw = torch.from_numpy(np.array(pixels)).permute(2, 0, 1).contiguous()  # uint8, 3 x size x size
         return chw, self.labels[path.parent.name]
 
@@ -96,13 +96,14 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the cache (and generated images)")
     args = parser.parse_args()
 
-    generated = None
-    if args.root is None:
-        generated = Path(tempfile.mkdtemp(prefix="mmapcache-jpegs-"))
+    generated: Path | None = None
+    root: Path = args.root
+    if root is None:
+        root = generated = Path(tempfile.mkdtemp(prefix="mmapcache-jpegs-"))
         start = time.perf_counter()
         generate(generated, args.count, args.side)
         print(f"generated {args.count} {args.side} px JPEGs in {generated} ({time.perf_counter() - start:.1f} s)")
-    root = (args.root or generated).resolve()
+    root = root.resolve()
     decoded = JPEGFolder(root, args.size)
     # The key names the content: which images, decoded how. Change it when either changes.
     key = f"imagefolder/{hashlib.sha256(str(root).encode()).hexdigest()[:8]}/{len(decoded)}/{args.size}px/v1"

@@ -27,7 +27,7 @@ def main() -> None:
     with open(args.rank_log, "a") as file:
         file.write(f"{dist.get_rank()} {os.getpid()}\n")
     ds = CachedDataset(Recorded(args.length, args.access_log), key="torchrun/v1")
-    sampler = DistributedSampler(ds, shuffle=True)
+    sampler: DistributedSampler[int] = DistributedSampler(ds, shuffle=True)
     loader = DataLoader(ds, batch_size=8, sampler=sampler, num_workers=1)
     for epoch in range(2):
         sampler.set_epoch(epoch)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import pickle
@@ -13,7 +12,7 @@ import textwrap
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -194,6 +193,11 @@ def test_half_precision_bits_roundtrip(cache_dir: Path) -> None:
 # -- what cannot be cached --------------------------------------------------------------------
 
 
+class Pair(NamedTuple):
+    a: torch.Tensor
+    b: int
+
+
 class Bad(torch.utils.data.Dataset[Any]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -208,7 +212,7 @@ class Bad(torch.utils.data.Dataset[Any]):
             "none": {"image": x, "label": None},
             "ragged": (torch.zeros(i + 1), i),
             "deep": (x, ([x],)),
-            "namedtuple": collections.namedtuple("Pair", "a b")(x, i),
+            "namedtuple": Pair(x, i),
             "intkeys": {0: x},
             "empty": (x, ()),
             "object-array": np.array(["a", None], dtype=object),
