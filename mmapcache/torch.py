@@ -274,15 +274,16 @@ def infer_fields(sample: Any) -> dict[str, Field]:
 class _Schema:
     """The fields of the cache, and how to go between samples and per-field leaves."""
 
-    def __init__(self, fields: dict[str, Field]) -> None:
+    def __init__(self, fields: dict[str, Field], path: Path) -> None:
         self.fields = dict(fields)
         self.names = tuple(fields)
         try:
             self.tree = _tree_from_names(self.names)
         except ValueError:
             raise SchemaMismatchError(
-                f"the cache's fields {list(self.names)} were not laid out by CachedDataset (see "
-                "mmapcache.torch's docstring for the naming); use another key or path",
+                f"the fields {list(self.names)} of the cache at {path} were not laid out by CachedDataset "
+                "(see mmapcache.torch's docstring for the naming); use another key or path",
+                path=path,
                 differences={"fields": (None, list(self.names))},
             ) from None
         self.dtypes = tuple(_torch_dtype(f) if f.torch_dtype is not None else None for f in fields.values())
@@ -515,7 +516,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             return self._cache
 
     def _adopt(self, cache: Cache, *, checked: bool) -> None:
-        self._schema = _Schema(cache.fields)
+        self._schema = _Schema(cache.fields, self.path)
         self._checked = checked
         if not self.copy:
             self._readonly = Cache.open(self.path, readonly=True)
@@ -583,6 +584,8 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         torch's DataLoader calls this with each batch of indices when it is
         defined; ``default_collate`` then stacks the returned samples.
         """
+        if len(indices) == 0:
+            return []
         cache = self._opened()
         if cache is None:
             samples = self._load([self._index(i) for i in indices])

@@ -152,6 +152,7 @@ def test_structure_roundtrip(kind: str, copy: bool, cache_dir: Path) -> None:
             assert same(sample, _expected(source[i])), (kind, i, sample)
     for i, sample in zip([2, 5, 3, 19], mixed, strict=True):
         assert same(sample, _expected(source[i]))
+    assert ds.__getitems__([]) == []
     # A new process view of the file (reopened by path) rebuilds the structure from field names alone.
     again = pickle.loads(pickle.dumps(CachedDataset(source, ds.path, key=kind)))
     assert same(again[19], _expected(source[19]))
