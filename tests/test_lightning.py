@@ -79,7 +79,6 @@ def _check_first_run(log: Path, ranks: Path) -> list[tuple[int, int, int]]:
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_ddp_shares_one_cache_and_the_next_run_is_warm(strategy: str, cache_dir: Path) -> None:
     log, ranks = cache_dir / "accesses", cache_dir / "ranks"
-    pytest.importorskip("lightning")
     _fit(strategy, log, ranks)
     first = _check_first_run(log, ranks)
 
