@@ -157,6 +157,6 @@ def test_arbitrary_schemas_and_values_round_trip(case: tuple[dict[str, Field], i
                 batch = cache.get_many(order)
                 for row, i in enumerate(order):
                     for name, want in samples[i].items():
-                        assert batch[name][row].tobytes() == want.tobytes()
+                        assert batch[name][row, ...].tobytes() == want.tobytes()
     finally:
         shutil.rmtree(directory)
