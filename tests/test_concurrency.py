@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch.utils.data as torch_data
 from _procs import SPAWN, Worker, check_sample, make_batch, make_fields, sample_data, sleep_until, stop_all
 
 import mmapcache
@@ -99,7 +100,7 @@ def test_spawned_writers_fill_overlapping_ranges_while_readers_read(cache_dir: P
     assert sum(r["partial"] for r in reports) > 0
 
 
-class _ForkWriterDataset:
+class _ForkWriterDataset(torch_data.Dataset[tuple[int, int, bool]]):
     """A map-style dataset that fills the cache it inherited, DataLoader-worker style.
 
     ``__getitem__`` puts the sample (tagged with the worker id) and reports
@@ -113,9 +114,7 @@ class _ForkWriterDataset:
         return len(self.cache)
 
     def __getitem__(self, index: int) -> tuple[int, int, bool]:
-        import torch.utils.data
-
-        info = torch.utils.data.get_worker_info()
+        info = torch_data.get_worker_info()
         tag = 0 if info is None else info.id + 1
         sample = {"data": sample_data(index, tag, self.nbytes), "tag": tag}
         return index, tag, self.cache.put(index, sample)
@@ -129,7 +128,6 @@ def _no_collate(batch: list[tuple[int, int, bool]]) -> list[tuple[int, int, bool
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 3 workers on 2 cores, on purpose
 def test_dataloader_fork_workers_write_through_the_inherited_handle(cache_dir: Path) -> None:
     """3 forked DataLoader workers put the same slots at once through the parent's handle: one wins each."""
-    torch_data = pytest.importorskip("torch.utils.data")
     length, nbytes, batch_size, workers = 768, 32768, 16, 3
     with Cache.open(cache_dir / "fork.mmc", make_fields(nbytes), length) as cache:
         assert cache.put(0, {"data": sample_data(0, 0, nbytes), "tag": 0})  # the parent wrote before forking
@@ -141,7 +139,7 @@ def test_dataloader_fork_workers_write_through_the_inherited_handle(cache_dir: P
             for _ in range(workers)
             for i in range(start, start + batch_size)
         ]
-        loader = torch_data.DataLoader(
+        loader: torch_data.DataLoader[tuple[int, int, bool]] = torch_data.DataLoader(
             _ForkWriterDataset(cache, nbytes),
             batch_size=batch_size,
             sampler=order,
