@@ -31,6 +31,7 @@ __all__ = [
     "fmt_bytes",
     "machine_info",
     "ratio",
+    "ratio_of_mins",
     "run_interleaved",
     "table",
     "write_results",
@@ -81,6 +82,11 @@ def run_interleaved(
 def ratio(times: dict[str, list[float]], name: str, baseline: str) -> float:
     """Median over rounds of ``time(name) / time(baseline)`` (> 1: slower than the baseline)."""
     return statistics.median(t / b for t, b in zip(times[name], times[baseline], strict=True))
+
+
+def ratio_of_mins(times: dict[str, list[float]], name: str, baseline: str) -> float:
+    """``min(time(name)) / min(time(baseline))``: the least-disturbed rounds, a check on :func:`ratio`."""
+    return min(times[name]) / min(times[baseline])
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

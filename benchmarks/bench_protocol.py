@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import machine_info, ratio, run_interleaved, table, write_results
+from _common import machine_info, ratio, ratio_of_mins, run_interleaved, table, write_results
 
 import mmapcache
 from mmapcache import Cache, Field
@@ -274,6 +274,7 @@ def summarize(times: Times, baselines: list[str], row_bytes: int) -> list[dict[s
                 "max_us": max(ts) * 1e6,
                 "gb_per_s": row_bytes / med / 1e9,
                 **{f"time_vs[{b}]": ratio(times, name, b) for b in baselines},
+                **{f"time_vs_of_mins[{b}]": ratio_of_mins(times, name, b) for b in baselines},
                 "rounds_us": [t * 1e6 for t in ts],
             }
         )
