@@ -122,12 +122,19 @@ class SlotTable:
         """Whether another open description holds slot ``index``'s claim (a live writer)."""
         return self.locks.held_elsewhere(self.lock_offset(index))
 
-    def reset(self, index: int) -> bool:
-        """Mark a slot EMPTY under its claim; False if a live writer holds it."""
+    def reset(self, index: int, expect: int | None = None) -> bool:
+        """Mark a slot EMPTY under its claim; False if a live writer holds it.
+
+        With ``expect``, only if the slot is still in that state: holding the
+        claim, nobody else can change it, so a slot another writer reclaimed
+        and published meanwhile is left alone.
+        """
         offset = self.lock_offset(index)
         if not self.locks.try_claim(offset):
             return False
         try:
+            if expect is not None and self.states[index] != expect:
+                return False
             self.states[index] = EMPTY
             self.checksums[index] = 0
         finally:

@@ -499,7 +499,9 @@ class Cache:
         for i in np.flatnonzero(states > READY).tolist():
             problems.append(Problem("state", i, f"slot {i} has the invalid state byte {states[i]}"))
         for i in np.flatnonzero(states == WRITING).tolist():
-            if not slots.writer_alive(i):
+            # Re-read the state after the lock probe: a live writer may have
+            # published and let go since the snapshot (not stuck, just done).
+            if not slots.writer_alive(i) and slots.states[i] == WRITING:
                 problems.append(Problem("stuck", i, f"slot {i} was left half-written by a writer that died"))
         for i in np.flatnonzero(states == READY).tolist():
             crc = 0
@@ -515,7 +517,13 @@ class Cache:
                 )
         if fix:
             problems = [
-                Problem(p.kind, p.index, p.message, fixed=p.index is not None and slots.reset(p.index))
+                Problem(
+                    p.kind,
+                    p.index,
+                    p.message,
+                    # A stuck slot may have been refilled since: reset it only if still WRITING.
+                    fixed=p.index is not None and slots.reset(p.index, expect=WRITING if p.kind == "stuck" else None),
+                )
                 for p in problems
             ]
         return problems

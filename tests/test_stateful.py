@@ -335,4 +335,4 @@ def test_processes_sharing_a_cache_match_the_model(cache_dir: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_processes_sharing_a_cache_match_the_model_long(cache_dir: Path) -> None:
-    _run(cache_dir, examples=200, steps=60)
+    _run(cache_dir, examples=100, steps=50)
