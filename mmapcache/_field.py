@@ -9,6 +9,7 @@ dtype they were.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -60,7 +61,7 @@ class Field:
     @property
     def nbytes(self) -> int:
         """Bytes one sample of this field takes."""
-        return int(np.prod(self._shape, dtype=np.int64)) * self._dtype.itemsize
+        return math.prod(self._shape) * self._dtype.itemsize
 
     @property
     def dtype_name(self) -> str:

@@ -56,6 +56,7 @@ log = logging.getLogger("mmapcache")
 _BITS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 
 
+@functools.cache
 def _torch_dtype(field: Field) -> torch.dtype:
     if field.torch_dtype is not None:
         dtype = getattr(torch, field.torch_dtype)
@@ -804,15 +805,21 @@ def _progress(total: int, description: str, *, enabled: bool) -> Any:
 def _check_dtype(value: Any, field: Field, name: str) -> None:
     """Tensors and arrays must keep the dtype of the first sample: a silent cast would change the data."""
     if isinstance(value, torch.Tensor):
-        got, want = str(value.dtype).removeprefix("torch."), field.dtype_name
+        if value.dtype == _torch_dtype(field):
+            return
+        got = str(value.dtype).removeprefix("torch.")
     elif isinstance(value, (np.ndarray, np.generic)):
-        got, want = str(value.dtype.newbyteorder("=")), field.dtype_name
-        if field.torch_dtype is not None:
-            want = f"torch.{want}"
+        if field.torch_dtype is None and value.dtype.newbyteorder("=") == field.dtype.newbyteorder("="):
+            return
+        got = str(value.dtype.newbyteorder("="))
     else:
         return  # Python scalars follow the casting rules of mmapcache._values
-    if got != want:
-        raise TypeError(f"field {name!r}: the dataset gave {got} values, the cache holds {want}")
+    want = (
+        field.dtype_name
+        if field.torch_dtype is None or isinstance(value, torch.Tensor)
+        else f"torch.{field.dtype_name}"
+    )
+    raise TypeError(f"field {name!r}: the dataset gave {got} values, the cache holds {want}")
 
 
 def _describe(fields: Mapping[str, Field]) -> str:
