@@ -23,6 +23,7 @@ import random
 import signal
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -232,6 +233,49 @@ class _Server:
                         bad.append(i)
         self.conn.recv()
         return {"checked": checked, "reads": reads + checked, "partial": partial, "bad": bad}
+
+    def op_churn(self, path: str, nbytes: int, length: int, seconds: float, remover: bool) -> dict[str, Any]:
+        """For ``seconds``: open-or-create, put, check, close, again -- or, as the remover, try to remove.
+
+        While a handle is open its file must stay the one at ``path`` (remove
+        refuses caches in use). Returns counts, the mismatches, and the log
+        lines about creating files.
+        """
+        target = Path(path)
+        counts = {"opened": 0, "removed": 0, "refused": 0, "missing": 0}
+        mismatches: list[str] = []
+        self.logs.clear()
+        self.conn.send(("started", None))
+        deadline = time.monotonic() + seconds
+        rng = random.Random(os.getpid())
+        while time.monotonic() < deadline:
+            if remover:
+                try:
+                    mmapcache.remove(target)
+                    counts["removed"] += 1
+                except mmapcache.CacheInUseError:
+                    counts["refused"] += 1
+                except FileNotFoundError:
+                    counts["missing"] += 1
+                time.sleep(rng.uniform(0, 0.002))
+                continue
+            with Cache.open(target, make_fields(nbytes), length, timeout=30) as cache:
+                counts["opened"] += 1
+                index = rng.randrange(length)
+                stored = cache.put(index, make_sample(index, 1, nbytes))
+                held = os.fstat(cache._handle.fd)
+                try:
+                    now = os.stat(target)
+                except FileNotFoundError:
+                    mismatches.append("the file of an open cache was removed")
+                else:
+                    if not os.path.samestat(held, now):
+                        mismatches.append("the path of an open cache points to another file")
+                # (put may lose to another process still writing the slot: then it may not be READY yet.)
+                if stored and cache.get(index) is None:
+                    mismatches.append(f"slot {index} not readable after its put succeeded")
+        logs = [m for m in self.logs if m.startswith("created ") or "appeared while" in m]
+        return {"counts": counts, "mismatches": mismatches, "logs": logs}
 
     def op_in_use(self, path: str) -> bool:
         return mmapcache.in_use(path)

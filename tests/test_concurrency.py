@@ -442,6 +442,38 @@ def test_concurrent_creators_released_by_a_barrier(cache_dir: Path) -> None:
     assert sorted(os.listdir(cache_dir)) == ["a.mmc", "a.mmc.lock", "c.mmc", "c.mmc.lock"]
 
 
+@pytest.mark.timeout(120)
+def test_remove_racing_openers_and_creators(cache_dir: Path) -> None:
+    """One process removes the cache whenever nobody has it open; three open-or-create it in a loop.
+
+    remove() deletes the lock file too, while holding it: a creator that was
+    waiting on the deleted inode must not create a second file next to one
+    created under the new lock file (filelock retries on st_nlink == 0).
+    """
+    path = cache_dir / "churn.mmc"
+    workers = [Worker() for _ in range(4)]
+    try:
+        for k, w in enumerate(workers):
+            w.send("churn", str(path), 4096, 32, 3.0, k == 0)
+        for w in workers:
+            w.wait_started()
+        results = [w.recv(timeout=60) for w in workers]
+    finally:
+        stop_all(workers)
+    remover, openers = results[0], results[1:]
+    logs = [m for r in results for m in r["logs"]]
+    assert not [m for m in logs if "appeared while" in m], "two creators made a file for one name"
+    created = sum(1 for m in logs if m.startswith("created "))
+    assert remover["counts"]["removed"] >= 3, remover["counts"]
+    assert remover["counts"]["refused"] > 0, remover["counts"]
+    # Each removal was followed by at most one creation (the last may not be).
+    assert remover["counts"]["removed"] <= created <= remover["counts"]["removed"] + 1
+    for r in openers:
+        assert r["mismatches"] == []
+        assert r["counts"]["opened"] > 10
+    assert not [n for n in os.listdir(cache_dir) if ".tmp-" in n]
+
+
 def _logged_creation(logs: list[str]) -> bool:
     return any(message.startswith("created ") for message in logs)
 
