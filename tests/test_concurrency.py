@@ -84,8 +84,6 @@ def test_spawned_writers_fill_overlapping_ranges_while_readers_read(cache_dir: P
             assert i not in winners, f"slot {i}: both writer {winners[i]} and writer {tag} got True from put"
             winners[i] = tag
     assert sorted(winners) == list(range(length))
-    raced = sum(len(set(plans[k]) & set(plans[k + 1])) for k in range(1, writers))
-    assert raced >= length // 4
     with Cache.open(path) as cache:
         assert cache.filled == length
         batch = cache.get_many(range(length))
