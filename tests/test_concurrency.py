@@ -97,6 +97,10 @@ def test_spawned_writers_fill_overlapping_ranges_while_readers_read(cache_dir: P
         assert report["checked"] > 0
     # The readers really ran during the fill: they saw it partly done.
     assert sum(r["partial"] for r in reports) > 0
+    print(
+        f"fill: {sum(len(p) for p in plans.values())} puts by {writers} writers, "
+        f"{sum(r['reads'] for r in reports)} reads ({sum(r['checked'] for r in reports)} hits checked) by {readers}"
+    )
 
 
 class _ForkWriterDataset(torch_data.Dataset[tuple[int, int, bool]]):
@@ -278,6 +282,7 @@ def test_verify_while_writers_fill_finds_nothing_and_loses_nothing(cache_dir: Pa
     finally:
         stop_all(workers)
     assert not findings, f"{len(findings)} false findings in {calls} verify calls, e.g. {findings[:3]}"
+    print(f"verify while filling: {rounds} rounds, {calls} verify calls")
 
 
 # -- crash fuzz -------------------------------------------------------------------
