@@ -23,7 +23,7 @@ import numpy as np
 
 from ._errors import CacheError, CacheInUseError, ReadonlyCacheError
 from ._field import Field, FieldsLike, normalize_fields
-from ._file import Expected, NewFile, OpenedFile, open_or_create, read_header
+from ._file import Expected, NewFile, OpenedFile, creation_lock, open_or_create, read_header
 from ._format import RECORD_SIZE, Header, Layout
 from ._gather import gather
 from ._locks import SlotLocks, flock_holders, lock_exclusive_soon
@@ -450,7 +450,19 @@ class Cache:
         if self._readonly:
             raise self._readonly_error("clear")
         fd = self._handle.fd
-        if not lock_exclusive_soon(fd, holds_shared=True, path=str(self._path), timeout=self._timeout):
+        # Under the creation lock, which remove() takes first: switching between
+        # our shared and the exclusive flock is not atomic in the kernel, and a
+        # remove() probing in that instant would find the cache unused.
+        with creation_lock(self._path, self._timeout):
+            cleared = lock_exclusive_soon(fd, holds_shared=True, path=str(self._path), timeout=self._timeout)
+            if cleared:
+                try:
+                    with self._handle.write_lock:
+                        self._slots.states[:] = EMPTY
+                        self._slots.checksums[:] = 0
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_SH)
+        if not cleared:
             pids = [p for p in flock_holders(os.fstat(fd)) if p != os.getpid()]
             who = f" (process ids: {', '.join(map(str, pids))})" if pids else ""
             raise CacheInUseError(
@@ -459,12 +471,6 @@ class Cache:
                 path=self._path,
                 pids=pids,
             )
-        try:
-            with self._handle.write_lock:
-                self._slots.states[:] = EMPTY
-                self._slots.checksums[:] = 0
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_SH)
 
     # -- checking -------------------------------------------------------------
 
