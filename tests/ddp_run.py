@@ -33,7 +33,10 @@ def main() -> None:
         sampler.set_epoch(epoch)
         for batch in loader:
             check_batch(batch)
-    dist.barrier()
+        # Real training syncs the ranks at every step (gradient all-reduce); without
+        # it, a fast rank could reach epoch 2 and miss on a sample the other rank
+        # is still loading in epoch 1 — loading it twice, correctly but not "once".
+        dist.barrier()
     dist.destroy_process_group()
 
 
