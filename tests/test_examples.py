@@ -1,0 +1,44 @@
+"""The runnable examples run (with small sizes) and leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+CASES = {
+    "quickstart.py": [],
+    "concurrent_jobs.py": ["--length", "600"],
+    "imagefolder.py": ["--count", "300", "--side", "96", "--size", "32", "--epochs", "2"],
+    "lightning_ddp.py": ["--length", "256"],
+    "property_test_concurrent.py": ["--examples", "3", "--steps", "10"],
+}
+
+
+def test_every_example_is_exercised() -> None:
+    assert sorted(CASES) == sorted(p.name for p in EXAMPLES.glob("*.py"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("script", "args"), list(CASES.items()), ids=list(CASES))
+def test_example_runs(script: str, args: list[str], cache_dir: Path) -> None:
+    default = cache_dir / "default"
+    env = {**os.environ, "MMAPCACHE_DIR": str(default), "TMPDIR": str(cache_dir)}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args],
+        cwd=cache_dir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.stdout.strip(), f"{script} printed nothing"
+    # Hypothesis keeps its example database in the working directory.
+    left = [str(p.relative_to(cache_dir)) for p in cache_dir.rglob("*") if p.is_file() and ".hypothesis" not in p.parts]
+    assert left == [], f"{script} left files behind: {sorted(left)}"
