@@ -8,15 +8,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
+from _caches import DAY, Holder, age, make_cache
 
 import mmapcache
 from mmapcache import Cache, CacheFormatError, Field, UnsafeCacheFileError
@@ -24,58 +22,9 @@ from mmapcache._admin import SMALL_TMPFS, DiskUsage, _warnings, memory_limit
 from mmapcache._file import read_header
 from mmapcache._slots import WRITING
 
-FIELDS = {"image": Field((3, 4, 4), "uint8"), "label": Field((), "int64")}
-DAY = 86400.0
-
-
-def make_cache(path: Path, *, length: int = 10, filled: int = 0, key: str = "k", capacity: int | None = None) -> Path:
-    with Cache.open(path, FIELDS, length, key=key, capacity=capacity) as cache:
-        for i in range(filled):
-            cache.put(i, {"image": np.full((3, 4, 4), i, np.uint8), "label": i})
-    return path
-
-
-def age(path: Path, seconds: float) -> None:
-    """Make ``path`` look last used ``seconds`` ago."""
-    then = time.time() - seconds
-    os.utime(path, (then, then))
-
 
 def digest(path: Path) -> tuple[str, float]:
     return hashlib.sha256(path.read_bytes()).hexdigest(), os.stat(path).st_mtime
-
-
-HOLDER = """
-import sys, time
-from mmapcache import Cache
-cache = Cache.open(sys.argv[1], readonly=sys.argv[2] == "ro")
-print("ready", flush=True)
-time.sleep(120)
-"""
-
-
-class Holder:
-    """Another process that has a cache open until it is killed."""
-
-    def __init__(self, path: Path, *, readonly: bool = True) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, str(path), "ro" if readonly else "rw"],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.process.stdout is not None
-        assert self.process.stdout.readline().strip() == "ready"
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=30)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
 
 
 @pytest.fixture

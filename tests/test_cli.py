@@ -6,21 +6,17 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
+from _caches import DAY, Holder, age, make_cache
 
-from mmapcache import Cache, Field
+from mmapcache import Cache
 from mmapcache._file import read_header
 
-FIELDS = {"image": Field((3, 4, 4), "uint8"), "label": Field((), "int64")}
-DAY = 86400.0
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = shutil.which("mmapcache")
 COMMANDS = ["ls", "info", "verify", "rm", "gc", "df"]
@@ -43,45 +39,18 @@ def run(*args: str, env_dir: Path | None = None, cwd: Path | None = None) -> sub
     return result
 
 
-def make_cache(path: Path, *, length: int = 10, filled: int = 0, key: str = "k") -> Path:
-    with Cache.open(path, FIELDS, length, key=key) as cache:
-        for i in range(filled):
-            cache.put(i, {"image": np.full((3, 4, 4), i, np.uint8), "label": i})
-    return path
-
-
-def age(path: Path, seconds: float) -> None:
-    then = time.time() - seconds
-    os.utime(path, (then, then))
-
-
-HOLDER = """
-import sys, time
-from mmapcache import Cache
-cache = Cache.open(sys.argv[1], readonly=True)
-print("ready", flush=True)
-time.sleep(120)
-"""
-
-
 @pytest.fixture
 def hold() -> Iterator[object]:
     """``hold(path)`` starts a process that keeps the cache open; all are SIGKILLed at the end."""
-    started: list[subprocess.Popen[str]] = []
+    started: list[Holder] = []
 
-    def start(path: Path) -> subprocess.Popen[str]:
-        process = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdout=subprocess.PIPE, text=True)
-        started.append(process)
-        assert process.stdout is not None
-        assert process.stdout.readline().strip() == "ready"
-        return process
+    def start(path: Path) -> Holder:
+        started.append(Holder(path))
+        return started[-1]
 
     yield start
-    for process in started:
-        process.kill()
-        process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
+    for holder in started:
+        holder.kill()
 
 
 # -- help and usage -------------------------------------------------------------------------
@@ -338,8 +307,7 @@ def test_rm_after_the_holder_was_killed(cache_dir: Path, hold: object) -> None:
     path = make_cache(cache_dir / "a.mmc")
     holder = hold(path)  # type: ignore[operator]
     assert run("rm", str(path)).returncode == 1
-    holder.send_signal(signal.SIGKILL)
-    holder.wait()
+    holder.kill()
     result = run("rm", str(path))
     assert result.returncode == 0, result.stderr
     assert not path.exists()
@@ -397,8 +365,7 @@ def test_gc_refuses_a_cache_in_use(cache_dir: Path, hold: object) -> None:
     assert result.returncode == 0  # keeping a cache in use is not a failure (nightly cron)
     assert f"kept a.mmc: in use by pid {holder.pid}" in result.stdout
     assert path.exists()
-    holder.send_signal(signal.SIGKILL)
-    holder.wait()
+    holder.kill()
     result = run("gc", str(cache_dir))
     assert result.returncode == 0
     assert "removed a.mmc" in result.stdout
