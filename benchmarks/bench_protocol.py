@@ -4,11 +4,11 @@ For each sample size (64 B, 12 KB, 150 KB uint8) and in interleaved rounds:
 
 * **put** — ``cache.put(i, sample)`` into an empty slot, against the same work
   without the protocol, written straight into the cache's mapped arrays:
-  a raw row copy; copy + CRC-32; copy + CRC-32 + checksum and state stores (the
+  a raw row copy; copy + checksum (XXH3); copy + checksum + its store and the state stores (the
   protocol without the kernel lock, i.e. what ``put`` does minus the claim);
-  and the protocol without the API layer (``Cache._fill``: lock + copy + CRC +
+  and the protocol without the API layer (``Cache._fill``: lock + copy + checksum +
   publish, no index checks or value coercion). Also the cost of the pieces on
-  their own (one kernel claim + release; one CRC-32) and of ``put`` on a slot
+  their own (one kernel claim + release; one checksum) and of ``put`` on a slot
   that is already filled (which should cost a state read).
 * **get** — ``cache.get(i)`` with ``verify=False`` and ``verify=True`` against a raw
   ``array[i].copy()`` and a raw state check + copy.
@@ -16,7 +16,7 @@ For each sample size (64 B, 12 KB, 150 KB uint8) and in interleaved rounds:
   ``verify=True`` against the raw gather (page-aligned output, no state check),
   the raw state check + gather, and plain allocating ``np.take``.
 * **put_many** — ``cache.put_many`` of 64 rows into empty slots against a raw
-  ``array[idx] = batch`` and a raw per-row copy + CRC + state loop.
+  ``array[idx] = batch`` and a raw per-row copy + checksum + state loop.
 
 Run ``python benchmarks/bench_protocol.py`` (about 1 minute) or ``--quick``.
 Results go to ``benchmarks/results/bench_protocol[-quick].json``.
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from _common import machine_info, ratio, ratio_of_mins, run_interleaved, table, 
 
 import mmapcache
 from mmapcache import Cache, Field
+from mmapcache._checksum import checksum
 from mmapcache._gather import gather
 
 SIZES: dict[str, tuple[int, ...]] = {"64B": (64,), "12KB": (3, 64, 64), "150KB": (3, 224, 224)}
@@ -97,8 +97,8 @@ def bench_put(cache: Cache, pool: np.ndarray[Any, Any], rounds: int, reps: int) 
     names = [
         "Cache.put",
         "protocol only (Cache._fill)",
-        "raw copy+crc+state (no lock)",
-        "raw copy+crc",
+        "raw copy+checksum+state (no lock)",
+        "raw copy+checksum",
         "raw copy",
     ]
     blocks = Blocks(cache, [*names, "filled"], reps, PUT_OPS)
@@ -112,17 +112,17 @@ def bench_put(cache: Cache, pool: np.ndarray[Any, Any], rounds: int, reps: int) 
             with write_lock:
                 cache._fill(i, arrays[k % POOL], None)
 
-    def copy_crc_state(x: Any) -> None:
-        for k, i in enumerate(blocks.take("raw copy+crc+state (no lock)").tolist()):
+    def copy_checksum_state(x: Any) -> None:
+        for k, i in enumerate(blocks.take("raw copy+checksum+state (no lock)").tolist()):
             states[i] = 1
             array[i] = pool[k % POOL]
-            checksums[i] = zlib.crc32(raw[i])
+            checksums[i] = checksum((raw[i],))
             states[i] = READY
 
-    def copy_crc(x: Any) -> None:
-        for k, i in enumerate(blocks.take("raw copy+crc").tolist()):
+    def copy_checksum(x: Any) -> None:
+        for k, i in enumerate(blocks.take("raw copy+checksum").tolist()):
             array[i] = pool[k % POOL]
-            zlib.crc32(raw[i])
+            checksum((raw[i],))
 
     def copy(x: Any) -> None:
         for k, i in enumerate(blocks.take("raw copy").tolist()):
@@ -134,9 +134,9 @@ def bench_put(cache: Cache, pool: np.ndarray[Any, Any], rounds: int, reps: int) 
             locks.try_claim(offset)
             locks.release(offset)
 
-    def crc_only(x: Any) -> None:
+    def checksum_only(x: Any) -> None:
         for k in range(PUT_OPS):
-            zlib.crc32(pool[k % POOL])
+            checksum((pool[k % POOL],))
 
     filled = np.arange(blocks.need, blocks.need + PUT_OPS)  # slots past the blocks: filled once, never reset
     cache.put_many(filled, {"image": pool[np.arange(PUT_OPS) % POOL]})
@@ -148,11 +148,11 @@ def bench_put(cache: Cache, pool: np.ndarray[Any, Any], rounds: int, reps: int) 
     variants: dict[str, Variant] = {
         "Cache.put": put,
         "protocol only (Cache._fill)": fill,
-        "raw copy+crc+state (no lock)": copy_crc_state,
-        "raw copy+crc": copy_crc,
+        "raw copy+checksum+state (no lock)": copy_checksum_state,
+        "raw copy+checksum": copy_checksum,
         "raw copy": copy,
         "kernel claim+release only": lock_pair,
-        "crc32 only": crc_only,
+        "checksum only": checksum_only,
         "Cache.put, slot already filled": put_filled,
     }
 
@@ -192,15 +192,15 @@ def bench_get(cache: Cache, checked: Cache, n: int, rounds: int, reps: int) -> T
             return array[i].copy()
         return None
 
-    def copy_crc(i: int) -> object:
+    def copy_checksum(i: int) -> object:
         out = array[i].copy()
-        return zlib.crc32(out) == sums[i]
+        return checksum((out,)) == sums[i]
 
     variants: dict[str, Variant] = {
         "Cache.get": loop(cache.get),
         "Cache.get verify=True": loop(checked.get),
         "raw state check+copy": loop(state_copy),
-        "raw copy+crc check": loop(copy_crc),
+        "raw copy+checksum check": loop(copy_checksum),
         "raw copy": loop(lambda i: array[i].copy()),
     }
     return run_interleaved(
@@ -233,17 +233,17 @@ def bench_put_many(cache: Cache, pool: np.ndarray[Any, Any], rounds: int, reps: 
     states, checksums = cache._slots.states, cache._slots.checksums
     rows = np.arange(PUT_MANY_ROWS) % POOL
     batch = pool[rows]
-    names = ["Cache.put_many", "raw per-row copy+crc+state", "raw array[idx] = batch"]
+    names = ["Cache.put_many", "raw per-row copy+checksum+state", "raw array[idx] = batch"]
     blocks = Blocks(cache, names, reps, PUT_MANY_ROWS, seed=1)
 
     def put_many(x: Any) -> None:
         cache.put_many(blocks.take("Cache.put_many"), {"image": batch})
 
     def per_row(x: Any) -> None:
-        for k, i in enumerate(blocks.take("raw per-row copy+crc+state").tolist()):
+        for k, i in enumerate(blocks.take("raw per-row copy+checksum+state").tolist()):
             states[i] = 1
             array[i] = batch[k]
-            checksums[i] = zlib.crc32(raw[i])
+            checksums[i] = checksum((raw[i],))
             states[i] = READY
 
     def fancy(x: Any) -> None:
@@ -251,7 +251,7 @@ def bench_put_many(cache: Cache, pool: np.ndarray[Any, Any], rounds: int, reps: 
 
     variants: dict[str, Variant] = {
         "Cache.put_many": put_many,
-        "raw per-row copy+crc+state": per_row,
+        "raw per-row copy+checksum+state": per_row,
         "raw array[idx] = batch": fancy,
     }
 
@@ -318,10 +318,10 @@ def main() -> None:
             size: dict[str, Any] = {"shape": shape, "row_bytes": row_bytes, "slots": n}
             with open_cache(directory, path.name, shape, n) as cache:
                 print(f"\n=== {label} samples {shape}, {n} slots")
-                base = ["raw copy+crc+state (no lock)", "raw copy"]
+                base = ["raw copy+checksum+state (no lock)", "raw copy"]
                 size["put"] = summarize(bench_put(cache, pool, rounds, reps), base, row_bytes)
                 print_rows(f"[{label}] put, µs per sample", size["put"], base)
-                base = ["raw per-row copy+crc+state", "raw array[idx] = batch"]
+                base = ["raw per-row copy+checksum+state", "raw array[idx] = batch"]
                 size["put_many"] = summarize(bench_put_many(cache, pool, rounds, reps), base, row_bytes)
                 print_rows(f"[{label}] put_many of {PUT_MANY_ROWS} rows, µs per sample", size["put_many"], base)
                 # Fill every slot for the reads.
@@ -355,8 +355,8 @@ def print_summary(results: dict[str, Any]) -> None:
             return found
 
         put = pick("put", "Cache.put")
-        no_lock = put["time_vs[raw copy+crc+state (no lock)]"]
-        rows.append([label, "put vs raw copy+crc+state", put["median_us"], no_lock])
+        no_lock = put["time_vs[raw copy+checksum+state (no lock)]"]
+        rows.append([label, "put vs raw copy+checksum+state", put["median_us"], no_lock])
         rows.append([label, "put vs raw copy", put["median_us"], put["time_vs[raw copy]"]])
         get = pick("get", "Cache.get")
         rows.append([label, "get vs raw state check+copy", get["median_us"], get["time_vs[raw state check+copy]"]])

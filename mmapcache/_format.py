@@ -54,8 +54,8 @@ without raising the format version.
   unsigned integer of the same width, which is what `dtype` then says. Names
   are unique and non-empty.
 - `key`: the creator's identity string for the content (`""` if none).
-- `checksum`: the slot checksum algorithm, `"crc32"` (zlib/PNG CRC-32) in
-  version 1.
+- `checksum`: the slot checksum algorithm, `"xxh3-64"` in version 1 (see the
+  slot table).
 - `created`: an object describing the creator (`time` as ISO 8601 UTC,
   `host`, `pid`, `uid`, `mmapcache` version); informational only.
 
@@ -68,7 +68,7 @@ One record of `record_size` bytes per slot; slot `i`'s record starts at
 |-------:|-----:|---------|
 | 0 | 1 | state: 0 EMPTY, 1 WRITING, 2 READY; other values are invalid |
 | 1 | 3 | zero |
-| 4 | 4 | checksum, uint32: CRC-32 of the slot's bytes in every field, in field order (the CRC continued from one field to the next); meaningful only when the state is READY |
+| 4 | 4 | checksum, uint32: meaningful only when the state is READY; computed as `h = 0`, then for each field in field order `h = XXH3_64(the slot's bytes of that field, seed = h)` (xxHash 0.8, 64-bit seed), and the checksum is `h & 0xFFFFFFFF` |
 
 ## Data
 
@@ -120,6 +120,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _checksum
 from ._errors import CacheFormatError
 from ._field import Field
 
@@ -143,7 +144,7 @@ FORMAT_VERSION = 1
 ALIGNMENT = 4096
 RECORD_SIZE = 8
 MAX_HEADER_SIZE = 64 * 2**20
-CHECKSUM = "crc32"
+CHECKSUM = _checksum.NAME
 
 # magic, version, header_size, meta_size, header crc, length, capacity,
 # record_size, flags, uuid

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import math
 import mmap
 import operator
 import os
@@ -13,7 +14,6 @@ import sys
 import threading
 import time
 import weakref
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ._checksum import checksum
 from ._errors import CacheError, CacheInUseError, ReadonlyCacheError
 from ._field import Field, FieldsLike, normalize_fields
 from ._file import Expected, NewFile, OpenedFile, creation_lock, open_or_create, read_header
@@ -370,8 +371,10 @@ class Cache:
             raise _missing_error(idx[~ready], len(idx))
         out = {name: gather(array, idx) for name, array in self._items}
         if self._verify:
-            bad = [row for row, i in enumerate(idx.tolist()) if not self._intact(i, (a[row] for a in out.values()))]
-            if bad:
+            bad = self._failed_rows(idx, list(out.values()))
+            if len(bad):
+                for i in idx[bad].tolist():
+                    self._report_mismatch(i)
                 raise _missing_error(idx[bad], len(idx), why="failed their checksum")
         return out
 
@@ -381,18 +384,25 @@ class Cache:
         return self._slots.ready_mask(self._index_array(indices), self._capacity, self._length)
 
     def _intact(self, index: int, arrays: Any) -> bool:
-        crc = 0
-        for array in arrays:
-            crc = zlib.crc32(_byte_view(array), crc)  # type: ignore[arg-type]  # numpy arrays are buffers
-        if crc == int(self._slots.checksums[index]):
+        if checksum(map(_byte_view, arrays)) == int(self._slots.checksums[index]):
             return True
+        self._report_mismatch(index)
+        return False
+
+    def _failed_rows(self, idx: np.ndarray[Any, Any], out: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
+        """Rows of a gathered batch whose bytes do not match their slot's checksum."""
+        count = len(idx)
+        rows = [array.reshape(count, math.prod(array.shape[1:])).view(np.uint8) for array in out]
+        sums = np.fromiter((checksum([r[row] for r in rows]) for row in range(count)), np.uint32, count)
+        return np.flatnonzero(sums != self._slots.checksums[idx])
+
+    def _report_mismatch(self, index: int) -> None:
         log.warning(
             "slot %d of %s does not match its checksum; treated as a miss "
             "(cache.verify(fix=True) or `mmapcache verify --fix` resets it)",
             index,
             self._path,
         )
-        return False
 
     # -- writing --------------------------------------------------------------
 
@@ -435,11 +445,9 @@ class Cache:
         if not slots.claim(index):
             return False
         try:
-            crc = 0
-            for (_, target), raw, source in zip(self._items, self._raws, arrays, strict=True):
+            for (_, target), source in zip(self._items, arrays, strict=True):
                 target[index] = source if row is None else source[row]
-                crc = zlib.crc32(raw[index], crc)
-            slots.publish(index, crc)
+            slots.publish(index, checksum([raw[index] for raw in self._raws]))
             return True
         finally:
             slots.release(index)
@@ -510,9 +518,7 @@ class Cache:
             if not slots.writer_alive(i) and slots.states[i] == WRITING:
                 problems.append(Problem("stuck", i, f"slot {i} was left half-written by a writer that died"))
         for i in np.flatnonzero(states == READY).tolist():
-            crc = 0
-            for raw in self._raws:
-                crc = zlib.crc32(raw[i], crc)
+            crc = checksum([raw[i] for raw in self._raws])
             if crc != int(slots.checksums[i]):
                 problems.append(
                     Problem(

@@ -443,3 +443,64 @@ def test_remove_deletes_file_and_side_files(cache_dir: Path) -> None:
     assert os.listdir(cache_dir) == []
     with pytest.raises(FileNotFoundError):
         mmapcache.remove(path)
+
+
+# -- checksums and verification ---------------------------------------------------
+
+
+def _corrupt_slot(cache: Cache, index: int) -> None:
+    """Flip one byte of a slot's image through the file itself, as a stray writer or bad RAM would."""
+    offset = cache._layout.field_offsets["image"] + index * FIELDS["image"].nbytes + 5
+    with open(cache.path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_verified_reads_treat_a_damaged_slot_as_a_miss(cache_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = cache_dir / "c.mmc"
+    with Cache.open(path, FIELDS, length=10) as writer:
+        for i in range(4):
+            writer.put(i, sample(i))
+        _corrupt_slot(writer, 2)
+        with Cache.open(path, verify=True) as checked:
+            assert checked.get(2) is None
+            assert "slot 2" in caplog.text
+            assert "does not match its checksum" in caplog.text
+            assert_sample(checked[1], 1)
+            with pytest.raises(KeyError, match="1 of 3 indices failed their checksum") as info:
+                checked.get_many([0, 2, 3])
+            assert info.value.missing.tolist() == [2]  # type: ignore[attr-defined]
+            assert checked.get_many([0, 1, 3])["label"].tolist() == [0, 10, 30]
+        # without verify=True a read trusts the state byte (the cheap default)
+        assert writer.get(2) is not None
+
+
+def test_verify_finds_and_fixes_damaged_and_abandoned_slots(cache_dir: Path) -> None:
+    import signal
+
+    path = cache_dir / "c.mmc"
+    with Cache.open(path, FIELDS, length=10) as cache:
+        for i in range(5):
+            cache.put(i, sample(i))
+        assert cache.verify() == []
+        _corrupt_slot(cache, 3)
+        pid = os.fork()
+        if pid == 0:  # a writer that dies holding slot 7 mid-write
+            cache._slots.claim(7)
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.waitpid(pid, 0)
+        problems = cache.verify()
+        assert sorted((p.kind, p.index) for p in problems) == [("checksum", 3), ("stuck", 7)]
+        assert all(not p.fixed for p in problems)
+        assert cache.get(7) is None  # WRITING is never data
+        fixed = cache.verify(fix=True)
+        assert all(p.fixed for p in fixed)
+        assert "fixed" in str(fixed[0])
+        assert cache.verify() == []
+        assert 3 not in cache
+        assert cache.put(3, sample(3))
+        assert cache.put(7, sample(7))
+        assert_sample(cache[3], 3)
+        assert cache.filled == 6

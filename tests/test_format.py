@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 
 from mmapcache import Cache, CacheFormatError, Field
 from mmapcache._format import (
@@ -75,7 +76,7 @@ def test_bytes_follow_the_spec() -> None:
     assert meta["fields"][4]["torch_dtype"] == "bfloat16"
     assert meta["fields"][4]["dtype"] == "<u2"
     assert meta["key"] == "ключ/v1"
-    assert meta["checksum"] == "crc32"
+    assert meta["checksum"] == "xxh3-64"
     assert set(data[PREFIX_SIZE + meta_size :]) <= {0}
 
 
@@ -106,7 +107,9 @@ def test_file_on_disk_matches_the_layout(cache_dir: Path) -> None:
     b_bytes = raw[layout.field_offsets["b"] + 4 * 8 : layout.field_offsets["b"] + 5 * 8]
     assert np.frombuffer(a_bytes, "<u2").tolist() == [1, 2, 3]
     assert np.frombuffer(b_bytes, "<f8").tolist() == [2.5]
-    assert struct.unpack("<I", record[4:8])[0] == zlib.crc32(b_bytes, zlib.crc32(a_bytes))
+    # h = XXH3_64(a, seed=0); h = XXH3_64(b, seed=h); checksum = low 32 bits
+    chained = xxhash.xxh3_64_intdigest(b_bytes, seed=xxhash.xxh3_64_intdigest(a_bytes, seed=0))
+    assert struct.unpack("<I", record[4:8])[0] == chained & 0xFFFFFFFF
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,31 @@
+"""Slot checksums: XXH3-64, chained over a sample's fields, kept to 32 bits.
+
+Chosen for speed, because every ``put`` pays it and so does every read with
+``verify=True`` (and every read on weakly ordered CPUs, see ``_slots.py``).
+Measured here on 12 KB / 150 KB buffers: zlib's CRC-32 takes 3.0 / 44 µs,
+hardware CRC-32C 0.7 / 6.5 µs, XXH3-64 0.3 / 3.0 µs — about memory bandwidth.
+
+The chain: ``h = 0``; for each field's bytes in field order,
+``h = XXH3_64(bytes, seed=h)``; the checksum is ``h & 0xFFFFFFFF``. Any
+implementation of XXH3-64 (xxHash 0.8) with a 64-bit seed reproduces it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import xxhash
+
+__all__ = ["NAME", "checksum"]
+
+NAME = "xxh3-64"
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def checksum(parts: Iterable[Any]) -> int:
+    """The slot checksum of ``parts``: contiguous buffers (bytes, C-contiguous arrays), in field order."""
+    h = 0
+    for part in parts:
+        h = _xxh3(part, h)
+    return h & 0xFFFFFFFF
