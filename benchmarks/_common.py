@@ -79,6 +79,21 @@ def run_interleaved(
     return times
 
 
+def index_sets(n: int, reps: int, size: int) -> Callable[[int], list[tuple[Any, list[int]]]]:
+    """Per round: ``reps`` random index batches of ``size`` in ``[0, n)``, as an array and a list (same per round)."""
+    import numpy as np
+
+    def make(r: int) -> list[tuple[Any, list[int]]]:
+        rng = np.random.default_rng(1000 + r)
+        out = []
+        for _ in range(reps):
+            idx = rng.integers(0, n, size).astype(np.intp)
+            out.append((idx, idx.tolist()))
+        return out
+
+    return make
+
+
 def ratio(times: dict[str, list[float]], name: str, baseline: str) -> float:
     """Median over rounds of ``time(name) / time(baseline)`` (> 1: slower than the baseline)."""
     return statistics.median(t / b for t, b in zip(times[name], times[baseline], strict=True))

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import machine_info, ratio, ratio_of_mins, run_interleaved, table, write_results
+from _common import index_sets, machine_info, ratio, ratio_of_mins, run_interleaved, table, write_results
 
 import mmapcache
 from mmapcache import Cache, Field
@@ -161,18 +161,6 @@ def bench_put(cache: Cache, pool: np.ndarray[Any, Any], rounds: int, reps: int) 
         return [None] * reps
 
     return run_interleaved(variants, inputs, rounds=rounds, ops=dict.fromkeys(variants, PUT_OPS))
-
-
-def index_sets(n: int, reps: int, size: int) -> Callable[[int], list[tuple[np.ndarray[Any, Any], list[int]]]]:
-    def make(r: int) -> list[tuple[np.ndarray[Any, Any], list[int]]]:
-        rng = np.random.default_rng(1000 + r)
-        out = []
-        for _ in range(reps):
-            idx = rng.integers(0, n, size).astype(np.intp)
-            out.append((idx, idx.tolist()))
-        return out
-
-    return make
 
 
 def bench_get(cache: Cache, checked: Cache, n: int, rounds: int, reps: int) -> Times:

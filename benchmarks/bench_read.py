@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import fmt_bytes, machine_info, ratio, ratio_of_mins, run_interleaved, table, write_results
+from _common import fmt_bytes, index_sets, machine_info, ratio, ratio_of_mins, run_interleaved, table, write_results
 
 import mmapcache
 from mmapcache import Cache, Field
@@ -90,18 +90,6 @@ def sources(shape: tuple[int, ...], total_bytes: int, directory: Path, seed: int
         raw_path.unlink()
 
 
-def index_sets(n: int, reps: int) -> Callable[[int], list[tuple[np.ndarray[Any, Any], list[int]]]]:
-    def make(r: int) -> list[tuple[np.ndarray[Any, Any], list[int]]]:
-        rng = np.random.default_rng(1000 + r)
-        out = []
-        for _ in range(reps):
-            idx = rng.integers(0, n, BATCH).astype(np.intp)
-            out.append((idx, idx.tolist()))
-        return out
-
-    return make
-
-
 def offset_buffer(shape: tuple[int, ...], offset: int | None) -> np.ndarray[Any, Any]:
     """An uninitialised uint8 array starting ``offset`` bytes past a page boundary (None: wherever numpy puts it)."""
     nbytes = int(np.prod(shape))
@@ -137,7 +125,7 @@ def bench_targets(s: Sources, rounds: int, reps: int) -> Times:
         "take_mmap": lambda x: np.take(mview, x[0], axis=0),
         "take_ram": lambda x: np.take(ram, x[0], axis=0),
     }
-    return run_interleaved(variants, index_sets(s.n, reps), rounds=rounds)
+    return run_interleaved(variants, index_sets(s.n, reps, BATCH), rounds=rounds)
 
 
 def bench_get(s: Sources, rounds: int, reps: int) -> Times:
@@ -161,7 +149,7 @@ def bench_get(s: Sources, rounds: int, reps: int) -> Times:
         "copy_loop": copy_loop,
         "copy_loop_ram": copy_loop_ram,
     }
-    return run_interleaved(variants, index_sets(s.n, reps), rounds=rounds, ops=dict.fromkeys(variants, BATCH))
+    return run_interleaved(variants, index_sets(s.n, reps, BATCH), rounds=rounds, ops=dict.fromkeys(variants, BATCH))
 
 
 GATHER_OFFSETS = (16, 64, 256, 1024, 2048)
@@ -199,7 +187,7 @@ def bench_gather(s: Sources, rounds: int, reps: int) -> Times:
         "reused out= page+16, clip": take_reused(16),
         "row loop into page+0": row_loop,
     }
-    return run_interleaved(variants, index_sets(s.n, reps), rounds=rounds)
+    return run_interleaved(variants, index_sets(s.n, reps, BATCH), rounds=rounds)
 
 
 def bench_get_overhead(cache: Cache, rounds: int, reps: int) -> Times:
@@ -245,7 +233,9 @@ def bench_get_overhead(cache: Cache, rounds: int, reps: int) -> Times:
         "array[i].copy() only": loop(lambda i: array0[i].copy()),
         "state check only": loop(lambda i: states[i] == READY),
     }
-    return run_interleaved(variants, index_sets(len(cache), reps), rounds=rounds, ops=dict.fromkeys(variants, BATCH))
+    return run_interleaved(
+        variants, index_sets(len(cache), reps, BATCH), rounds=rounds, ops=dict.fromkeys(variants, BATCH)
+    )
 
 
 def summarize(times: Times, baseline: str, nbytes: int | None) -> list[dict[str, Any]]:
