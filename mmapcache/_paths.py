@@ -5,61 +5,121 @@ another user (a symlink to a file of yours, or a file they can read or write).
 Every path is therefore checked before use: no symlinks, owned by this user,
 not writable by others, a regular file (directories: not a symlink, owned by
 this user, not writable by others).
+
+``$MMAPCACHE_DIR`` is the user's own choice, so its symlinks are followed, but
+the directory it leads to is checked too: one that every user can write to
+must have the sticky bit (like /tmp) and belong to you or root; otherwise
+anyone could delete or rename your caches and their lock files.
 """
 
 from __future__ import annotations
 
 import contextlib
-import getpass
 import logging
 import os
+import pwd
 import re
 import stat
 from pathlib import Path
 
 from ._errors import UnsafeCacheFileError
 
-__all__ = ["check_directory", "check_file_stat", "default_dir", "filesystem_type"]
+__all__ = ["SUFFIX", "check_chosen_directory", "check_directory", "check_file_stat", "default_dir", "filesystem_type"]
 
 log = logging.getLogger("mmapcache")
 
 ENV_DIR = "MMAPCACHE_DIR"
+# Cache files end in this; `mmapcache ls` and `gc` look only at such names.
+SUFFIX = ".mmc"
 _SHM = Path("/dev/shm")
+# A user name that is safe as part of a file name.
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 def default_dir() -> Path:
     """The directory caches go to when no path is given; created (mode 0700) if missing.
 
-    ``$MMAPCACHE_DIR`` if set; else a per-user directory under /dev/shm
-    (``/dev/shm/mmapcache-<user>``); else ``$XDG_CACHE_HOME/mmapcache``
-    (``~/.cache/mmapcache``).
+    ``$MMAPCACHE_DIR`` if set (refused with :class:`UnsafeCacheFileError`
+    when every user may write to it without the sticky bit: see
+    :func:`check_chosen_directory`); else a per-user directory under /dev/shm
+    (``/dev/shm/mmapcache-<user>``, the user of the effective uid); else
+    ``$XDG_CACHE_HOME/mmapcache`` (``~/.cache/mmapcache``).
     """
     env = os.environ.get(ENV_DIR)
     if env:
-        return _ensure_private_dir(Path(env).expanduser(), strict=False)
+        return _ensure_private_dir(Path(env).expanduser(), strict=False, label=f"{ENV_DIR}={env}")
     if _SHM.is_dir() and os.access(_SHM, os.W_OK | os.X_OK):
-        return _ensure_private_dir(_SHM / f"mmapcache-{_user_tag()}", strict=True)
+        return _ensure_private_dir(_SHM / f"mmapcache-{_user_tag()}", strict=True, label="")
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return _ensure_private_dir(base / "mmapcache", strict=False)
+    return _ensure_private_dir(base / "mmapcache", strict=False, label=str(base / "mmapcache"))
 
 
 def _user_tag() -> str:
+    """The name of the effective uid's user, or the uid itself.
+
+    Not ``$USER``/``$LOGNAME`` (``getpass.getuser``): under ``sudo -E`` or
+    with a wrong ``USER`` they name someone else, which would lock a user out
+    of their own directory or let them squat another user's name.
+    """
+    uid = os.geteuid()
     try:
-        name = getpass.getuser()
-    except Exception:  # no passwd entry (containers run with a bare uid)
-        name = ""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
-    return safe if safe and safe == name else str(os.geteuid())
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:  # no passwd entry (containers run with a bare uid)
+        return str(uid)
+    return name if _SAFE_NAME.fullmatch(name) else str(uid)
 
 
-def _ensure_private_dir(path: Path, *, strict: bool) -> Path:
+def _ensure_private_dir(path: Path, *, strict: bool, label: str) -> Path:
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700, parents=not strict)
     if strict:
         check_directory(path, private=True)
     elif not path.is_dir():
         raise NotADirectoryError(f"{path} exists but is not a directory; point {ENV_DIR} at a directory")
+    else:
+        check_chosen_directory(path, label=label)
     return path
+
+
+def check_chosen_directory(path: Path, *, label: str) -> None:
+    """Refuse a directory you chose (``$MMAPCACHE_DIR``) in which other users could delete or rename your files.
+
+    ``label`` names it in messages. Symlinks are followed (the path is your
+    own choice, not a predictable name in a shared place), except a symlink
+    that another user (not root) owns. The real directory is refused when
+    every user may write to it and it lacks the sticky bit, or has the sticky
+    bit but belongs to another user (a sticky directory's owner may still
+    delete anyone's files). Group-writable directories are accepted: files
+    there are still checked one by one when opened.
+    """
+    link = os.lstat(path)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.geteuid(), 0):
+        raise UnsafeCacheFileError(
+            f"{label} is a symlink that belongs to uid {link.st_uid}, not to you "
+            f"(uid {os.geteuid()}); someone else decides where it leads. "
+            f"Point {ENV_DIR} at the real directory",
+            path=path,
+        )
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    where = label + (f" (really {real})" if real != os.path.abspath(path) else "")
+    if not st.st_mode & stat.S_IWOTH:
+        return
+    if not st.st_mode & stat.S_ISVTX:
+        raise UnsafeCacheFileError(
+            f"{where} is writable by every user (mode {stat.S_IMODE(st.st_mode):o}) and lacks the "
+            "sticky bit, so anyone could delete or replace your caches and their lock files. "
+            f"Point {ENV_DIR} at a directory only you can write to (`mkdir -m 700 DIR`), or, if "
+            f"it is meant to be shared like /tmp, give it the sticky bit (`chmod +t {real}`)",
+            path=path,
+        )
+    if st.st_uid not in (os.geteuid(), 0):
+        raise UnsafeCacheFileError(
+            f"{where} is writable by every user and belongs to uid {st.st_uid}, who may delete or "
+            f"rename your files in it despite the sticky bit. Point {ENV_DIR} at a directory "
+            "only you can write to (`mkdir -m 700 DIR`)",
+            path=path,
+        )
 
 
 def check_directory(path: Path, *, private: bool) -> None:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import pwd
+import re
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +36,66 @@ def test_env_var_pointing_at_a_file_is_an_error(cache_dir: Path, monkeypatch: py
     (cache_dir / "file").write_text("x")
     monkeypatch.setenv("MMAPCACHE_DIR", str(cache_dir / "file"))
     with pytest.raises(OSError, match="not a directory"):
+        mmapcache.default_dir()
+
+
+def test_env_var_writable_by_everyone_without_sticky_bit_is_refused(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = cache_dir / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("MMAPCACHE_DIR", str(shared))
+    with pytest.raises(UnsafeCacheFileError, match=r"writable by every user .* lacks the sticky bit") as caught:
+        mmapcache.default_dir()
+    assert "MMAPCACHE_DIR=" in str(caught.value)
+    assert "chmod +t" in str(caught.value)
+    assert os.listdir(shared) == []  # refused before anything was made there
+
+
+def test_env_var_with_sticky_bit_like_tmp_is_accepted(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shared = cache_dir / "tmp-like"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    monkeypatch.setenv("MMAPCACHE_DIR", str(shared))
+    assert mmapcache.default_dir() == shared
+
+
+def test_env_var_group_writable_is_accepted(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    team = cache_dir / "team"
+    team.mkdir()
+    team.chmod(0o2775)
+    monkeypatch.setenv("MMAPCACHE_DIR", str(team))
+    assert mmapcache.default_dir() == team
+
+
+def test_env_var_symlink_is_followed_and_its_target_checked(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (cache_dir / "open").mkdir()
+    (cache_dir / "open").chmod(0o777)
+    (cache_dir / "link").symlink_to(cache_dir / "open")
+    monkeypatch.setenv("MMAPCACHE_DIR", str(cache_dir / "link"))
+    with pytest.raises(UnsafeCacheFileError, match=re.escape(f"really {cache_dir / 'open'}")):
+        mmapcache.default_dir()
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="making another user's directory needs root")
+def test_env_var_sticky_directory_of_another_user_is_refused(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    theirs = cache_dir / "theirs"
+    theirs.mkdir()
+    theirs.chmod(0o1777)
+    os.chown(theirs, 65534, 65534)
+    monkeypatch.setenv("MMAPCACHE_DIR", str(theirs))
+    with pytest.raises(UnsafeCacheFileError, match="belongs to uid 65534"):
+        mmapcache.default_dir()
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="making another user's symlink needs root")
+def test_env_var_symlink_of_another_user_is_refused(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (cache_dir / "real").mkdir(mode=0o700)
+    (cache_dir / "link").symlink_to(cache_dir / "real")
+    os.chown(cache_dir / "link", 65534, 65534, follow_symlinks=False)
+    monkeypatch.setenv("MMAPCACHE_DIR", str(cache_dir / "link"))
+    with pytest.raises(UnsafeCacheFileError, match="symlink that belongs to uid 65534"):
         mmapcache.default_dir()
 
 
@@ -78,6 +142,29 @@ def test_directory_owned_by_another_user_is_refused(fake_shm: Path) -> None:
     os.chown(planted, 65534, 65534)
     with pytest.raises(UnsafeCacheFileError, match="belongs to uid 65534"):
         mmapcache.default_dir()
+
+
+# The per-user directory in a fresh process, as a user's shell would get it.
+SHOW_DEFAULT_DIR = """
+import sys
+from pathlib import Path
+from mmapcache import _paths
+_paths._SHM = Path(sys.argv[1])
+print(_paths.default_dir())
+"""
+
+
+@pytest.mark.parametrize("claimed", ["someone-else", "root", ""])
+def test_directory_name_comes_from_the_effective_uid_not_from_user_variables(fake_shm: Path, claimed: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("MMAPCACHE_DIR", "LNAME", "USERNAME")}
+    env.update(USER=claimed, LOGNAME=claimed)  # what `sudo -E` or a wrong profile leaves behind
+    result = subprocess.run(
+        [sys.executable, "-c", SHOW_DEFAULT_DIR, str(fake_shm)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    expected = fake_shm / f"mmapcache-{pwd.getpwuid(os.geteuid()).pw_name}"
+    assert result.stdout.strip() == str(expected)
+    assert os.listdir(fake_shm) == [expected.name]
 
 
 def test_falls_back_to_the_user_cache_dir(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
