@@ -10,14 +10,38 @@ sees a half-made file, and a file others may have mapped is never truncated
 or rewritten.
 
 Opening validates in a fixed order and raises one precise error each time:
-safety (symlink, owner, mode), size >= header, magic, version, header
-checksum, expectations (fields/length/key), file size against the layout.
+safety (symlink, not a regular file, owner, mode — from ``lstat`` before
+anything is opened, so a socket, FIFO, device or another user's file gets the
+same :class:`UnsafeCacheFileError` whatever the mode), size >= header, magic,
+version, header checksum, expectations (fields/length/key), file size against
+the layout. A creator validates the sizes (key, fields, whole header) before
+it creates anything, and reads back what it wrote with the same reader before
+linking it into place, so it never publishes a file nobody can open.
+
+Side files: every name derived from a cache's name comes from this module.
+The *stem* of a cache named ``N`` is ``N`` itself when ``N`` plus the
+longest side suffix (``.tmp-<pid>-<8 hex>``, at most 24 bytes) fits the
+directory's ``NAME_MAX`` (255 bytes on most file systems); else it is the
+first bytes of ``N`` (cut at a UTF-8 character boundary), ``~``, the first 16
+hex digits of the SHA-256 of ``N``, and ``N``'s extension (``.mmc``), short
+enough that every side name fits. The side files are:
+
+- ``<stem>.lock``: the creation lock (never deleted while in use; see
+  :func:`creation_lock`);
+- ``<stem>.tmp-<pid>-<8 hex>``: the file a creator builds before linking it
+  to ``N``; only a holder of the creation lock makes or deletes one.
+
+A stem is its own stem, so ``lock_path_for(directory / temp_stem(name,
+directory))`` is the creation lock that guards the temp file ``name``:
+``mmapcache gc`` can collect the leftovers of killed creators without knowing
+the cache's name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import secrets
@@ -32,6 +56,7 @@ from typing import Any
 import filelock
 
 from ._errors import (
+    CacheError,
     CacheFormatError,
     CacheInUseError,
     CacheSpaceError,
@@ -54,7 +79,21 @@ from ._format import (
 from ._locks import flock_holders, lock_exclusive_soon, lock_shared, try_lock_exclusive
 from ._paths import check_file_stat, filesystem_type, is_network_filesystem
 
-__all__ = ["Expected", "OpenedFile", "in_use", "lock_path_for", "open_or_create", "read_header", "remove"]
+__all__ = [
+    "LOCK_SUFFIX",
+    "TEMP_MARK",
+    "Expected",
+    "OpenedFile",
+    "in_use",
+    "is_temp_name_of",
+    "lock_path_for",
+    "new_temp_path",
+    "open_or_create",
+    "read_header",
+    "remove",
+    "side_stem",
+    "temp_stem",
+]
 
 log = logging.getLogger("mmapcache")
 
@@ -91,12 +130,77 @@ class OpenedFile:
     created_now: bool
 
 
+# -- side-file names (the naming rule is in the module docstring) ---------------------
+
+LOCK_SUFFIX = ".lock"
+TEMP_MARK = ".tmp-"
+# ".tmp-" + a pid of up to 10 digits + "-" + 8 hex digits: the longest side suffix.
+_SIDE_SUFFIX_MAX = len(TEMP_MARK) + 10 + 1 + 8
+_HASH_DIGITS = 16
+_EXTENSION_MAX = 16
+_DEFAULT_NAME_MAX = 255
+
+
+def name_max(directory: Path) -> int:
+    """The longest file name (in bytes) the file system holding ``directory`` accepts."""
+    try:
+        return os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return _DEFAULT_NAME_MAX
+
+
+def side_stem(path: Path) -> str:
+    """The stem of the side files of the cache at ``path`` (see the module docstring)."""
+    name = path.name
+    encoded = os.fsencode(name)
+    room = name_max(path.parent) - _SIDE_SUFFIX_MAX
+    if len(encoded) <= room:
+        return name
+    extension = os.path.splitext(name)[1]
+    if len(os.fsencode(extension)) > _EXTENSION_MAX:
+        extension = ""
+    tail = "~" + hashlib.sha256(encoded).hexdigest()[:_HASH_DIGITS] + extension
+    keep = max(0, room - len(os.fsencode(tail)))
+    while 0 < keep < len(encoded) and encoded[keep] & 0xC0 == 0x80:  # not inside a UTF-8 character
+        keep -= 1
+    return os.fsdecode(encoded[:keep]) + tail
+
+
 def lock_path_for(path: Path) -> Path:
-    return path.with_name(path.name + ".lock")
+    """The creation lock of the cache at ``path``: ``<stem>.lock``."""
+    return path.parent / (side_stem(path) + LOCK_SUFFIX)
+
+
+def new_temp_path(path: Path) -> Path:
+    """A fresh name to build the cache at ``path`` under: ``<stem>.tmp-<pid>-<8 hex>``."""
+    return path.parent / f"{side_stem(path)}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _temp_prefix(path: Path) -> str:
-    return f"{path.name}.tmp-"
+    # Kept for _admin.py until it uses TEMP_MARK / temp_stem(); remove then.
+    return side_stem(path) + TEMP_MARK
+
+
+def temp_stem(name: str, directory: Path) -> str | None:
+    """The stem the temp file ``directory / name`` was made from (``None``: not a temp name).
+
+    ``lock_path_for(directory / stem)`` is the creation lock that guards it.
+    """
+    stem, mark, tail = name.rpartition(TEMP_MARK)
+    if not (mark and stem and _is_temp_tail(tail)) or side_stem(directory / stem) != stem:
+        return None
+    return stem
+
+
+def is_temp_name_of(name: str, path: Path) -> bool:
+    """Whether ``name`` (in ``path``'s directory) is a temp file of a creator of ``path``."""
+    prefix = side_stem(path) + TEMP_MARK
+    return name.startswith(prefix) and _is_temp_tail(name[len(prefix) :])
+
+
+def _is_temp_tail(tail: str) -> bool:
+    pid, dash, token = tail.partition("-")
+    return pid.isdigit() and bool(dash) and bool(token)
 
 
 def open_or_create(
@@ -104,6 +208,7 @@ def open_or_create(
 ) -> OpenedFile:
     """Open ``path`` (creating it from ``new`` if it is missing and ``new`` is given)."""
     created_now = False
+    planned: tuple[Header, Layout] | None = None
     while True:
         try:
             fd, header, layout = _open_existing(path, expected, readonly=readonly, timeout=timeout)
@@ -118,12 +223,19 @@ def open_or_create(
                 ) from None
         except _ReplacedError:
             continue
-        _make_private_dirs(path.parent)
-        with creation_lock(path, timeout):
-            if not os.path.lexists(path):
-                _remove_leftovers(path)
-                _create(path, new)
-                created_now = True
+        if planned is None:
+            # Everything that can be checked is checked before anything (a
+            # directory, the lock file, a temp file) is created.
+            header = new_header(new.fields, new.length, new.capacity, new.key, new.created)
+            planned = header, compute_layout(header)
+            _check_space(path, planned[1].file_size)
+        with _creating(path, planned[1].file_size):
+            _make_private_dirs(path.parent)
+            with creation_lock(path, timeout):
+                if not os.path.lexists(path):
+                    _remove_leftovers(path)
+                    _create(path, *planned)
+                    created_now = True
 
 
 def _make_private_dirs(directory: Path) -> None:
@@ -142,7 +254,7 @@ class _ReplacedError(Exception):
 
 
 def _open_existing(path: Path, expected: Expected, *, readonly: bool, timeout: float) -> tuple[int, Header, Layout]:
-    fd = _open_fd(path, readonly=readonly)
+    fd = _open_fd(path, readonly=readonly, check_owner=True)
     try:
         st = os.fstat(fd)
         check_file_stat(str(path), st)
@@ -161,26 +273,142 @@ def _open_existing(path: Path, expected: Expected, *, readonly: bool, timeout: f
         raise
 
 
-def _open_fd(path: Path, *, readonly: bool) -> int:
-    # O_NONBLOCK: opening a planted FIFO must fail the regular-file check, not hang.
+_FILE_TYPES = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISSOCK, "a Unix socket"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _check_kind(path: Path, st: os.stat_result) -> None:
+    """Refuse a symlink or anything else that is not a regular file (nothing is opened yet)."""
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeCacheFileError(
+            f"{path} is a symlink; mmapcache opens cache files only by their real path "
+            "(a planted symlink could point at any of your files)",
+            path=path,
+        )
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _FILE_TYPES if test(st.st_mode)), f"of type {stat.S_IFMT(st.st_mode):#o}")
+        raise UnsafeCacheFileError(
+            f"{path} is not a regular file (it is {kind}); mmapcache leaves it alone. Use another path",
+            path=path,
+        )
+
+
+def _open_fd(path: Path, *, readonly: bool, check_owner: bool = False) -> int:
+    """Open the regular file at ``path`` without following a symlink or touching anything else.
+
+    The type (and with ``check_owner``, the owner and mode) is checked with
+    ``lstat`` *before* opening, so every mode gets the same answer for a
+    socket, a FIFO, a device or another user's file; ``fstat`` after opening
+    catches a name swapped in between.
+    """
+    try:
+        before = os.lstat(path)
+    except OSError as error:
+        raise _explained(error, path) from None
+    _check_kind(path, before)
+    if check_owner:
+        check_file_stat(str(path), before)
+    # O_NONBLOCK: a FIFO swapped in after the lstat must fail the check below, not hang.
     flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
-        return os.open(path, flags)
+        fd = os.open(path, flags)
     except OSError as error:
-        if error.errno == errno.ELOOP and os.path.islink(path):
-            raise UnsafeCacheFileError(
-                f"{path} is a symlink; mmapcache opens cache files only by their real path "
-                "(a planted symlink could point at any of your files)",
-                path=path,
-            ) from None
-        if error.errno == errno.EISDIR:
-            raise UnsafeCacheFileError(f"{path} is not a regular file", path=path) from None
+        if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EACCES):
+            # Replaced since the lstat (a symlink, a directory, a socket...), or another user's now.
+            with suppress(FileNotFoundError):
+                now = os.lstat(path)
+                _check_kind(path, now)
+                if check_owner:
+                    check_file_stat(str(path), now)
         if error.errno == errno.EACCES and not readonly:
             raise PermissionError(
                 errno.EACCES,
-                f"cannot open {path} for writing; pass readonly=True to only read it",
+                f"cannot open {path} for writing (permission denied, mode "
+                f"{stat.S_IMODE(before.st_mode):o}); pass readonly=True to only read it",
                 str(path),
             ) from None
+        if error.errno == errno.EROFS:
+            raise OSError(
+                errno.EROFS,
+                f"cannot open {path} for writing: it is on a read-only file system. Pass "
+                "readonly=True to read the cache, or keep caches you fill in a writable directory "
+                "(MMAPCACHE_DIR or another path)",
+                str(path),
+            ) from None
+        raise _explained(error, path) from None
+    try:
+        after = os.fstat(fd)
+        if not os.path.samestat(before, after):
+            _check_kind(path, after)
+            if check_owner:
+                check_file_stat(str(path), after)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _explained(error: OSError, path: Path) -> OSError:
+    """``error`` with a message that says what to do, for the errnos users meet."""
+    if error.errno == errno.ENAMETOOLONG:
+        return OSError(errno.ENAMETOOLONG, _name_too_long(path), str(path))
+    if error.errno == errno.EMFILE:
+        return OSError(
+            errno.EMFILE,
+            f"cannot open {path}: this process has too many open files (each open cache holds one "
+            "descriptor); close caches you no longer use or raise the limit (`ulimit -n`)",
+            str(path),
+        )
+    return error
+
+
+def _name_too_long(path: Path) -> str:
+    name = os.fsencode(path.name)
+    limit = name_max(path.parent)
+    if len(name) > limit:
+        return (
+            f"the file name {path.name[:40]!r}... is {len(name)} bytes, longer than the {limit} bytes "
+            f"the file system at {path.parent} accepts; use a shorter name (for instance a hash of it)"
+        )
+    return (
+        f"the path {str(path)[:60]!r}... is {len(os.fsencode(str(path)))} bytes, longer than the "
+        "system accepts (PATH_MAX); use a shorter path"
+    )
+
+
+@contextmanager
+def _creating(path: Path, needed: int) -> Iterator[None]:
+    """Turn the errors of creating files next to ``path`` into ones that say what to do."""
+    try:
+        yield
+    except CacheError:
+        raise
+    except OSError as error:
+        if error.errno in _SPACE_ERRNOS:
+            raise _space_error(path, needed, _free_bytes(path), inodes=_free_inodes(path) == 0) from None
+        if error.errno == errno.EROFS:
+            raise OSError(
+                errno.EROFS,
+                f"cannot create the cache {path}: {path.parent} is on a read-only file system. Point "
+                "MMAPCACHE_DIR (or the path) at a writable directory; an existing cache there can "
+                "be read with readonly=True",
+                str(path),
+            ) from None
+        if error.errno in (errno.EACCES, errno.EPERM):
+            raise PermissionError(
+                error.errno,
+                f"cannot create the cache {path}: no permission to create files in {path.parent} "
+                f"({error.strerror}: {error.filename}). Point MMAPCACHE_DIR (or the path) at a "
+                "directory you can write to; an existing cache there can be read with readonly=True",
+                str(path),
+            ) from None
+        if error.errno == errno.ENAMETOOLONG:
+            raise OSError(errno.ENAMETOOLONG, _name_too_long(path), str(path)) from None
         raise
 
 
@@ -275,9 +503,8 @@ def creation_lock(path: Path, timeout: float) -> Iterator[None]:
 
 def _remove_leftovers(path: Path) -> None:
     """Delete temp files of creators that died mid-way (only lock holders make them)."""
-    prefix = _temp_prefix(path)
     try:
-        names = [n for n in os.listdir(path.parent) if n.startswith(prefix)]
+        names = [n for n in os.listdir(path.parent) if is_temp_name_of(n, path)]
     except OSError:
         return
     for name in names:
@@ -291,12 +518,10 @@ def _remove_leftovers(path: Path) -> None:
             pass
 
 
-def _create(path: Path, new: NewFile) -> None:
-    header = new_header(new.fields, new.length, new.capacity, new.key, new.created)
-    layout = compute_layout(header)
+def _create(path: Path, header: Header, layout: Layout) -> None:
     _warn_if_network(path)
     _check_space(path, layout.file_size)
-    temp = path.parent / f"{_temp_prefix(path)}{os.getpid()}-{secrets.token_hex(4)}"
+    temp = new_temp_path(path)
     fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         _preallocate(fd, layout.file_size, path)
@@ -304,6 +529,7 @@ def _create(path: Path, new: NewFile) -> None:
         if os.pwrite(fd, data, 0) != len(data):
             raise OSError(errno.EIO, f"short write of the header of {temp}")
         os.fsync(fd)
+        _check_written(fd, path, header)
         try:
             os.link(temp, path)  # unlike rename, never replaces an existing file
         except FileExistsError:
@@ -312,7 +538,25 @@ def _create(path: Path, new: NewFile) -> None:
         os.close(fd)
         os.unlink(temp)
     _fsync_dir(path.parent)
-    log.info("created %s (%d bytes, capacity %d of %d)", path, layout.file_size, new.capacity, new.length)
+    log.info("created %s (%d bytes, capacity %d of %d)", path, layout.file_size, header.capacity, header.length)
+
+
+def _check_written(fd: int, path: Path, header: Header) -> None:
+    """Read the new file back with the reader every opener uses: never publish what cannot be opened."""
+    try:
+        found, _ = read_header(fd, str(path), Expected(header.fields, header.length, header.key))
+        if (found.capacity, found.uuid, found.header_size) != (header.capacity, header.uuid, header.header_size):
+            raise CacheFormatError(
+                f"it reads back capacity {found.capacity}, header size {found.header_size} instead of "
+                f"{header.capacity}, {header.header_size}",
+                path=path,
+            )
+    except (CacheFormatError, SchemaMismatchError) as error:
+        raise CacheFormatError(
+            f"refusing to create {path}: the file just written does not read back as written ({error}). "
+            "Nothing was published; this is a bug in mmapcache, please report it",
+            path=path,
+        ) from error
 
 
 def _check_space(path: Path, needed: int) -> None:
@@ -325,19 +569,26 @@ def _check_space(path: Path, needed: int) -> None:
         raise _space_error(path, needed, free)
 
 
-def _space_error(path: Path, needed: int, free: int | None) -> CacheSpaceError:
+def _space_error(path: Path, needed: int, free: int | None, *, inodes: bool = False) -> CacheSpaceError:
     from ._sizes import format_bytes
 
     have = "an unknown amount" if free is None else format_bytes(free)
-    return CacheSpaceError(
-        f"not enough space for the cache {path}: it needs {format_bytes(needed)} "
-        f"({needed} bytes) and {path.parent} has {have} free. Free some space (`mmapcache ls`, "
-        "`mmapcache gc`), give a smaller budget (max_bytes=...), or put caches on a larger disk "
-        "with MMAPCACHE_DIR=/path/to/local/nvme; in Docker, raise /dev/shm with --shm-size",
-        path=path,
-        needed=needed,
-        free=free,
-    )
+    if inodes:
+        what = (
+            f"no free inodes (file entries) left in {path.parent} to create the cache {path} "
+            f"(it needs {format_bytes(needed)}, {needed} bytes, and {have} are free). Free some "
+            "(`mmapcache ls`, `mmapcache gc`, or delete other files there), put caches on another "
+            "file system with MMAPCACHE_DIR=/path/to/local/nvme; a tmpfs gets more inodes with "
+            "`mount -o remount,nr_inodes=N`, and in Docker a larger /dev/shm (--shm-size)"
+        )
+    else:
+        what = (
+            f"not enough space for the cache {path}: it needs {format_bytes(needed)} "
+            f"({needed} bytes) and {path.parent} has {have} free. Free some space (`mmapcache ls`, "
+            "`mmapcache gc`), give a smaller budget (max_bytes=...), or put caches on a larger disk "
+            "with MMAPCACHE_DIR=/path/to/local/nvme; in Docker, raise /dev/shm with --shm-size"
+        )
+    return CacheSpaceError(what, path=path, needed=needed, free=free)
 
 
 def _preallocate(fd: int, size: int, path: Path) -> None:
@@ -367,6 +618,15 @@ def _free_bytes(path: Path) -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+def _free_inodes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path.parent)
+    except OSError:
+        return None
+    # f_files == 0: the file system does not count inodes (btrfs, some FUSE).
+    return st.f_favail if st.f_files else None
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -196,28 +196,52 @@ def compute_layout(header: Header) -> Layout:
 
 
 def new_header(fields: dict[str, Field], length: int, capacity: int, key: str, created: dict[str, Any]) -> Header:
-    """A header for a new file, with a fresh uuid and the smallest header size that fits."""
+    """A header for a new file, with a fresh uuid and the smallest header size that fits.
+
+    Raises ``ValueError`` naming what is too big when the header would exceed
+    :data:`MAX_HEADER_SIZE` (a reader would refuse the file).
+    """
     draft = Header(fields, length, capacity, key, uuid_module.uuid4().bytes, created, header_size=ALIGNMENT)
     meta = _metadata_bytes(draft)
-    return Header(fields, length, capacity, key, draft.uuid, created, header_size=align(PREFIX_SIZE + len(meta)))
+    header_size = align(PREFIX_SIZE + len(meta))
+    if header_size > MAX_HEADER_SIZE:
+        raise ValueError(_too_big_message(draft, header_size))
+    return Header(fields, length, capacity, key, draft.uuid, created, header_size=header_size)
+
+
+def _too_big_message(header: Header, header_size: int) -> str:
+    def encoded(value: Any) -> int:
+        return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+
+    key_bytes = encoded(header.key)
+    fields_bytes = encoded(_fields_metadata(header.fields))
+    culprit = (
+        "a shorter key (store a hash of it, e.g. hashlib.sha256(key.encode()).hexdigest())"
+        if key_bytes >= fields_bytes
+        else "fewer fields or shorter field names and dtypes"
+    )
+    return (
+        f"the cache header would take {header_size} bytes, over the format's limit of "
+        f"{MAX_HEADER_SIZE} bytes ({MAX_HEADER_SIZE // 2**20} MiB): the key takes {key_bytes} bytes "
+        f"and the description of the {len(header.fields)} fields {fields_bytes} bytes. Use {culprit}"
+    )
 
 
 def _metadata_bytes(header: Header) -> bytes:
     meta = {
-        "fields": [
-            {
-                "name": name,
-                "shape": list(field.shape),
-                "dtype": _descr(field.dtype),
-                "torch_dtype": field.torch_dtype,
-            }
-            for name, field in header.fields.items()
-        ],
+        "fields": _fields_metadata(header.fields),
         "key": header.key,
         "checksum": header.checksum,
         "created": header.created,
     }
     return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _fields_metadata(fields: dict[str, Field]) -> list[dict[str, Any]]:
+    return [
+        {"name": name, "shape": list(field.shape), "dtype": _descr(field.dtype), "torch_dtype": field.torch_dtype}
+        for name, field in fields.items()
+    ]
 
 
 def _descr(dtype: np.dtype[Any]) -> Any:
@@ -231,6 +255,8 @@ def pack_header(header: Header) -> bytes:
     meta = _metadata_bytes(header)
     if PREFIX_SIZE + len(meta) > header.header_size:
         raise ValueError("metadata does not fit the header size")
+    if header.header_size > MAX_HEADER_SIZE:
+        raise ValueError(f"header size {header.header_size} exceeds the format's limit of {MAX_HEADER_SIZE}")
     prefix = _PREFIX.pack(
         MAGIC,
         header.version,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import struct
@@ -231,22 +232,28 @@ def test_directory_is_refused(cache_dir: Path) -> None:
 # -- no space --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def tiny_tmpfs(cache_dir: Path) -> Iterator[Path]:
-    """A real 1 MiB tmpfs, mounted for the test and unmounted afterwards."""
+@contextlib.contextmanager
+def mounted_tmpfs(mount_point: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs mounted at ``mount_point`` (created, then unmounted and removed); skips when not root."""
     if not IS_ROOT:
         pytest.skip("mounting a tmpfs needs root")
-    mount_point = cache_dir / "tiny"
     mount_point.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount_point)], capture_output=True
-    )
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)], capture_output=True)
     if result.returncode != 0:
+        mount_point.rmdir()
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
     try:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
+        mount_point.rmdir()
+
+
+@pytest.fixture
+def tiny_tmpfs(cache_dir: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs, mounted for the test and unmounted afterwards."""
+    with mounted_tmpfs(cache_dir / "tiny", "size=1m,mode=0700") as mount_point:
+        yield mount_point
 
 
 def test_full_filesystem_raises_space_error_and_leaves_nothing(tiny_tmpfs: Path) -> None:
