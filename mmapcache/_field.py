@@ -18,6 +18,10 @@ import numpy as np
 
 __all__ = ["Field", "FieldsLike", "normalize_fields"]
 
+# numpy (and off_t) cannot describe an array of more bytes than this; numpy
+# refuses such a shape even when another dimension is 0.
+_MAX_NBYTES = 2**63 - 1
+
 _BITS_BY_SIZE: dict[int, np.dtype[Any]] = {
     1: np.dtype("u1"),
     2: np.dtype("=u2"),
@@ -45,6 +49,12 @@ class Field:
     def __init__(self, shape: Iterable[int] | int, dtype: Any) -> None:
         self._shape = _normalize_shape(shape)
         self._dtype, self._torch_dtype = _normalize_dtype(dtype)
+        span = math.prod(d for d in self._shape if d) * self._dtype.itemsize  # numpy checks it even with a 0
+        if span > _MAX_NBYTES:
+            raise ValueError(
+                f"Field({self._shape!r}, {self.dtype_name!r}) spans {span} bytes, more than an array "
+                f"can describe ({_MAX_NBYTES} bytes); use smaller dimensions"
+            )
 
     @property
     def shape(self) -> tuple[int, ...]:

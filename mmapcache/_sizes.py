@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import re
 
 __all__ = ["format_age", "format_bytes", "parse_bytes", "parse_duration"]
@@ -27,26 +28,29 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | str) -> int:
+def parse_bytes(value: int | str, *, name: str = "a byte size") -> int:
     """Return a byte count from an int or a string such as ``"8GiB"``, ``"500MB"``, ``"1.5G"``.
 
-    Raises ``ValueError`` (or ``TypeError``) naming the value when it is not a
-    non-negative size.
+    Raises ``ValueError`` (or ``TypeError``) naming ``name`` and the value when
+    it is not a non-negative size. The arithmetic is exact: ``"1.1G"`` is
+    ``int(1.1 * 2**30)`` without float rounding, and no string overflows.
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"a byte size must be an int or a string like '8GiB', not {value!r}")
+        raise TypeError(f"{name} must be an int or a string like '8GiB', not {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"a byte size must not be negative, got {value}")
+            raise ValueError(f"{name} must not be negative, got {value}")
         return value
     match = _SIZE.match(value)
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
         raise ValueError(
-            f"cannot read {value!r} as a byte size: use an int or a number with a unit "
+            f"cannot read {name} {value!r} as a byte size: use an int or a number with a unit "
             "such as '500MB', '8GiB' or '8G' (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    with decimal.localcontext() as context:
+        context.prec = len(match.group(1)) + 20  # exact for any digits the string has
+        return int(decimal.Decimal(match.group(1)) * _UNITS[unit])
 
 
 def format_bytes(n: int) -> str:

@@ -84,35 +84,66 @@ def _to_numpy(value: Any, field: Field, name: str) -> np.ndarray[Any, Any]:
 
 def cast(array: np.ndarray[Any, Any], field: Field, name: str, *, from_python: bool) -> np.ndarray[Any, Any]:
     """``array`` in ``field.dtype``, refusing kind changes and lossy integer/string narrowing."""
-    target = field.dtype
-    if array.dtype == target:
-        return array
+    return _cast(array, field.dtype, field.dtype_name, name, from_python=from_python)
+
+
+def _cast(
+    array: np.ndarray[Any, Any], target: np.dtype[Any], target_name: str, name: str, *, from_python: bool
+) -> np.ndarray[Any, Any]:
     source = array.dtype
+    if target.names is not None and source != target:
+        return _cast_by_name(array, target, name, from_python=from_python)
+    if source == target:
+        return array
     python_number = from_python and source.kind in "iub" and target.kind in "fc"
     if not (np.can_cast(source, target, "same_kind") or python_number or _python_int(source, target, from_python)):
         raise TypeError(
-            f"field {name!r}: cannot store {source} values in a {field.dtype_name} field "
+            f"field {name!r}: cannot store {source} values in a {target_name} field "
             f"(only casts within the same kind are allowed, e.g. float64 -> float32); "
-            f"convert them to {field.dtype_name} first"
+            f"convert them to {target_name} first"
         )
     if array.size and not np.can_cast(source, target, "safe"):
-        _check_fits(array, field, name)
+        _check_fits(array, target, target_name, name)
     return array.astype(target)
 
 
-def _check_fits(array: np.ndarray[Any, Any], field: Field, name: str) -> None:
+def _cast_by_name(
+    array: np.ndarray[Any, Any], target: np.dtype[Any], name: str, *, from_python: bool
+) -> np.ndarray[Any, Any]:
+    """A structured value, member by member *by name* (numpy's own cast goes by position)."""
+    assert target.names is not None
+    source_names = array.dtype.names
+    if source_names is None or set(source_names) != set(target.names):
+        got = "no named members" if source_names is None else f"members {list(source_names)}"
+        raise TypeError(
+            f"field {name!r}: the field is a structured {target} with members {list(target.names)}, "
+            f"the value has {got}; give a structured array with exactly those members"
+        )
+    out = np.empty(array.shape, target)
+    for member in target.names:
+        slot = out[member]
+        value = _cast(array[member], slot.dtype, str(slot.dtype), f"{name}.{member}", from_python=from_python)
+        if value.shape != slot.shape:
+            raise ValueError(
+                f"field {name!r}: member {member!r} has shape {value.shape[array.ndim :]}, "
+                f"the field stores {slot.shape[array.ndim :]}"
+            )
+        slot[...] = value
+    return out
+
+
+def _check_fits(array: np.ndarray[Any, Any], target: np.dtype[Any], target_name: str, name: str) -> None:
     """Refuse integer values outside the target's range and strings longer than its width."""
-    target = field.dtype
     if target.kind in "iu" and array.dtype.kind in "iu":
         info = np.iinfo(target)
         low, high = int(array.min()), int(array.max())
         if low < info.min or high > info.max:
             raise ValueError(
                 f"field {name!r}: values from {low} to {high} are out of range for "
-                f"{field.dtype_name} ({info.min} to {info.max})"
+                f"{target_name} ({info.min} to {info.max})"
             )
     elif target.kind in "SU" and not np.array_equal(array.astype(target), array):
-        raise ValueError(f"field {name!r}: some strings are too long for {field.dtype_name}")
+        raise ValueError(f"field {name!r}: some strings are too long for {target_name}")
 
 
 def _python_int(source: np.dtype[Any], target: np.dtype[Any], from_python: bool) -> bool:

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
 import math
-import mmap
 import operator
 import os
 import socket
-import sys
-import threading
 import time
 import weakref
 from collections.abc import Mapping
@@ -27,7 +23,8 @@ from ._field import Field, FieldsLike, normalize_fields
 from ._file import Expected, NewFile, OpenedFile, creation_lock, open_or_create, read_header
 from ._format import RECORD_SIZE, Header, Layout
 from ._gather import gather
-from ._locks import SlotLocks, flock_holders, lock_exclusive_soon
+from ._handle import Handle, closed_error
+from ._locks import flock_holders, lock_exclusive_soon
 from ._sizes import parse_bytes
 from ._slots import EMPTY, READY, STRONGLY_ORDERED, WRITING, SlotTable
 from ._values import coerce_batch, coerce_sample
@@ -58,94 +55,33 @@ class Problem:
         return self.message + (" (fixed: slot reset to empty)" if self.fixed else "")
 
 
-class _Closed:
-    """Stands in for the state table of a closed cache: any read raises."""
+class _Mapped:
+    """The views of an open cache's mapping, taken together so a call reads them once.
 
-    def __getitem__(self, index: Any) -> Any:
-        raise ValueError("operation on a closed cache")
-
-
-_CLOSED = _Closed()
-
-
-class _Handle:
-    """The process-local resources of one open cache: a locked descriptor and a mapping.
-
-    ``fd`` holds the shared in-use ``flock`` and the slot claims. The mapping
-    is made through a different open file description, because ``mmap`` keeps
-    a duplicate of the descriptor it maps; were that our locked one, a forked
-    child's inherited mapping would keep the parent's claims alive after the
-    parent died.
+    A method loads ``self._mapped`` once and works on that snapshot: ``close()``
+    only swaps the attribute for ``None``, and the mapping lives as long as any
+    snapshot (or array) refers to it, so a call racing ``close()`` in another
+    thread completes on valid memory or raises the closed-cache ``ValueError``
+    — it never reads unmapped memory.
     """
 
-    __slots__ = ("__weakref__", "fd", "locks", "mm", "path", "readonly", "write_lock")
+    __slots__ = ("arrays", "items", "raws", "slots", "states")
 
-    def __init__(self, path: Path, fd: int, size: int, *, readonly: bool) -> None:
-        self.path, self.fd, self.readonly = path, fd, readonly
-        self.mm = _map(fd, size, path, readonly=readonly)
-        self.locks = SlotLocks(fd)
-        self.write_lock = threading.Lock()
-        _LIVE_HANDLES.add(self)
-
-    def _flags(self) -> int:
-        return (os.O_RDONLY if self.readonly else os.O_RDWR) | os.O_CLOEXEC
-
-    def reopen_in_child(self) -> None:
-        """After fork: take our own description, so parent and child never share a claim."""
-        if self.fd < 0:
-            return
-        new = _reopen(self.fd, self.path, self._flags())
-        fcntl.flock(new, fcntl.LOCK_SH)  # cannot block: the parent holds a shared lock
-        os.close(self.fd)  # the parent's descriptor stays open: its locks stay
-        self.fd = self.locks.fd = new
-        self.write_lock = threading.Lock()
-
-    def close(self) -> None:
-        _LIVE_HANDLES.discard(self)
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        # While views of the mapping (e.g. zero-copy tensors) are alive, close()
-        # raises BufferError; the mapping then goes with the last of them.
-        with contextlib.suppress(BufferError):
-            self.mm.close()
-
-
-_LIVE_HANDLES: weakref.WeakSet[_Handle] = weakref.WeakSet()
-
-
-def _reopen_all_in_child() -> None:
-    for handle in list(_LIVE_HANDLES):
-        try:
-            handle.reopen_in_child()
-        except OSError as error:  # pragma: no cover - /proc and the path both gone
-            log.warning("could not reopen %s after fork: %s", handle.path, error)
-
-
-os.register_at_fork(after_in_child=_reopen_all_in_child)
-
-
-def _reopen(fd: int, path: Path, flags: int) -> int:
-    """A new open file description of the file behind ``fd``."""
-    try:
-        return os.open(f"/proc/self/fd/{fd}", flags)
-    except OSError:
-        new = os.open(path, flags | os.O_NOFOLLOW)
-        if not os.path.samestat(os.fstat(new), os.fstat(fd)):
-            os.close(new)
-            raise FileNotFoundError(f"{path} was replaced; cannot reopen it") from None
-        return new
-
-
-def _map(fd: int, size: int, path: Path, *, readonly: bool) -> mmap.mmap:
-    access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
-    if sys.version_info >= (3, 13):
-        return mmap.mmap(fd, size, access=access, trackfd=False)
-    map_fd = _reopen(fd, path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC)
-    try:
-        return mmap.mmap(map_fd, size, access=access)
-    finally:
-        os.close(map_fd)
+    def __init__(self, handle: Handle, header: Header, layout: Layout) -> None:
+        mm = handle.mm
+        assert mm is not None
+        self.slots = SlotTable(mm, layout, header.capacity, header.record_size, handle.locks)
+        self.states = self.slots.state_bytes
+        self.arrays = {
+            name: np.ndarray((header.capacity, *field.shape), field.dtype, buffer=mm, offset=layout.field_offsets[name])
+            for name, field in header.fields.items()
+        }
+        self.items = tuple(self.arrays.items())
+        # Flat byte rows of each field, for checksums.
+        self.raws = tuple(
+            np.ndarray((header.capacity, field.nbytes), np.uint8, buffer=mm, offset=layout.field_offsets[name])
+            for name, field in header.fields.items()
+        )
 
 
 class Cache:
@@ -239,9 +175,14 @@ class Cache:
     def _attach(self, path: Path, opened: OpenedFile, *, readonly: bool, verify: bool, timeout: float) -> None:
         header, layout = opened.header, opened.layout
         try:
-            handle = _Handle(path, opened.fd, layout.file_size, readonly=readonly)
+            handle = Handle(path, opened.fd, layout.file_size, readonly=readonly)
         except BaseException:
             os.close(opened.fd)
+            raise
+        try:
+            mapped = _Mapped(handle, header, layout)
+        except BaseException:
+            handle.close()  # a failed open leaks no descriptor and no in-use lock
             raise
         self._path = path
         self._readonly = readonly
@@ -255,20 +196,7 @@ class Cache:
         self._length = header.length
         self._capacity = header.capacity
         self._handle = handle
-        self._slots = SlotTable(handle.mm, layout, header.capacity, header.record_size, handle.locks)
-        self._arrays = {
-            name: np.ndarray(
-                (header.capacity, *field.shape), field.dtype, buffer=handle.mm, offset=layout.field_offsets[name]
-            )
-            for name, field in header.fields.items()
-        }
-        # Flat byte rows of each field, for checksums.
-        self._raws = tuple(
-            np.ndarray((header.capacity, field.nbytes), np.uint8, buffer=handle.mm, offset=layout.field_offsets[name])
-            for name, field in header.fields.items()
-        )
-        self._items = tuple(self._arrays.items())
-        self._states = self._slots.state_bytes
+        self._mapped: _Mapped | None = mapped
         self._finalizer = weakref.finalize(self, handle.close)
         self._closed = False
 
@@ -311,8 +239,22 @@ class Cache:
     @property
     def filled(self) -> int:
         """Slots READY now, counting every process's writes."""
-        self._check_open()
-        return self._slots.count_ready()
+        return self._live().slots.count_ready()
+
+    @property
+    def views(self) -> dict[str, np.ndarray[Any, Any]]:
+        """Zero-copy, read-only views of every field: ``{name: array of shape (capacity, *shape)}``.
+
+        Row ``i`` holds sample ``i`` only while ``i in cache``; other rows are
+        zeros or a write in progress. The views keep the mapping alive after
+        :meth:`close`. Write through :meth:`put`, never through a view.
+        """
+        views = {}
+        for name, array in self._live().items:
+            view = array.view()
+            view.flags.writeable = False
+            views[name] = view
+        return views
 
     def __len__(self) -> int:
         return self._length
@@ -321,27 +263,28 @@ class Cache:
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name!r}: {field!r}" for name, field in self._fields.items())
-        if self._closed:
+        mapped = self._mapped
+        if mapped is None:
             return f"<Cache {str(self._path)!r} fields={{{fields}}} closed>"
-        return f"<Cache {str(self._path)!r} fields={{{fields}}} filled={self.filled}/{self._capacity}>"
+        return f"<Cache {str(self._path)!r} fields={{{fields}}} filled={mapped.slots.count_ready()}/{self._capacity}>"
 
     # -- reading --------------------------------------------------------------
 
     def get(self, index: int, default: Any = None) -> Any:
         """The sample at ``index`` as ``{field: numpy array}`` (fresh copies), or ``default`` if not cached."""
         i = index if type(index) is int and 0 <= index < self._length else self._index(index)
-        if i < self._capacity:
-            if self._states[i] == READY:
-                # A loop, not a dict comprehension: on Python < 3.12 the comprehension's
-                # own frame costs ~0.2 µs a call (benchmarks/bench_read.py, "get overhead").
-                sample: dict[str, np.ndarray[Any, Any]] = {}
-                for name, array in self._items:
-                    sample[name] = array[i, ...].copy()
-                if self._verify and not self._intact(i, sample.values()):
-                    return default
-                return sample
-        elif self._closed:
-            self._check_open()
+        mapped = self._mapped
+        if mapped is None:
+            raise closed_error(self._path)
+        if i < self._capacity and mapped.states[i] == READY:
+            # A loop, not a dict comprehension: on Python < 3.12 the comprehension's
+            # own frame costs ~0.2 µs a call (benchmarks/bench_read.py, "get overhead").
+            sample: dict[str, np.ndarray[Any, Any]] = {}
+            for name, array in mapped.items:
+                sample[name] = array[i, ...].copy()
+            if self._verify and not self._intact(mapped, i, sample.values()):
+                return default
+            return sample
         return default
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray[Any, Any]]:
@@ -353,10 +296,8 @@ class Cache:
 
     def __contains__(self, index: object) -> bool:
         i = index if type(index) is int and 0 <= index < self._length else self._index(index)
-        if i < self._capacity:
-            return bool(self._states[i] == READY)
-        self._check_open()
-        return False
+        mapped = self._live()
+        return i < self._capacity and bool(mapped.states[i] == READY)
 
     def get_many(self, indices: Any) -> dict[str, np.ndarray[Any, Any]]:
         """Stacked samples ``{field: array of shape (len(indices), *shape)}``, one gather per field.
@@ -364,14 +305,14 @@ class Cache:
         Raises ``KeyError`` (with ``.missing``, the indices not cached) if any
         index is not cached.
         """
-        self._check_open()
+        mapped = self._live()
         idx = self._index_array(indices)
-        ready = self._slots.ready_mask(idx, self._capacity, self._length)
+        ready = mapped.slots.ready_mask(idx, self._capacity, self._length)
         if not ready.all():
-            raise _missing_error(idx[~ready], len(idx))
-        out = {name: gather(array, idx) for name, array in self._items}
+            raise _missing_error(_as_given(indices, idx)[~ready], len(idx))
+        out = {name: gather(array, idx) for name, array in mapped.items}
         if self._verify:
-            bad = self._failed_rows(idx, list(out.values()))
+            bad = self._failed_rows(mapped, idx, list(out.values()))
             if len(bad):
                 for i in idx[bad].tolist():
                     self._report_mismatch(i)
@@ -379,22 +320,24 @@ class Cache:
         return out
 
     def contains_many(self, indices: Any) -> np.ndarray[Any, np.dtype[np.bool_]]:
-        """Which of ``indices`` are cached, as a bool array."""
-        self._check_open()
-        return self._slots.ready_mask(self._index_array(indices), self._capacity, self._length)
+        """Which of ``indices`` are cached, as a bool array (from the state bytes; see ``verify``)."""
+        mapped = self._live()
+        return mapped.slots.ready_mask(self._index_array(indices), self._capacity, self._length)
 
-    def _intact(self, index: int, arrays: Any) -> bool:
-        if checksum(map(_byte_view, arrays)) == int(self._slots.checksums[index]):
+    def _intact(self, mapped: _Mapped, index: int, arrays: Any) -> bool:
+        if checksum(map(_byte_view, arrays)) == int(mapped.slots.checksums[index]):
             return True
         self._report_mismatch(index)
         return False
 
-    def _failed_rows(self, idx: np.ndarray[Any, Any], out: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
+    def _failed_rows(
+        self, mapped: _Mapped, idx: np.ndarray[Any, Any], out: list[np.ndarray[Any, Any]]
+    ) -> np.ndarray[Any, Any]:
         """Rows of a gathered batch whose bytes do not match their slot's checksum."""
         count = len(idx)
         rows = [array.reshape(count, math.prod(array.shape[1:])).view(np.uint8) for array in out]
         sums = np.fromiter((checksum([r[row] for r in rows]) for row in range(count)), np.uint32, count)
-        return np.flatnonzero(sums != self._slots.checksums[idx])
+        return np.flatnonzero(sums != mapped.slots.checksums[idx])
 
     def _report_mismatch(self, index: int) -> None:
         log.warning(
@@ -413,72 +356,77 @@ class Cache:
         filled by another process at the same time also returns False.
         """
         i = index if type(index) is int and 0 <= index < self._length else self._index(index)
+        mapped = self._live()
         if self._readonly:
             raise self._readonly_error("put")
-        if i >= self._capacity:
-            self._check_open()
-            return False
-        if self._states[i] == READY:
+        if i >= self._capacity or mapped.states[i] == READY:
             return False
         arrays = coerce_sample(sample, self._fields)
-        with self._handle.write_lock:
-            return self._fill(i, arrays, None)
+        handle = self._handle
+        with handle.write_lock:
+            handle.check_usable(writing=True)
+            return self._fill(mapped, i, arrays, None)
 
     def put_many(self, indices: Any, batch: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """Store row ``k`` of every field of ``batch`` at ``indices[k]``; which rows were stored."""
-        self._check_open()
+        mapped = self._live()
         if self._readonly:
             raise self._readonly_error("put_many")
         idx = self._index_array(indices)
         stored = np.zeros(len(idx), dtype=bool)
-        todo = np.flatnonzero((idx < self._capacity) & ~self._slots.ready_mask(idx, self._capacity, self._length))
+        todo = np.flatnonzero((idx < self._capacity) & ~mapped.slots.ready_mask(idx, self._capacity, self._length))
         if not len(todo):
             return stored
         arrays = coerce_batch(batch, self._fields, len(idx))
-        with self._handle.write_lock:
+        handle = self._handle
+        with handle.write_lock:
+            handle.check_usable(writing=True)
             for row in todo.tolist():
-                stored[row] = self._fill(int(idx[row]), arrays, row)
+                stored[row] = self._fill(mapped, int(idx[row]), arrays, row)
         return stored
 
-    def _fill(self, index: int, arrays: list[np.ndarray[Any, Any]], row: int | None) -> bool:
-        slots = self._slots
+    @staticmethod
+    def _fill(mapped: _Mapped, index: int, arrays: list[np.ndarray[Any, Any]], row: int | None) -> bool:
+        slots = mapped.slots
         if not slots.claim(index):
             return False
         try:
-            for (_, target), source in zip(self._items, arrays, strict=True):
+            for (_, target), source in zip(mapped.items, arrays, strict=True):
                 target[index] = source if row is None else source[row]
-            slots.publish(index, checksum([raw[index] for raw in self._raws]))
+            slots.publish(index, checksum([raw[index] for raw in mapped.raws]))
             return True
         finally:
             slots.release(index)
 
     def clear(self) -> None:
         """Mark every slot empty. Refuses with :class:`CacheInUseError` while any other handle is open."""
-        self._check_open()
+        mapped = self._live()
         if self._readonly:
             raise self._readonly_error("clear")
-        fd = self._handle.fd
-        # Under the creation lock, which remove() takes first: switching between
-        # our shared and the exclusive flock is not atomic in the kernel, and a
-        # remove() probing in that instant would find the cache unused.
-        with creation_lock(self._path, self._timeout):
-            cleared = lock_exclusive_soon(fd, holds_shared=True, path=str(self._path), timeout=self._timeout)
-            if cleared:
-                try:
-                    with self._handle.write_lock:
-                        self._slots.states[:] = EMPTY
-                        self._slots.checksums[:] = 0
-                finally:
-                    fcntl.flock(fd, fcntl.LOCK_SH)
-        if not cleared:
+        handle = self._handle
+        with handle.write_lock:
+            handle.check_usable(writing=True)
+            fd = handle.fd
+            # Under the creation lock, which remove() takes first: switching between
+            # our shared and the exclusive flock is not atomic in the kernel, and a
+            # remove() probing in that instant would find the cache unused.
+            with creation_lock(self._path, self._timeout):
+                cleared = lock_exclusive_soon(fd, holds_shared=True, path=str(self._path), timeout=self._timeout)
+                if cleared:
+                    try:
+                        mapped.slots.states[:] = EMPTY
+                        mapped.slots.checksums[:] = 0
+                    finally:
+                        fcntl.flock(fd, fcntl.LOCK_SH)
+                    return
             pids = [p for p in flock_holders(os.fstat(fd)) if p != os.getpid()]
-            who = f" (process ids: {', '.join(map(str, pids))})" if pids else ""
-            raise CacheInUseError(
-                f"cannot clear {self._path}: another handle has it open{who}; close the other "
-                "handles (in this process too) or stop the jobs using it first",
-                path=self._path,
-                pids=pids,
-            )
+        who = f" (process ids: {', '.join(map(str, pids))})" if pids else ""
+        raise CacheInUseError(
+            f"cannot clear {self._path}: another handle has it open{who}; close the other "
+            "handles (in this process too) or stop the jobs using it first",
+            path=self._path,
+            pids=pids,
+        )
 
     # -- checking -------------------------------------------------------------
 
@@ -490,25 +438,28 @@ class Cache:
         each bad slot is reset to EMPTY (so it is filled again); slots a live
         writer holds are left alone. Header problems are reported, never fixed.
         """
-        self._check_open()
+        mapped = self._live()
         if fix and self._readonly:
             raise self._readonly_error("verify(fix=True)")
-        problems = self._header_problems()
-        with self._handle.write_lock:
-            problems += self._slot_problems(fix)
+        handle = self._handle
+        with handle.write_lock:
+            handle.check_usable(writing=fix)
+            problems = self._header_problems(handle.fd)
+            problems += self._slot_problems(mapped, fix)
         return problems
 
-    def _header_problems(self) -> list[Problem]:
+    def _header_problems(self, fd: int) -> list[Problem]:
         try:
-            header, _ = read_header(self._handle.fd, str(self._path))
+            header, _ = read_header(fd, str(self._path))
         except CacheError as error:
             return [Problem("header", None, str(error))]
         if header != self._header:
             return [Problem("header", None, f"the header of {self._path} changed after it was opened")]
         return []
 
-    def _slot_problems(self, fix: bool) -> list[Problem]:
-        slots, problems = self._slots, []
+    @staticmethod
+    def _slot_problems(mapped: _Mapped, fix: bool) -> list[Problem]:
+        slots, problems = mapped.slots, []
         states = np.array(slots.states)  # a snapshot
         for i in np.flatnonzero(states > READY).tolist():
             problems.append(Problem("state", i, f"slot {i} has the invalid state byte {states[i]}"))
@@ -518,7 +469,7 @@ class Cache:
             if not slots.writer_alive(i) and slots.states[i] == WRITING:
                 problems.append(Problem("stuck", i, f"slot {i} was left half-written by a writer that died"))
         for i in np.flatnonzero(states == READY).tolist():
-            crc = checksum([raw[i] for raw in self._raws])
+            crc = checksum([raw[i] for raw in mapped.raws])
             if crc != int(slots.checksums[i]):
                 problems.append(
                     Problem(
@@ -543,13 +494,17 @@ class Cache:
     # -- lifecycle ------------------------------------------------------------
 
     def close(self) -> None:
-        """Release the file. Idempotent; later use raises ``ValueError``."""
+        """Release the file. Idempotent; later use raises ``ValueError``.
+
+        Safe while other threads use the handle: each of their calls completes
+        or raises ``ValueError``. The descriptor and its locks are released at
+        once (after a write in progress finishes); the memory stays mapped
+        while arrays over it (:attr:`views`, zero-copy tensors) are alive.
+        """
         if self._closed:
             return
         self._closed = True
-        self._states = _CLOSED  # type: ignore[assignment]  # every read now raises
-        self._arrays, self._items, self._raws = {}, (), ()
-        self._slots.close()
+        self._mapped = None
         self._finalizer()
 
     @property
@@ -557,7 +512,7 @@ class Cache:
         return self._closed
 
     def __enter__(self) -> Cache:
-        self._check_open()
+        self._live()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -570,12 +525,14 @@ class Cache:
 
     # -- helpers --------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError(f"operation on a closed cache ({self._path})")
+    def _live(self) -> _Mapped:
+        """The views of the mapping; ``ValueError`` once the cache is closed."""
+        mapped = self._mapped
+        if mapped is None:
+            raise closed_error(self._path)
+        return mapped
 
     def _readonly_error(self, what: str) -> ReadonlyCacheError:
-        self._check_open()
         return ReadonlyCacheError(
             f"cannot {what}: {self._path} was opened with readonly=True; open it without readonly to write",
             path=self._path,
@@ -590,6 +547,7 @@ class Cache:
         raise IndexError(f"index {i} is out of range for a cache of length {self._length}")
 
     def _index_array(self, indices: Any) -> np.ndarray[Any, np.dtype[np.intp]]:
+        """Validated indices as ``intp``; valid indices beyond ``intp`` become ``_BEYOND`` (never cacheable)."""
         given = np.asarray(indices)
         if given.ndim != 1:
             raise ValueError(f"indices must be a 1-D sequence, got shape {given.shape}")
@@ -600,6 +558,13 @@ class Cache:
                 for value in given.tolist():
                     self._index(value)
             raise TypeError(f"indices must be integers, got an array of {given.dtype}")
+        if given.dtype.kind == "u" and given.dtype.itemsize >= _INTP.itemsize:
+            if given.size and int(given.max()) >= self._length:
+                raise IndexError(f"index {int(given.max())} is out of range for a cache of length {self._length}")
+            # astype would wrap values >= 2**63 to negative slots; no slot lies that far
+            # (a file holds < 2**63 bytes), so such an index is valid but never cached.
+            clamped: np.ndarray[Any, np.dtype[np.intp]] = np.minimum(given, _BEYOND).astype(np.intp)
+            return clamped
         idx = given.astype(np.intp, copy=False)
         # One pass catches both ends: negative values become huge as unsigned.
         if idx.size and (idx.view(np.uintp).max() >= self._length or given.dtype != idx.dtype):
@@ -607,6 +572,16 @@ class Cache:
             if bad:
                 raise IndexError(f"index {bad[0]} is out of range for a cache of length {self._length}")
         return idx
+
+
+_INTP = np.dtype(np.intp)
+_BEYOND = np.iinfo(np.intp).max
+
+
+def _as_given(indices: Any, idx: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The indices as the caller wrote them, for messages (``idx`` may hold ``_BEYOND``)."""
+    given = np.asarray(indices)
+    return given if given.dtype.kind == "u" else idx
 
 
 def _reopen_cache(path: str, readonly: bool, verify: bool, timeout: float) -> Cache:
@@ -625,6 +600,10 @@ def _byte_view(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
+_MAX_COUNT = 2**64 - 1  # length and capacity are uint64 in the header
+_MAX_FILE = 2**63 - 1  # off_t, and the largest array numpy can view
+
+
 def _check_count(name: str, value: Any) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, not bool")
@@ -634,13 +613,15 @@ def _check_count(name: str, value: Any) -> int:
         raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
     if n < 0:
         raise ValueError(f"{name} must not be negative, got {n}")
+    if n > _MAX_COUNT:
+        raise ValueError(f"{name} must be below 2**64 (the cache format stores it in 64 bits), got {n}")
     return n
 
 
 def _plan_capacity(fields: dict[str, Field], length: int, capacity: int | None, max_bytes: int | str | None) -> int:
     per_slot = sum(field.nbytes for field in fields.values()) + RECORD_SIZE
     if max_bytes is not None:
-        budget = parse_bytes(max_bytes)
+        budget = parse_bytes(max_bytes, name="max_bytes")
         slots = min(length, budget // per_slot)
         if slots == 0 and length > 0:
             raise ValueError(
@@ -648,9 +629,15 @@ def _plan_capacity(fields: dict[str, Field], length: int, capacity: int | None, 
                 f"takes {per_slot} bytes ({per_slot - RECORD_SIZE} of data + {RECORD_SIZE} of slot record)"
             )
         return slots
-    if capacity is not None:
-        return min(_check_count("capacity", capacity), length)
-    return length
+    slots = length if capacity is None else min(_check_count("capacity", capacity), length)
+    # Page padding per region comes on top of the slots; keep a generous margin for it.
+    if slots * per_slot > _MAX_FILE - (len(fields) + 2) * 2 * 4096 - 2**26:
+        given = "capacity" if capacity is not None and capacity <= length else "length"
+        raise ValueError(
+            f"{given}={slots} slots of {per_slot} bytes make a file of about {slots * per_slot} bytes, "
+            "more than a file can hold (2**63 - 1 bytes); cache fewer samples with capacity= or max_bytes="
+        )
+    return slots
 
 
 def _creation_info() -> dict[str, Any]:

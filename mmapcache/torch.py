@@ -525,7 +525,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
                 # The mapping is PROT_READ: torch cannot make a tensor read-only,
                 # but the kernel refuses the write. That is the point of copy=False.
                 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
-                self._views = self._schema.to_tensors(self._readonly._arrays.values())
+                self._views = self._schema.to_tensors(self._readonly.views.values())
         self._cache = cache
 
     def _check_schema(self, sample: Any, index: int) -> None:

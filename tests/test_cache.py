@@ -119,6 +119,45 @@ def test_bad_open_arguments(cache_dir: Path) -> None:
     assert not path.exists()
 
 
+def test_sizes_beyond_the_format_raise_value_error_naming_the_argument(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    with pytest.raises(ValueError, match=r"length must be below 2\*\*64"):
+        Cache.open(path, FIELDS, length=2**64, capacity=1)
+    with pytest.raises(ValueError, match="capacity must be below"):
+        Cache.open(path, FIELDS, length=10, capacity=2**64)
+    with pytest.raises(ValueError, match="more than a file can hold"):
+        Cache.open(path, FIELDS, length=2**62)
+    with pytest.raises(ValueError, match="max_bytes 'x1'"):
+        Cache.open(path, FIELDS, length=10, max_bytes="x1")
+    with pytest.raises(ValueError, match=r"spans \d+ bytes, more than an array"):
+        Cache.open(path, {"x": Field((2**40, 2**40), "u1")}, length=0)
+    assert not path.exists()
+    # A budget beyond any disk is no error: it just does not limit the capacity.
+    with Cache.open(path, FIELDS, length=10, max_bytes="1" * 400) as cache:
+        assert cache.capacity == 10
+
+
+def test_a_length_near_2_to_the_64_keeps_indices_exact(cache_dir: Path) -> None:
+    # Before the fix, put_many([2**64 - 3]) wrapped to slot -3 and overwrote slot 7.
+    huge = 2**64 - 1
+    with Cache.open(cache_dir / "c.mmc", FIELDS, length=huge, capacity=10) as cache:
+        assert cache.put(7, sample(7))
+        far = np.array([2**64 - 3, 2**63, 2**63 - 1], np.uint64)
+        image = np.full((3, 3, 8, 8), 99, np.uint8)
+        assert cache.put_many(far, {"image": image, "label": [1, 2, 3]}).tolist() == [False] * 3
+        assert cache.put_many([2**64 - 3], {"image": image[:1], "label": [1]}).tolist() == [False]
+        assert_sample(cache[7], 7)
+        assert cache.filled == 1
+        assert cache.contains_many(far).tolist() == [False] * 3
+        with pytest.raises(KeyError, match=str(2**64 - 3)) as missing:
+            cache.get_many(far)
+        assert missing.value.missing.tolist() == far.tolist()  # type: ignore[attr-defined]
+        assert cache.get(2**64 - 3) is None
+        assert (2**64 - 3) not in cache
+        with pytest.raises(IndexError, match="out of range"):
+            cache.contains_many(np.array([2**64 - 1], np.uint64))
+
+
 # -- capacity -----------------------------------------------------------------------
 
 
@@ -318,6 +357,25 @@ def test_safe_casts_are_accepted(cache: Cache) -> None:
     assert int(got["label"]) == -3
 
 
+def test_structured_values_are_stored_by_member_name(cache_dir: Path) -> None:
+    # Before the fix, numpy's positional cast stored {b=1, a=2} as {a=1, b=2}.
+    record = np.dtype([("a", "<i4"), ("b", "<f8")])
+    with Cache.open(cache_dir / "c.mmc", {"r": Field((2,), record)}, length=4) as cache:
+        swapped = np.array([(1.5, 2), (3.5, 4)], dtype=[("b", "<f4"), ("a", "<i2")])
+        assert cache.put(0, {"r": swapped})
+        got = cache[0]["r"]
+        assert got.dtype == record
+        assert got["a"].tolist() == [2, 4]
+        assert got["b"].tolist() == [1.5, 3.5]
+        with pytest.raises(TypeError, match=r"members \['a', 'c'\]"):
+            cache.put(1, {"r": np.zeros(2, dtype=[("a", "<i4"), ("c", "<f8")])})
+        with pytest.raises(TypeError, match=r"field 'r\.a'.*float64.*int32"):
+            cache.put(1, {"r": np.zeros(2, dtype=[("b", "<f8"), ("a", "<f8")])})
+        with pytest.raises(ValueError, match=r"field 'r\.a'.*out of range"):
+            cache.put(1, {"r": np.array([(2**40, 0.0)] * 2, dtype=[("a", "<i8"), ("b", "<f8")])})
+        assert cache.filled == 1
+
+
 def test_readonly_handle_reads_but_refuses_writes(cache_dir: Path) -> None:
     path = cache_dir / "c.mmc"
     with Cache.open(path, FIELDS, length=4) as writer:
@@ -488,7 +546,7 @@ def test_verify_finds_and_fixes_damaged_and_abandoned_slots(cache_dir: Path) -> 
         _corrupt_slot(cache, 3)
         pid = os.fork()
         if pid == 0:  # a writer that dies holding slot 7 mid-write
-            cache._slots.claim(7)
+            cache._mapped.slots.claim(7)  # type: ignore[union-attr]
             os.kill(os.getpid(), signal.SIGKILL)
         os.waitpid(pid, 0)
         problems = cache.verify()

@@ -383,6 +383,33 @@ def test_copy_false_gives_readonly_views(cache_dir: Path) -> None:
     assert same(fresh[7], as_collated(7))
 
 
+def test_zero_copy_tensors_stay_valid_after_close(cache_dir: Path) -> None:
+    # Before the fix, close() unmapped the file under the tensors: float(x[5]) was a SIGSEGV.
+    path = cache_dir / "c.mmc"
+    CachedDataset(Recorded(N), path, key="views").fill(progress=False)
+    script = textwrap.dedent(
+        f"""
+        import gc
+        from mmapcache.torch import CachedDataset
+        from torch_helpers import Recorded, as_collated, same
+        ds = CachedDataset(Recorded({N}), {str(path)!r}, key="views", copy=False)
+        one = ds[3]
+        many = ds.__getitems__([5, 6])
+        ds.close()
+        gc.collect()
+        assert same(one, as_collated(3)), "ds[3] after close"
+        assert same(many[0], as_collated(5)) and same(many[1], as_collated(6)), "__getitems__ after close"
+        float(one[0].flatten()[5])
+        assert same(ds[4], as_collated(4)), "the dataset reopens on next use"
+        ds.close()
+        print("ok", flush=True)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "ok"
+
+
 def test_copy_true_tensors_are_fresh(cache_dir: Path) -> None:
     ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="fresh")
     ds.fill(progress=False)
@@ -398,7 +425,7 @@ def test_verify_treats_a_damaged_slot_as_a_miss(copy: bool, cache_dir: Path, cap
     path = cache_dir / "c.mmc"
     CachedDataset(Recorded(N), path, key="damaged").fill(progress=False)
     with Cache(path) as cache:
-        cache._arrays["0"][3, 0, 0, 0] ^= 0xFF  # flip bits behind the slot protocol's back
+        cache._mapped.arrays["0"][3, 0, 0, 0] ^= 0xFF  # flip bits behind the slot protocol's back
     log = cache_dir / "accesses"
     ds = CachedDataset(Recorded(N, log), path, key="damaged", copy=copy, verify=True)
     samples = ds.__getitems__([2, 3, 4])
