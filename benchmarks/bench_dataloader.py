@@ -245,8 +245,8 @@ def breakdown(datasets: dict[str, Any], n: int, rounds: int, reps: int) -> dict[
 
     ds, dsv = datasets["mmapcache"], datasets["mmapcache copy=False"]
     cache = ds.cache
-    image, label = (torch.from_numpy(a) for a in cache._arrays.values())
-    states = cache._states
+    image, label = (torch.from_numpy(a) for a in cache._mapped.arrays.values())
+    states = cache._mapped.states
     ready = 2  # mmapcache._slots.READY
 
     def views(batch: list[int]) -> object:

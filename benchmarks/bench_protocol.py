@@ -67,7 +67,7 @@ class Blocks:
         self.slots: dict[str, np.ndarray[Any, Any]] = {}
 
     def reset(self) -> None:
-        self.cache._slots.states[: self.need] = EMPTY
+        self.cache._mapped.slots.states[: self.need] = EMPTY
         perm = self.rng.permutation(self.need)
         size = self.calls * self.per_call
         for k, name in enumerate(self.names):
@@ -85,9 +85,9 @@ def open_cache(directory: Path, name: str, shape: tuple[int, ...], n: int, *, ve
 
 
 def bench_put(cache: Cache, pool: np.ndarray[Any, Any], rounds: int, reps: int) -> Times:
-    array = cache._arrays["image"]
-    raw = cache._raws[0]
-    slots = cache._slots
+    array = cache._mapped.arrays["image"]
+    raw = cache._mapped.raws[0]
+    slots = cache._mapped.slots
     states, checksums, locks = slots.states, slots.checksums, slots.locks
     lock_base = slots.lock_offset(0)
     record = slots.lock_offset(1) - lock_base
@@ -164,9 +164,9 @@ def bench_put(cache: Cache, pool: np.ndarray[Any, Any], rounds: int, reps: int) 
 
 
 def bench_get(cache: Cache, checked: Cache, n: int, rounds: int, reps: int) -> Times:
-    array = cache._arrays["image"]
-    states = cache._states
-    sums = cache._slots.checksums
+    array = cache._mapped.arrays["image"]
+    states = cache._mapped.states
+    sums = cache._mapped.slots.checksums
 
     def loop(fn: Callable[[int], object]) -> Variant:
         def run(x: Any) -> None:
@@ -197,8 +197,8 @@ def bench_get(cache: Cache, checked: Cache, n: int, rounds: int, reps: int) -> T
 
 
 def bench_get_many(cache: Cache, checked: Cache, n: int, rounds: int, reps: int) -> Times:
-    array = cache._arrays["image"]
-    states = cache._slots.states
+    array = cache._mapped.arrays["image"]
+    states = cache._mapped.slots.states
 
     def state_gather(x: Any) -> object:
         if not (states[x[0]] == READY).all():
@@ -216,9 +216,9 @@ def bench_get_many(cache: Cache, checked: Cache, n: int, rounds: int, reps: int)
 
 
 def bench_put_many(cache: Cache, pool: np.ndarray[Any, Any], rounds: int, reps: int) -> Times:
-    array = cache._arrays["image"]
-    raw = cache._raws[0]
-    states, checksums = cache._slots.states, cache._slots.checksums
+    array = cache._mapped.arrays["image"]
+    raw = cache._mapped.raws[0]
+    states, checksums = cache._mapped.slots.states, cache._mapped.slots.checksums
     rows = np.arange(PUT_MANY_ROWS) % POOL
     batch = pool[rows]
     names = ["Cache.put_many", "raw per-row copy+checksum+state", "raw array[idx] = batch"]

@@ -44,7 +44,7 @@ from mmapcache._gather import PAGE, gather
 
 SIZES: dict[str, tuple[int, ...]] = {"12KB": (3, 64, 64), "150KB": (3, 224, 224)}
 BATCH = 256
-READY = 2  # the slot state byte of a filled slot (mmapcache._slots.READY)
+READY = 2  # the slot state byte of a filled slot (mmapcache._mapped.slots.READY)
 
 
 @dataclass
@@ -192,8 +192,8 @@ def bench_gather(s: Sources, rounds: int, reps: int) -> Times:
 
 def bench_get_overhead(cache: Cache, rounds: int, reps: int) -> Times:
     """Variants of the body of ``Cache.get`` (kept in step with cache.py by hand)."""
-    states = cache._states
-    items = cache._items
+    states = cache._mapped.states
+    items = cache._mapped.items
     length, capacity = cache._length, cache._capacity
     name0, array0 = items[0]
 
