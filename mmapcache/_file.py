@@ -360,8 +360,8 @@ def _explained(error: OSError, path: Path) -> OSError:
     if error.errno == errno.EMFILE:
         return OSError(
             errno.EMFILE,
-            f"cannot open {path}: this process has too many open files (each open cache holds one "
-            "descriptor); close caches you no longer use or raise the limit (`ulimit -n`)",
+            f"cannot open {path}: this process has too many open files (each open cache holds a "
+            "descriptor); close caches and files you no longer use, or raise the limit (`ulimit -n`)",
             str(path),
         )
     return error
@@ -390,7 +390,7 @@ def _creating(path: Path, needed: int) -> Iterator[None]:
         raise
     except OSError as error:
         if error.errno in _SPACE_ERRNOS:
-            raise _space_error(path, needed, _free_bytes(path), inodes=_free_inodes(path) == 0) from None
+            raise _no_room(error, path, needed) from None
         if error.errno == errno.EROFS:
             raise OSError(
                 errno.EROFS,
@@ -409,7 +409,7 @@ def _creating(path: Path, needed: int) -> Iterator[None]:
             ) from None
         if error.errno == errno.ENAMETOOLONG:
             raise OSError(errno.ENAMETOOLONG, _name_too_long(path), str(path)) from None
-        raise
+        raise _explained(error, path) from None
 
 
 def read_header(fd: int, path: str, expected: Expected = Expected()) -> tuple[Header, Layout]:
@@ -522,7 +522,10 @@ def _create(path: Path, header: Header, layout: Layout) -> None:
     _warn_if_network(path)
     _check_space(path, layout.file_size)
     temp = new_temp_path(path)
-    fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as error:
+        raise _no_room(error, path, layout.file_size) from None
     try:
         _preallocate(fd, layout.file_size, path)
         data = pack_header(header)
@@ -534,6 +537,9 @@ def _create(path: Path, header: Header, layout: Layout) -> None:
             os.link(temp, path)  # unlike rename, never replaces an existing file
         except FileExistsError:
             log.info("%s appeared while it was being created; using that file", path)
+        except OSError as error:
+            # Before the temp file is deleted: its inode tells whether inodes ran out.
+            raise _no_room(error, path, layout.file_size) from None
     finally:
         os.close(fd)
         os.unlink(temp)
@@ -567,6 +573,13 @@ def _check_space(path: Path, needed: int) -> None:
     free = st.f_bavail * st.f_frsize
     if needed > free:
         raise _space_error(path, needed, free)
+
+
+def _no_room(error: OSError, path: Path, needed: int) -> OSError:
+    """A :class:`CacheSpaceError` for a file system's ENOSPC/EDQUOT (bytes or inodes), else ``error``."""
+    if error.errno not in _SPACE_ERRNOS:
+        return error
+    return _space_error(path, needed, _free_bytes(path), inodes=_free_inodes(path) == 0)
 
 
 def _space_error(path: Path, needed: int, free: int | None, *, inodes: bool = False) -> CacheSpaceError:
@@ -685,8 +698,10 @@ def remove(path: str | os.PathLike[str], *, force: bool = False, timeout: float 
         st = os.fstat(fd)
         if not os.path.samestat(st, os.stat(target, follow_symlinks=False)):
             raise FileNotFoundError(errno.ENOENT, f"{target} was replaced while removing it", str(target))
+        if st.st_uid != os.geteuid():
+            check_file_stat(str(target), st)  # the same answer as opening it: another user's file
         _check_removable(fd, target, st)
-        with creation_lock(target, timeout):
+        with _removing(target), creation_lock(target, timeout):
             if not lock_exclusive_soon(fd, holds_shared=False, path=str(target), timeout=timeout):
                 pids = flock_holders(st)
                 if not force:
@@ -708,6 +723,30 @@ def remove(path: str | os.PathLike[str], *, force: bool = False, timeout: float 
     finally:
         os.close(fd)
     _fsync_dir(target.parent)
+
+
+@contextmanager
+def _removing(path: Path) -> Iterator[None]:
+    """Turn the errors of deleting ``path`` and its side files into ones that say what to do."""
+    try:
+        yield
+    except CacheError:
+        raise
+    except OSError as error:
+        if error.errno == errno.EROFS:
+            raise OSError(
+                errno.EROFS,
+                f"cannot remove {path}: it is on a read-only file system; remount it read-write first",
+                str(path),
+            ) from None
+        if error.errno in (errno.EACCES, errno.EPERM):
+            raise PermissionError(
+                error.errno,
+                f"cannot remove {path}: no permission to delete files in {path.parent} "
+                f"({error.strerror}: {error.filename})",
+                str(path),
+            ) from None
+        raise
 
 
 def _check_removable(fd: int, path: Path, st: os.stat_result) -> None:
