@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -122,13 +123,13 @@ print(json.dumps(results))
 """
 
 
-def run_as(uid: int, path: Path, *attempts: str) -> dict[str, object]:
+def run_as(uid: int, path: Path, *attempts: str) -> dict[str, Any]:
     """Run ``attempts`` on ``path`` in a child process that has dropped root for ``uid``."""
     result = subprocess.run(
         [sys.executable, "-c", AS_USER, str(path), str(uid), *attempts], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    answers: dict[str, object] = json.loads(result.stdout)
+    answers: dict[str, Any] = json.loads(result.stdout)
     return answers
 
 
@@ -198,7 +199,7 @@ def test_a_directory_you_cannot_write_says_where_to_put_caches(user_dir: Path) -
     locked = user_dir.parent / "root-only"
     locked.mkdir(mode=0o755)  # root's: USER can look but not create
     path = locked / "c.mmc"
-    [(kind, message)] = run_as(USER, path, "open or create").values()  # type: ignore[misc]
+    kind, message = run_as(USER, path, "open or create")["open or create"]
     assert kind == "PermissionError"
     assert f"cannot create the cache {path}: no permission to create files in {locked}" in message
     assert "MMAPCACHE_DIR" in message
