@@ -209,6 +209,7 @@ def open_or_create(
     """Open ``path`` (creating it from ``new`` if it is missing and ``new`` is given)."""
     created_now = False
     planned: tuple[Header, Layout] | None = None
+    vanished = 0
     while True:
         try:
             fd, header, layout = _open_existing(path, expected, readonly=readonly, timeout=timeout)
@@ -229,13 +230,32 @@ def open_or_create(
             header = new_header(new.fields, new.length, new.capacity, new.key, new.created)
             planned = header, compute_layout(header)
             _check_space(path, planned[1].file_size)
-        with _creating(path, planned[1].file_size):
-            _make_private_dirs(path.parent)
-            with creation_lock(path, timeout):
-                if not os.path.lexists(path):
-                    _remove_leftovers(path)
-                    _create(path, *planned)
-                    created_now = True
+        try:
+            with _creating(path, planned[1].file_size):
+                _make_private_dirs(path.parent)
+                with creation_lock(path, timeout):
+                    if not os.path.lexists(path):
+                        _remove_leftovers(path)
+                        _create(path, *planned)
+                        created_now = True
+        except FileNotFoundError:
+            # The directory was deleted under us (a job-end cleanup of /dev/shm,
+            # `rm -r` of the cache directory): make it again, a few times.
+            if path.parent.is_dir():
+                raise
+            vanished += 1
+            if vanished > _VANISHED_RETRIES:
+                raise FileNotFoundError(
+                    errno.ENOENT,
+                    f"cannot create the cache {path}: its directory {path.parent} was deleted "
+                    f"{vanished} times while the cache was being created; stop whatever deletes it, or "
+                    "keep caches elsewhere (MMAPCACHE_DIR or another path)",
+                    str(path),
+                ) from None
+            log.warning("%s was deleted while %s was being created; creating it again", path.parent, path)
+
+
+_VANISHED_RETRIES = 3
 
 
 def _make_private_dirs(directory: Path) -> None:
@@ -309,6 +329,13 @@ def _open_fd(path: Path, *, readonly: bool, check_owner: bool = False) -> int:
     try:
         before = os.lstat(path)
     except OSError as error:
+        if error.errno == errno.EACCES:
+            raise PermissionError(
+                errno.EACCES,
+                f"cannot look up {path}: permission denied on one of its directories "
+                f"({path.parent}); use a path you can reach",
+                str(path),
+            ) from None
         raise _explained(error, path) from None
     _check_kind(path, before)
     if check_owner:
@@ -357,6 +384,11 @@ def _explained(error: OSError, path: Path) -> OSError:
     """``error`` with a message that says what to do, for the errnos users meet."""
     if error.errno == errno.ENAMETOOLONG:
         return OSError(errno.ENAMETOOLONG, _name_too_long(path), str(path))
+    if error.errno == errno.ENOTDIR:
+        parent = next((p for p in reversed(path.parents) if p.exists() and not p.is_dir()), path.parent)
+        return NotADirectoryError(
+            errno.ENOTDIR, f"cannot use {path}: {parent} is not a directory; use another path", str(path)
+        )
     if error.errno == errno.EMFILE:
         return OSError(
             errno.EMFILE,
@@ -444,7 +476,7 @@ def _check_expected(header: Header, expected: Expected, path: str) -> None:
         if name == "fields":
             lines.extend(_field_differences(want, found))
         else:
-            lines.append(f"{name}: expected {want!r}, found {found!r}")
+            lines.append(f"{name}: expected {_short(want)}, found {_short(found)}")
     raise SchemaMismatchError(
         f"the cache at {path} holds different data than requested:\n  "
         + "\n  ".join(lines)
@@ -453,6 +485,14 @@ def _check_expected(header: Header, expected: Expected, path: str) -> None:
         path=path,
         differences=differences,
     )
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, shortened for a message (a key may be megabytes long)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit // 2]}...{text[-limit // 4 :]} ({len(text)} characters)"
 
 
 def _field_differences(want: dict[str, Field], found: dict[str, Field]) -> list[str]:
@@ -478,10 +518,7 @@ def _refresh_mtime(fd: int) -> None:
 def creation_lock(path: Path, timeout: float) -> Iterator[None]:
     """Hold the side-file lock that serialises creating and removing ``path``."""
     lock_path = lock_path_for(path)
-    if os.path.islink(lock_path):
-        raise UnsafeCacheFileError(
-            f"{lock_path} is a symlink; remove it (mmapcache never follows symlinks)", path=lock_path
-        )
+    _check_lock_file(lock_path)
     # filelock 4: a native flock only (no soft marker files that get deleted),
     # and the lock file's name is kept on release.
     lock = filelock.UnixFileLock(
@@ -499,6 +536,31 @@ def creation_lock(path: Path, timeout: float) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+def _check_lock_file(lock_path: Path) -> None:
+    """Refuse a planted lock file: a symlink, not a regular file, or another user's."""
+    try:
+        st = os.lstat(lock_path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeCacheFileError(
+            f"{lock_path} is a symlink; remove it (mmapcache never follows symlinks)", path=lock_path
+        )
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _FILE_TYPES if test(st.st_mode)), "not a regular file")
+        raise UnsafeCacheFileError(
+            f"the lock file {lock_path} is {kind}, not a regular file; mmapcache leaves it alone. "
+            "Remove it or use another path",
+            path=lock_path,
+        )
+    if st.st_uid != os.geteuid():
+        raise UnsafeCacheFileError(
+            f"the lock file {lock_path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); "
+            "another user could hold it forever. Remove it or use another path",
+            path=lock_path,
+        )
 
 
 def _remove_leftovers(path: Path) -> None:
@@ -566,12 +628,8 @@ def _check_written(fd: int, path: Path, header: Header) -> None:
 
 
 def _check_space(path: Path, needed: int) -> None:
-    try:
-        st = os.statvfs(path.parent)
-    except OSError:
-        return
-    free = st.f_bavail * st.f_frsize
-    if needed > free:
+    free = _free_bytes(path)
+    if free is not None and needed > free:
         raise _space_error(path, needed, free)
 
 
@@ -625,21 +683,27 @@ def _preallocate(fd: int, size: int, path: Path) -> None:
         raise
 
 
+def _statvfs(path: Path) -> os.statvfs_result | None:
+    """``statvfs`` of the nearest existing directory of ``path`` (its parent may not exist yet)."""
+    for directory in path.parents:
+        try:
+            return os.statvfs(directory)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+    return None
+
+
 def _free_bytes(path: Path) -> int | None:
-    try:
-        st = os.statvfs(path.parent)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
+    st = _statvfs(path)
+    return None if st is None else st.f_bavail * st.f_frsize
 
 
 def _free_inodes(path: Path) -> int | None:
-    try:
-        st = os.statvfs(path.parent)
-    except OSError:
-        return None
+    st = _statvfs(path)
     # f_files == 0: the file system does not count inodes (btrfs, some FUSE).
-    return st.f_favail if st.f_files else None
+    return st.f_favail if st is not None and st.f_files else None
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -267,7 +267,14 @@ def test_full_filesystem_raises_space_error_and_leaves_nothing(tiny_tmpfs: Path)
     assert isinstance(error, OSError)
     for hint in ("MMAPCACHE_DIR", "max_bytes", "--shm-size"):
         assert hint in str(error)
-    assert [n for n in os.listdir(tiny_tmpfs) if not n.endswith(".lock")] == []
+    assert os.listdir(tiny_tmpfs) == []  # checked before anything was created: not even a lock file
+
+
+def test_a_cache_too_big_for_the_disk_creates_nothing_not_even_its_directory(tiny_tmpfs: Path) -> None:
+    path = tiny_tmpfs / "a" / "b" / "big.mmc"
+    with pytest.raises(CacheSpaceError, match=f"{tiny_tmpfs / 'a' / 'b'} has .* free"):
+        Cache.open(path, {"x": Field((1024,), "uint8")}, length=4096)
+    assert os.listdir(tiny_tmpfs) == []
 
 
 def test_fallocate_failure_raises_space_error(tiny_tmpfs: Path) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -211,18 +213,23 @@ def test_a_directory_you_cannot_write_says_where_to_put_caches(user_dir: Path) -
 
 @pytest.mark.parametrize(
     ("inodes", "fails_at"),
-    [(1, "the lock file"), (2, "the temp file"), (3, "the link to the final name")],
+    [
+        (1, "the directory"),
+        (1, "the lock file"),
+        (2, "the temp file"),
+        (3, "the link to the final name"),
+    ],
 )
 def test_no_free_inodes_raises_space_error_and_leaves_no_cache(cache_dir: Path, inodes: int, fails_at: str) -> None:
     # tmpfs counts its root directory, each file and each extra hard link as an inode.
     with mounted_tmpfs(cache_dir / "mnt", f"size=4m,nr_inodes={inodes},mode=0700") as mount_point:
-        path = mount_point / "c.mmc"
+        path = mount_point / ("sub/c.mmc" if fails_at == "the directory" else "c.mmc")
         with pytest.raises(CacheSpaceError) as info:
             Cache.open(path, FIELDS, length=4)
         error = info.value
         assert isinstance(error, OSError)
         message = str(error)
-        assert message.startswith(f"no free inodes (file entries) left in {mount_point} to create the cache {path}")
+        assert message.startswith(f"no free inodes (file entries) left in {path.parent} to create the cache {path}")
         for hint in ("mmapcache gc", "MMAPCACHE_DIR", "nr_inodes"):
             assert hint in message, fails_at
         assert error.needed > 0
@@ -306,3 +313,108 @@ def test_running_out_of_descriptors_says_what_to_do(cache_dir: Path, case: str) 
     assert int(code) == errno.EMFILE
     assert "too many open files" in message
     assert "ulimit -n" in message
+
+
+@needs_root
+def test_a_directory_you_cannot_enter_says_so(user_dir: Path) -> None:
+    closed = user_dir.parent / "closed"
+    closed.mkdir(mode=0o700)  # root's: USER cannot even look inside
+    path = closed / "c.mmc"
+    answers = run_as(USER, path, "open", "open or create")
+    for kind, message in answers.values():
+        assert kind == "PermissionError"
+        assert f"cannot look up {path}: permission denied on one of its directories ({closed})" in message
+
+
+def test_a_file_where_a_directory_should_be_says_so(cache_dir: Path) -> None:
+    (cache_dir / "notes").write_text("a file, not a directory")
+    path = cache_dir / "notes" / "sub" / "c.mmc"
+    for attempt in (lambda: Cache.open(path, FIELDS, length=4), lambda: Cache.open(path, readonly=True)):
+        with pytest.raises(NotADirectoryError, match=f"cannot use {path}: {cache_dir / 'notes'} is not a directory"):
+            attempt()
+    assert sorted(os.listdir(cache_dir)) == ["notes"]
+
+
+# -- planted lock files ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["socket", "fifo", "directory"])
+def test_a_lock_file_that_is_not_a_regular_file_is_refused_and_left_alone(cache_dir: Path, kind: str) -> None:
+    path = cache_dir / "c.mmc"
+    lock = lock_path_for(path)
+    planted = _plant(lock, kind)
+    next(planted)
+    with pytest.raises(UnsafeCacheFileError, match=re.escape(f"the lock file {lock} is {KINDS[kind]}, not a regular")):
+        Cache.open(path, FIELDS, length=4)
+    assert sorted(os.listdir(cache_dir)) == [lock.name]
+    next(planted, None)
+
+
+@needs_root
+def test_another_users_lock_file_is_refused(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    lock = lock_path_for(path)
+    lock.touch(mode=0o666)
+    os.chown(lock, NOBODY, NOBODY)
+    with pytest.raises(UnsafeCacheFileError, match=f"the lock file {lock} belongs to uid {NOBODY}"):
+        Cache.open(path, FIELDS, length=4)
+    assert not path.exists()
+
+
+# -- the directory disappears -------------------------------------------------------------------
+
+HOLD_THEN_DELETE = """
+import shutil, sys
+from pathlib import Path
+from mmapcache._file import creation_lock
+path = Path(sys.argv[1])
+with creation_lock(path, timeout=10):
+    print("locked", flush=True)
+    sys.stdin.readline()
+    shutil.rmtree(path.parent)  # a job-end cleanup while another creator waits for the lock
+"""
+
+CREATE = """
+import sys
+from mmapcache import Cache, Field
+print("ready", flush=True)
+with Cache.open(sys.argv[1], {"x": Field((8,), "uint8")}, length=4, timeout=60) as cache:
+    print("created", cache.length)
+"""
+
+
+def test_a_directory_deleted_while_a_creator_waits_is_made_again(cache_dir: Path) -> None:
+    path = cache_dir / "sub" / "c.mmc"
+    path.parent.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THEN_DELETE, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdin is not None
+    assert holder.stdout is not None
+    assert holder.stdout.readline().strip() == "locked"
+    creator = subprocess.Popen([sys.executable, "-c", CREATE, str(path)], stdout=subprocess.PIPE, text=True)
+    assert creator.stdout is not None
+    assert creator.stdout.readline().strip() == "ready"
+    time.sleep(0.5)  # the creator now polls for the lock (if not, the test passes without the race)
+    holder.stdin.write("go\n")
+    holder.stdin.close()
+    assert holder.wait(timeout=60) == 0
+    out, _ = creator.communicate(timeout=60)
+    assert creator.returncode == 0
+    assert out.strip() == "created 4"
+    assert sorted(os.listdir(path.parent)) == ["c.mmc", "c.mmc.lock"]
+
+
+# -- messages stay readable ----------------------------------------------------------------------
+
+
+def test_a_mismatch_with_a_huge_key_gives_a_short_message(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    huge = "k" * 2**20
+    with Cache.open(path, FIELDS, length=4, key=huge):
+        pass
+    with pytest.raises(mmapcache.SchemaMismatchError) as info:
+        Cache.open(path, FIELDS, length=4, key="other")
+    assert len(str(info.value)) < 1000
+    assert f"({len(repr(huge))} characters)" in str(info.value)
+    assert info.value.differences["key"] == ("other", huge)  # the values themselves stay whole

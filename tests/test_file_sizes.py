@@ -66,11 +66,11 @@ def test_a_cache_with_the_largest_key_round_trips(cache_dir: Path) -> None:
 
 def test_a_writer_bug_never_publishes_an_unopenable_file(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Defence in depth: the creator reads its temp file back with the reader every
-    # opener uses before linking it into place. Inject a writer bug (the version
-    # field written as 2) and check nothing is published.
+    # opener uses before linking it into place. Inject a writer bug (a header
+    # checksum off by one bit) and check nothing is published.
     def buggy_pack_header(header: Header) -> bytes:
         data = bytearray(pack_header(header))
-        data[8:12] = (2).to_bytes(4, "little")
+        data[20] ^= 1
         return bytes(data)
 
     monkeypatch.setattr(mmapcache._file, "pack_header", buggy_pack_header)
@@ -78,7 +78,7 @@ def test_a_writer_bug_never_publishes_an_unopenable_file(cache_dir: Path, monkey
     with pytest.raises(CacheFormatError, match="does not read back as written") as info:
         Cache.open(path, FIELDS, length=10)
     assert "bug in mmapcache" in str(info.value)
-    assert "version 2" in str(info.value)
+    assert "corrupt header: its checksum" in str(info.value)
     assert sorted(os.listdir(cache_dir)) == ["c.mmc.lock"]  # no cache, no temp file
     monkeypatch.undo()
     with Cache.open(path, FIELDS, length=10) as cache:  # the next (correct) creator succeeds
