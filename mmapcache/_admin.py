@@ -16,7 +16,10 @@ age, through :func:`mmapcache.remove`, which takes the exclusive in-use lock:
 a job that opens the cache at the same moment wins, and the removal is
 skipped. It also removes the temporary files of creators that died half-way
 (``<name>.tmp-*``, as large as the cache they were building), under the
-creation lock that every creator holds while its temporary file exists.
+creation lock that every creator holds while its temporary file exists, and
+orphan lock files (``<name>.lock`` with no ``<name>`` beside it, left by a
+creation that failed, e.g. with :class:`CacheSpaceError`): see
+:func:`remove_orphan_lock` for why that is safe.
 """
 
 from __future__ import annotations
@@ -35,10 +38,19 @@ from typing import Any
 import numpy as np
 
 from ._errors import CacheError, CacheFormatError, CacheInUseError, CacheTimeoutError, UnsafeCacheFileError
-from ._file import _check_removable, _open_fd, creation_lock, read_header, remove
+from ._file import (
+    LOCK_SUFFIX,
+    _check_removable,
+    _open_fd,
+    creation_lock,
+    lock_path_for,
+    read_header,
+    remove,
+    temp_stem,
+)
 from ._format import Header
 from ._locks import flock_holders, try_lock_exclusive
-from ._paths import check_file_stat, default_dir, filesystem_type, is_network_filesystem
+from ._paths import SUFFIX, check_file_stat, default_dir, filesystem_type, is_network_filesystem
 from ._sizes import format_bytes, parse_duration
 from ._slots import READY, WRITING
 
@@ -53,12 +65,14 @@ __all__ = [
     "error_message",
     "gc",
     "info",
+    "is_lock_name",
+    "iso_time",
     "list_caches",
     "memory_limit",
+    "orphan_lock",
+    "remove_orphan_lock",
 ]
 
-SUFFIX = ".mmc"
-TEMP_MARK = ".tmp-"
 DEFAULT_GC_AGE = "7d"
 # A tmpfs smaller than this cannot hold a useful dataset cache (Docker gives 64 MB).
 SMALL_TMPFS = 2**30
@@ -70,7 +84,8 @@ _CHUNK_RECORDS = 2**20
 _NO_LIMIT = 2**60
 
 
-def _iso(timestamp: float) -> str:
+def iso_time(timestamp: float) -> str:
+    """``timestamp`` as ISO 8601 UTC, to the second: ``2026-11-30T05:46:11Z``."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp))
 
 
@@ -152,7 +167,7 @@ class CacheInfo:
             "status": self.status,
             "error": self.error,
             "nbytes": self.nbytes,
-            "last_used": _iso(self.last_used),
+            "last_used": iso_time(self.last_used),
             "last_used_timestamp": self.last_used,
             "in_use": self.in_use,
             "pids": list(self.pids),
@@ -174,8 +189,10 @@ class CacheInfo:
 class Removed:
     """A file :func:`gc` removed (or, in a dry run, would remove).
 
-    ``kind`` is ``"cache"``, ``"corrupt"`` (a damaged cache file) or
-    ``"leftover"`` (the temporary file of a creator that died).
+    ``kind`` is ``"cache"``, ``"corrupt"`` (a damaged cache file),
+    ``"leftover"`` (the temporary file of a creator that died) or ``"lock"``
+    (the lock file of a cache that does not exist: its creation failed, or the
+    cache was deleted without ``mmapcache rm``).
     """
 
     path: Path
@@ -188,7 +205,7 @@ class Removed:
             "path": str(self.path),
             "kind": self.kind,
             "nbytes": self.nbytes,
-            "last_used": _iso(self.last_used),
+            "last_used": iso_time(self.last_used),
             "last_used_timestamp": self.last_used,
         }
 
@@ -207,7 +224,7 @@ class Kept:
         return {
             "path": str(self.path),
             "reason": self.reason,
-            "last_used": _iso(self.last_used),
+            "last_used": iso_time(self.last_used),
             "last_used_timestamp": self.last_used,
             "in_use": self.in_use,
             "pids": list(self.pids),
@@ -321,9 +338,29 @@ def _is_cache_name(name: str) -> bool:
     return name.endswith(SUFFIX) and not name.startswith(".")
 
 
-def _is_leftover_name(name: str) -> bool:
-    head, mark, _ = name.rpartition(TEMP_MARK)
-    return bool(mark) and _is_cache_name(head)
+def _leftover_stem(path: Path) -> str | None:
+    """The side-file stem of the cache whose creator made the temp file ``path``, if it is one."""
+    stem = temp_stem(path.name, path.parent)
+    return stem if stem is not None and _is_cache_name(stem) else None
+
+
+def _lock_stem(path: Path) -> str | None:
+    """The side-file stem of the cache whose creation lock ``path`` is, if it is one (``<stem>.lock``)."""
+    stem = path.name.removesuffix(LOCK_SUFFIX)
+    if stem == path.name or not _is_cache_name(stem) or lock_path_for(path.with_name(stem)) != path:
+        return None
+    return stem
+
+
+def _locks_in_use(directory: Path) -> set[str]:
+    """Names of the lock files that belong to a file present in ``directory`` (whatever its type)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return set()
+    # A long cache name's side files use a shortened stem, so the lock's own
+    # name does not tell which cache it guards: ask lock_path_for of each.
+    return {lock_path_for(directory / name).name for name in names}
 
 
 def list_caches(directory: str | os.PathLike[str] | None = None, *, recursive: bool = False) -> list[CacheInfo]:
@@ -486,8 +523,10 @@ def gc(
     reported in :attr:`GcReport.kept` with the process ids holding it. Damaged
     ``*.mmc`` files that start like a cache are removed by the same rule;
     files that are not mmapcache files are kept. Temporary files left by
-    creators that died are removed once they are as old. ``dry_run=True``
-    reports what would go and removes nothing.
+    creators that died are removed once they are as old, and so are orphan
+    lock files (a cache's ``.lock`` whose cache is gone; see
+    :func:`remove_orphan_lock`). ``dry_run=True`` reports what would go and
+    removes nothing.
     """
     age = parse_duration(older_than) if isinstance(older_than, str) else float(older_than)
     if age < 0:
@@ -499,9 +538,23 @@ def gc(
     for item in list_caches(base, recursive=recursive):
         if item.last_used <= cutoff:
             _collect_cache(item, cutoff, dry_run, removed, kept)
-    for entry in _entries(base, recursive=recursive):
-        if _is_leftover_name(entry.name):
-            _collect_leftover(Path(entry.path), cutoff, dry_run, removed, kept)
+    # Listed again: removing a cache above removed its side files too.
+    abandoned: set[Path] = set()  # caches whose creator's leftover went: their lock goes too, whatever its age
+    for path in _side_files(base, recursive=recursive):
+        stem = _leftover_stem(path)
+        if stem is not None and _collect_leftover(path, stem, cutoff, dry_run, removed, kept):
+            abandoned.add(path.with_name(stem))
+    # Lock files last, listed once more: collecting a leftover takes (so may make) its cache's lock file.
+    guarded: dict[Path, set[str]] = {}
+    for path in _side_files(base, recursive=recursive):
+        stem = _lock_stem(path)
+        if stem is None:
+            continue
+        if path.parent not in guarded:
+            guarded[path.parent] = _locks_in_use(path.parent)
+        if path.name not in guarded[path.parent]:
+            limit = time.time() if path.with_name(stem) in abandoned else cutoff
+            _collect_orphan_lock(path, limit, dry_run, removed, kept)
     return GcReport(base, age, dry_run, tuple(removed), tuple(kept))
 
 
@@ -554,31 +607,177 @@ def _not_removable(item: CacheInfo) -> str | None:
     return None
 
 
-def _collect_leftover(path: Path, cutoff: float, dry_run: bool, removed: list[Removed], kept: list[Kept]) -> None:
+def _side_files(directory: Path, *, recursive: bool) -> list[Path]:
+    return [Path(entry.path) for entry in _entries(directory, recursive=recursive) if not _is_cache_name(entry.name)]
+
+
+def _collect_leftover(
+    path: Path, stem: str, cutoff: float, dry_run: bool, removed: list[Removed], kept: list[Kept]
+) -> bool:
+    """Remove the temp file ``path`` if old and abandoned; whether it was (would be, in a dry run) removed."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if st.st_mtime > cutoff or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        return False
+    if not dry_run:
+        target = path.with_name(stem)  # a stem is its own stem: same lock as the cache's
+        try:
+            # Only a creator holding this lock makes (and removes) a temp file, so
+            # while we hold it, every temp file of this name was abandoned.
+            with creation_lock(target, timeout=0):
+                if not os.path.samestat(st, os.lstat(path)):
+                    return False
+                os.unlink(path)
+        except CacheTimeoutError:
+            kept.append(Kept(path, "a creator is building this cache right now", st.st_mtime))
+            return False
+        except FileNotFoundError:
+            return False
+        except (CacheError, OSError) as error:
+            kept.append(Kept(path, error_message(error), st.st_mtime))
+            return False
+    removed.append(Removed(path, "leftover", st.st_blocks * 512, st.st_mtime))
+    return True
+
+
+def _collect_orphan_lock(path: Path, cutoff: float, dry_run: bool, removed: list[Removed], kept: list[Kept]) -> None:
     try:
         st = os.lstat(path)
     except OSError:
         return
     if st.st_mtime > cutoff or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
         return
-    if not dry_run:
-        target = path.with_name(path.name.rpartition(TEMP_MARK)[0])
+    try:
+        if dry_run:
+            _probe_lock(path, st)
+        else:
+            st = remove_orphan_lock(path)
+    except (FileNotFoundError, FileExistsError):
+        return  # gone, or its cache was created meanwhile: not an orphan
+    except CacheInUseError as error:
+        kept.append(
+            Kept(
+                path,
+                "a process holds it (creating or removing that cache right now)",
+                st.st_mtime,
+                in_use=True,
+                pids=tuple(error.pids),
+            )
+        )
+        return
+    except (CacheError, OSError) as error:
+        kept.append(Kept(path, error_message(error), st.st_mtime))
+        return
+    removed.append(Removed(path, "lock", st.st_blocks * 512, st.st_mtime))
+
+
+def _probe_lock(path: Path, st: os.stat_result) -> None:
+    """Raise :class:`CacheInUseError` if a process holds the lock file ``path`` (a dry run's look)."""
+    fd = _open_lock_file(path)
+    try:
+        if not try_lock_exclusive(fd):
+            raise _lock_busy(path, st)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def orphan_lock(path: str | os.PathLike[str]) -> Path | None:
+    """The lock file of the cache at ``path`` if the cache does not exist but its lock file does."""
+    cache = Path(os.path.abspath(os.fspath(path)))
+    lock = lock_path_for(cache)
+    if os.path.lexists(cache) or not os.path.lexists(lock) or lock.name in _locks_in_use(cache.parent):
+        return None
+    return lock
+
+
+def is_lock_name(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is named like the lock file of a cache (``<name>.mmc.lock``)."""
+    return _lock_stem(Path(os.path.abspath(os.fspath(path)))) is not None
+
+
+def remove_orphan_lock(path: str | os.PathLike[str]) -> os.stat_result:
+    """Delete the lock file ``path`` of a cache that does not exist; return what it was (``lstat``).
+
+    A creation that fails (``CacheSpaceError`` when ``fallocate`` finds the
+    disk full, a killed creator) or a cache deleted without
+    :func:`mmapcache.remove` leaves ``<name>.lock`` behind, and nothing else
+    would delete it. Only creators and :func:`mmapcache.remove` lock it, so
+    this takes the lock itself without waiting, then checks, *while holding
+    it*, that the name is still the inode it locked and that no cache file
+    it guards exists, and only then unlinks it. A creator that opened the
+    old inode meanwhile finds it unlinked once it gets the lock (filelock
+    checks ``st_nlink``) and makes a new one, so two creators never hold
+    different lock files of one cache.
+
+    Raises :class:`CacheInUseError` while a process holds the lock (it is
+    creating or removing the cache right now), ``FileExistsError`` if its
+    cache exists (remove the cache instead: ``mmapcache rm`` deletes the lock
+    with it), :class:`CacheFormatError` for a file that is not an empty
+    lock file of a ``*.mmc`` cache, :class:`UnsafeCacheFileError` for a
+    symlink, another user's file or one that is not a regular file, and
+    ``FileNotFoundError``.
+    """
+    lock = Path(os.path.abspath(os.fspath(path)))
+    if _lock_stem(lock) is None:
+        raise CacheFormatError(
+            f"{lock} is not the lock file of a cache (<name>{SUFFIX}{LOCK_SUFFIX}); refusing to delete it",
+            path=lock,
+        )
+    fd = _open_lock_file(lock)
+    try:
+        st = os.fstat(fd)
+        if not try_lock_exclusive(fd):
+            raise _lock_busy(lock, st)
+        # Re-check under the lock: the name may have been replaced, or a
+        # creator may have finished between our look and our lock.
         try:
-            # Only a creator holding this lock makes (and removes) a temp file, so
-            # while we hold it, every temp file of this name was abandoned.
-            with creation_lock(target, timeout=0):
-                if not os.path.samestat(st, os.lstat(path)):
-                    return
-                os.unlink(path)
-        except CacheTimeoutError:
-            kept.append(Kept(path, "a creator is building this cache right now", st.st_mtime))
-            return
+            now = os.lstat(lock)
         except FileNotFoundError:
-            return
-        except (CacheError, OSError) as error:
-            kept.append(Kept(path, error_message(error), st.st_mtime))
-            return
-    removed.append(Removed(path, "leftover", st.st_blocks * 512, st.st_mtime))
+            raise FileNotFoundError(errno.ENOENT, f"{lock} was removed meanwhile", str(lock)) from None
+        if not os.path.samestat(st, now):
+            raise FileNotFoundError(errno.ENOENT, f"{lock} was replaced meanwhile; run again", str(lock))
+        if lock.name in _locks_in_use(lock.parent):
+            raise FileExistsError(
+                errno.EEXIST,
+                f"{lock} is the lock file of a cache that exists; remove the cache "
+                "(`mmapcache rm`), which deletes its lock file with it",
+                str(lock),
+            )
+        os.unlink(lock)
+    finally:
+        os.close(fd)  # releases the lock
+    return st
+
+
+def _open_lock_file(path: Path) -> int:
+    """Open a lock file for flock after checking, unopened, that it is an empty regular file of ours."""
+    check_file_stat(str(path), os.lstat(path))  # a socket or FIFO is refused before any open
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        check_file_stat(str(path), st)
+        if st.st_size:
+            raise CacheFormatError(
+                f"{path} is not empty ({st.st_size} bytes), so it is not an mmapcache lock file; refusing to delete it",
+                path=path,
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _lock_busy(path: Path, st: os.stat_result) -> CacheInUseError:
+    pids = flock_holders(st)
+    who = f" (process ids: {', '.join(map(str, pids))})" if pids else ""
+    return CacheInUseError(
+        f"{path} is held by a process creating or removing its cache right now{who}; try again later",
+        path=path,
+        pids=pids,
+    )
 
 
 # -- space ----------------------------------------------------------------------------------
@@ -600,7 +799,7 @@ def disk_usage(directory: str | os.PathLike[str] | None = None, *, recursive: bo
             allocated = entry.stat(follow_symlinks=False).st_blocks * 512
             if _is_cache_name(entry.name):
                 caches, cache_bytes = caches + 1, cache_bytes + allocated
-            elif _is_leftover_name(entry.name):
+            elif _leftover_stem(Path(entry.path)) is not None:
                 leftovers, leftover_bytes = leftovers + 1, leftover_bytes + allocated
     fs_type = filesystem_type(base)
     limit = memory_limit() if fs_type == "tmpfs" else None

@@ -2,12 +2,12 @@
 
 The one module that prints. Each command calls a library function that returns
 data (``mmapcache._admin``, ``Cache.verify``, ``mmapcache.remove``) and formats
-it here. Errors the user can act on print ``ErrorName: message`` on stderr
-and exit with status 1, without a traceback.
+it here. Errors the user can act on print ``ErrorName: message`` on stderr,
+without a traceback, and exit with ``EXIT_PROBLEMS``.
 
-Exit status: 0 success (``verify``: the cache is clean); 1 ``verify`` found
-problems, ``rm`` or ``gc`` left a cache in place (in use, not a cache file),
-or an error; 2 the command line was wrong; 130 interrupted.
+``EXIT_STATUSES`` below is the one statement of what each exit status means:
+``mmapcache --help``, the end of this docstring and docs/operating.md's table
+are made from it (tests/test_cli.py checks the table).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,11 +33,15 @@ from ._admin import (
     error_message,
     gc,
     info,
+    is_lock_name,
+    iso_time,
     list_caches,
+    orphan_lock,
+    remove_orphan_lock,
 )
 from ._errors import CacheError, CacheFormatError
-from ._file import remove
-from ._paths import default_dir
+from ._file import LOCK_SUFFIX, TEMP_MARK, remove
+from ._paths import SUFFIX, default_dir
 from ._sizes import format_age, format_bytes, parse_duration
 from ._version import __version__
 from .cache import Cache, Problem
@@ -44,6 +49,27 @@ from .cache import Cache, Problem
 __all__ = ["main"]
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_STATUSES: dict[int, str] = {
+    EXIT_OK: "success; verify: the cache is clean; gc: also when it kept caches in use or files it "
+    "may not remove (it lists them), so that a nightly cron job does not fail because a training "
+    "run holds an old cache",
+    EXIT_PROBLEMS: "verify found problems; rm left a file in place (in use, not a cache file); "
+    "or an error, printed on stderr as `ErrorName: message`",
+    EXIT_USAGE: "wrong command line (usage error)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+
+def exit_status_text(width: int = 79) -> str:
+    """``EXIT_STATUSES`` as the indented, wrapped list that ``--help`` and this module's docstring show."""
+    lines = []
+    for status, meaning in EXIT_STATUSES.items():
+        head = f"  {status:<5}"
+        lines += textwrap.wrap(meaning, width, initial_indent=head, subsequent_indent=" " * len(head))
+    return "\n".join(lines)
+
+
+__doc__ = f"{__doc__ or ''}\nExit status:\n\n{exit_status_text()}\n"
 # verify lists at most this many problems one by one, then counts the rest.
 MAX_PROBLEMS_SHOWN = 20
 
@@ -169,7 +195,7 @@ def _created(created: dict[str, Any]) -> str:
 
 
 def _last_used(timestamp: float, now: float) -> str:
-    return f"{_age(timestamp, now)} ({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(timestamp))})"
+    return f"{_age(timestamp, now)} ({iso_time(timestamp)})"
 
 
 def format_info(item: CacheInfo, now: float) -> str:
@@ -219,11 +245,12 @@ def format_gc(report: GcReport, now: float) -> str:
     verb = "would remove" if report.dry_run else "removed"
     lines = []
     for item in report.removed:
-        what = (
-            "leftover of an unfinished creation"
-            if item.kind == "leftover"
-            else f"last used {_age(item.last_used, now)}"
-        )
+        if item.kind == "leftover":
+            what = "leftover of an unfinished creation"
+        elif item.kind == "lock":
+            what = f"lock file of a cache that no longer exists (made {_age(item.last_used, now)})"
+        else:
+            what = f"last used {_age(item.last_used, now)}"
         damaged = " (damaged)" if item.kind == "corrupt" else ""
         lines.append(f"{verb} {_name(item.path, report.directory)}{damaged}  {format_bytes(item.nbytes)}  {what}")
     for kept in report.kept:
@@ -265,18 +292,26 @@ def _json(data: Any) -> str:
 # -- commands -------------------------------------------------------------------------------
 
 
-def _resolve(argument: str) -> Path:
-    """PATH as given if it exists; a bare name (``train`` or ``train.mmc``) is looked up in the default directory."""
+def _candidates(argument: str) -> list[Path]:
+    """Where PATH may be: as given, or (a bare name: ``train``, ``train.mmc``) in the default directory."""
     path = Path(argument)
     if os.path.lexists(path) or os.sep in argument:
-        return path
+        return [path]
     base = default_dir()
-    for name in (argument, argument + ".mmc"):
-        if os.path.lexists(base / name):
-            return base / name
+    return [path, base / argument, base / (argument + SUFFIX)]
+
+
+def _resolve(argument: str) -> Path:
+    """PATH as given if it exists; a bare name (``train`` or ``train.mmc``) is looked up in the default directory."""
+    candidates = _candidates(argument)
+    for path in candidates:
+        if os.path.lexists(path):
+            return path
+    if len(candidates) == 1:
+        return candidates[0]
     raise FileNotFoundError(
         errno.ENOENT,
-        f"no cache file {argument!r} here or in {base}; `mmapcache ls` lists the caches there",
+        f"no cache file {argument!r} here or in {candidates[1].parent}; `mmapcache ls` lists the caches there",
         argument,
     )
 
@@ -312,15 +347,29 @@ def _cmd_rm(args: argparse.Namespace) -> int:
     status = EXIT_OK
     for argument in args.paths:
         try:
-            path = _resolve(argument)
-            size = os.lstat(path).st_size
-            remove(path, force=args.force)
+            print(_rm(argument, force=args.force))
         except (CacheError, OSError) as error:
             _print_error(error)
             status = EXIT_PROBLEMS
-        else:
-            print(f"removed {path} ({format_bytes(size)})")
     return status
+
+
+def _rm(argument: str, *, force: bool) -> str:
+    """Remove the cache (or the orphan lock file) PATH names; say what was removed."""
+    candidates = _candidates(argument)
+    if not any(map(os.path.lexists, candidates)):
+        # No cache, but maybe the lock file a failed creation left behind.
+        lock = next((lock for lock in map(orphan_lock, candidates) if lock is not None), None)
+        if lock is not None:
+            remove_orphan_lock(lock)
+            return f"removed {lock} (the lock file of a cache that does not exist)"
+    path = _resolve(argument)
+    if is_lock_name(path) and os.path.isfile(path) and not os.path.getsize(path):
+        remove_orphan_lock(path)  # refuses while its cache exists
+        return f"removed {path} (the lock file of a cache that does not exist)"
+    size = os.lstat(path).st_size
+    remove(path, force=force)
+    return f"removed {path} ({format_bytes(size)})"
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
@@ -347,20 +396,16 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-_DESCRIPTION = """\
-See, check and clean up mmapcache cache files (*.mmc).
+_DESCRIPTION = f"""\
+See, check and clean up mmapcache cache files (*{SUFFIX}).
 
-Caches live in MMAPCACHE_DIR if set, else in /dev/shm/mmapcache-$USER (RAM).
-PATH arguments take a path, or a bare name (train or train.mmc) in that directory."""
+Caches live in MMAPCACHE_DIR if set, else in /dev/shm/mmapcache-<your user
+name> (RAM). PATH arguments take a path, or a bare name (train or train{SUFFIX})
+in that directory."""
 
-_EPILOG = """\
+_EPILOG = f"""\
 exit status:
-  0    success (verify: the cache is clean)
-  1    verify found problems; rm left a cache in place (in use, not a cache
-       file); or an error, printed as `ErrorName: message`. gc exits 0 when
-       it keeps caches in use (it lists them)
-  2    wrong command line
-  130  interrupted
+{exit_status_text()}
 
 examples:
   mmapcache ls
@@ -398,10 +443,10 @@ examples:
     (
         "verify",
         "check a cache's header and every slot against its checksum",
-        """\
+        f"""\
 Check the header and every slot: READY slots whose bytes do not match their
 checksum, slots left half-written by a writer that died, invalid states.
-Exit status 0 when clean, 1 when problems were found (they are listed).
+Exit status {EXIT_OK} when clean, {EXIT_PROBLEMS} when problems were found (they are listed).
 --fix resets each bad slot to empty, so that it is filled again; safe while
 other processes use the cache.
 
@@ -413,11 +458,13 @@ examples:
     (
         "rm",
         "remove caches (refuses one a process has open)",
-        """\
+        f"""\
 Remove cache files and their side files. Refuses a cache that a process has
-open (exit status 1) and names those processes. --force removes it anyway:
+open (exit status {EXIT_PROBLEMS}) and names those processes. --force removes it anyway:
 processes that have it open keep their (now nameless) copy until they close
 it, and new openers create a new file, so they no longer share.
+Also removes the lock file that a failed creation left (PATH names the cache
+that does not exist, or its {LOCK_SUFFIX} file); never while a process holds it.
 
 examples:
   mmapcache rm train.mmc
@@ -427,12 +474,13 @@ examples:
     (
         "gc",
         "remove caches nobody has used for a while",
-        """\
+        f"""\
 Remove the caches in DIR (default: the default cache directory) that no
-process has open and none has opened for --older-than (default 7d); opening
+process has open and none has opened for --older-than (default {DEFAULT_GC_AGE}); opening
 read-only counts as use. Never touches a cache in use, however old: it is
-reported as kept, with the process ids, and the exit status is 1. Also removes
-temporary files left by cache creations that did not finish.
+reported as kept, with the process ids, and the exit status is still {EXIT_OK}.
+Also removes what failed or killed creations left, once as old: temporary
+files (*{SUFFIX}{TEMP_MARK}*) and lock files without a cache (*{SUFFIX}{LOCK_SUFFIX}).
 
 examples:
   mmapcache gc --dry-run
@@ -459,7 +507,9 @@ examples:
 
 def _add_arguments(name: str, sub: argparse.ArgumentParser) -> None:
     if name in ("ls", "gc", "df"):
-        sub.add_argument("dir", nargs="?", metavar="DIR", help="directory to look in (default: %(default)s)")
+        sub.add_argument(
+            "dir", nargs="?", metavar="DIR", help="directory to look in (default: the default cache directory)"
+        )
         sub.add_argument("-r", "--recursive", action="store_true", help="also look in subdirectories")
     if name in ("info", "verify"):
         sub.add_argument("path", metavar="PATH", help="a cache file, or a name in the default directory")

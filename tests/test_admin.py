@@ -5,21 +5,26 @@ Real files in a per-test directory, real processes holding caches open; no mocks
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _caches import DAY, Holder, age, make_cache
+from _caches import DAY, FIELDS, Holder, age, make_cache
 
 import mmapcache
-from mmapcache import Cache, CacheFormatError, Field, UnsafeCacheFileError
-from mmapcache._admin import SMALL_TMPFS, DiskUsage, _warnings, memory_limit
+from mmapcache import Cache, CacheFormatError, CacheInUseError, CacheSpaceError, Field, UnsafeCacheFileError
+from mmapcache._admin import SMALL_TMPFS, DiskUsage, _warnings, memory_limit, orphan_lock, remove_orphan_lock
 from mmapcache._file import read_header
+from mmapcache._format import FORMAT_VERSION
 from mmapcache._slots import WRITING
 
 
@@ -132,7 +137,7 @@ def test_looking_changes_nothing(cache_dir: Path) -> None:
 def test_info_full_header(cache_dir: Path) -> None:
     path = make_cache(cache_dir / "a.mmc", length=12, capacity=8, filled=5, key="imagenet-224")
     item = mmapcache.info(path)
-    assert item.version == 1
+    assert item.version == FORMAT_VERSION
     assert [(f.name, f.shape, f.dtype, f.nbytes) for f in item.fields] == [
         ("image", (3, 4, 4), "uint8", 48),
         ("label", (), "int64", 8),
@@ -299,9 +304,10 @@ def test_gc_removes_leftovers_of_dead_creators(cache_dir: Path) -> None:
     assert [(r.path, r.kind) for r in report.removed] == [(leftover, "leftover")]
     assert leftover.exists()
     report = mmapcache.gc(cache_dir, older_than="1d")
-    assert [(r.path, r.kind, r.nbytes) for r in report.removed] == [(leftover, "leftover", 1 << 16)]
-    assert not leftover.exists()
-    assert fresh.exists()
+    # The lock that collecting the leftover took goes too: the creation it guarded is over.
+    lock = cache_dir / "a.mmc.lock"
+    assert [(r.path, r.kind, r.nbytes) for r in report.removed] == [(leftover, "leftover", 1 << 16), (lock, "lock", 0)]
+    assert os.listdir(cache_dir) == [fresh.name]
 
 
 LOCKER = """
@@ -311,6 +317,17 @@ from mmapcache._file import creation_lock
 with creation_lock(Path(sys.argv[1]), 10):
     print("ready", flush=True)
     time.sleep(120)
+"""
+
+
+CREATOR = """
+import os, sys
+from pathlib import Path
+from mmapcache import Cache, Field
+path = Path(sys.argv[1])
+with Cache.open(path, {"x": Field((4,), "uint8")}, 4):
+    pass
+print(os.stat(path.with_name(path.name + ".lock")).st_ino, flush=True)
 """
 
 
@@ -352,6 +369,182 @@ def test_gc_report_to_dict_is_json(cache_dir: Path) -> None:
     assert data["older_than_seconds"] == 7 * DAY
     assert data["removed"][0]["kind"] == "cache"
     assert data["freed"] == data["removed"][0]["nbytes"]
+
+
+# -- orphan lock files ---------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount_point: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs at ``mount_point``, unmounted and removed afterwards; skips when it cannot be mounted."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)], capture_output=True)
+    if result.returncode != 0:
+        mount_point.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+        mount_point.rmdir()
+
+
+def test_gc_collects_the_lock_file_of_a_creation_that_failed(cache_dir: Path) -> None:
+    # Three inodes: the root directory, the lock file, and no room for the temp file.
+    with mounted_tmpfs(cache_dir / "tiny", "size=4m,nr_inodes=3,mode=0700") as tiny:
+        path = tiny / "a.mmc"
+        with pytest.raises(CacheSpaceError):
+            Cache.open(path, FIELDS, 10)
+        lock = tiny / "a.mmc.lock"
+        assert os.listdir(tiny) == [lock.name]  # what nothing used to clean: ls hides it, gc ignored it
+        assert mmapcache.list_caches(tiny) == []
+        assert mmapcache.gc(tiny, older_than="1d").removed == ()  # too young
+        age(lock, 2 * DAY)
+        report = mmapcache.gc(tiny, older_than="1d", dry_run=True)
+        assert [(r.path, r.kind) for r in report.removed] == [(lock, "lock")]
+        assert lock.exists()
+        report = mmapcache.gc(tiny, older_than="1d")
+        assert [(r.path, r.kind) for r in report.removed] == [(lock, "lock")]
+        assert report.kept == ()
+        assert os.listdir(tiny) == []
+
+
+def test_gc_collects_the_lock_file_of_a_cache_deleted_by_hand(cache_dir: Path) -> None:
+    path = make_cache(cache_dir / "a.mmc")
+    os.unlink(path)  # `rm a.mmc` instead of `mmapcache rm a.mmc`
+    lock = cache_dir / "a.mmc.lock"
+    age(lock, 30 * DAY)
+    assert orphan_lock(path) == lock
+    assert [(r.path, r.kind, r.nbytes) for r in mmapcache.gc(cache_dir).removed] == [(lock, "lock", 0)]
+    assert os.listdir(cache_dir) == []
+
+
+def test_gc_leaves_the_lock_file_of_a_cache_that_exists(cache_dir: Path) -> None:
+    path = make_cache(cache_dir / "a.mmc")
+    age(cache_dir / "a.mmc.lock", 30 * DAY)
+    assert orphan_lock(path) is None
+    assert mmapcache.gc(cache_dir).removed == ()
+    assert sorted(os.listdir(cache_dir)) == ["a.mmc", "a.mmc.lock"]
+
+
+def test_gc_keeps_an_orphan_lock_file_a_creator_holds(cache_dir: Path) -> None:
+    lock = cache_dir / "a.mmc.lock"
+    creator = subprocess.Popen([sys.executable, "-c", LOCKER, str(cache_dir / "a.mmc")], stdout=subprocess.PIPE)
+    try:
+        assert creator.stdout is not None
+        assert creator.stdout.readline().strip() == b"ready"
+        age(lock, 2 * DAY)
+        for dry_run in (True, False):
+            report = mmapcache.gc(cache_dir, older_than="1d", dry_run=dry_run)
+            assert report.removed == ()
+            (kept,) = report.kept
+            assert (kept.path, kept.in_use, kept.pids) == (lock, True, (creator.pid,))
+            assert "creating or removing" in kept.reason
+        with pytest.raises(CacheInUseError, match=str(creator.pid)):
+            remove_orphan_lock(lock)
+        assert lock.exists()
+    finally:
+        creator.kill()
+        creator.wait()
+        if creator.stdout is not None:
+            creator.stdout.close()
+    remove_orphan_lock(lock)  # the creator is gone, and the kernel dropped its lock
+    assert os.listdir(cache_dir) == []
+
+
+def test_a_creator_racing_the_removal_of_an_orphan_lock_holds_the_named_lock_file(cache_dir: Path) -> None:
+    """A creator that waits while the orphan lock file is unlinked ends up on the file that has the name.
+
+    (filelock checks ``st_nlink`` after locking and retries on an unlinked
+    inode: what lets remove_orphan_lock unlink the file it holds.)
+    """
+    lock = cache_dir / "a.mmc.lock"
+    lock.touch(mode=0o600)
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the position remove_orphan_lock is in when it unlinks
+        creator = subprocess.Popen(
+            [sys.executable, "-c", CREATOR, str(cache_dir / "a.mmc")], stdout=subprocess.PIPE, text=True
+        )
+        time.sleep(0.5)  # let it open the old inode and wait for its lock
+        os.unlink(lock)
+    finally:
+        os.close(fd)
+    assert creator.stdout is not None
+    inode = int(creator.stdout.readline())
+    creator.wait(timeout=60)
+    creator.stdout.close()
+    assert inode == os.stat(lock).st_ino  # it created under the lock file that has the name
+    assert sorted(os.listdir(cache_dir)) == ["a.mmc", "a.mmc.lock"]
+
+
+def test_remove_orphan_lock_refuses_the_lock_of_an_existing_cache(cache_dir: Path) -> None:
+    make_cache(cache_dir / "a.mmc")
+    with pytest.raises(FileExistsError, match="mmapcache rm"):
+        remove_orphan_lock(cache_dir / "a.mmc.lock")
+    assert sorted(os.listdir(cache_dir)) == ["a.mmc", "a.mmc.lock"]
+
+
+def test_remove_orphan_lock_refuses_what_is_not_a_lock_file(cache_dir: Path) -> None:
+    (cache_dir / "notes.lock").write_text("")
+    with pytest.raises(CacheFormatError, match="not the lock file of a cache"):
+        remove_orphan_lock(cache_dir / "notes.lock")
+    (cache_dir / "a.mmc.lock").write_text("my data")
+    with pytest.raises(CacheFormatError, match="not empty"):
+        remove_orphan_lock(cache_dir / "a.mmc.lock")
+    os.mkfifo(cache_dir / "b.mmc.lock")
+    with pytest.raises(UnsafeCacheFileError, match="not a regular file"):
+        remove_orphan_lock(cache_dir / "b.mmc.lock")
+    (cache_dir / "c.mmc.lock").symlink_to(cache_dir / "notes.lock")
+    with pytest.raises(UnsafeCacheFileError, match="symlink"):
+        remove_orphan_lock(cache_dir / "c.mmc.lock")
+    assert mmapcache.gc(cache_dir, older_than=0).removed == ()
+    assert (cache_dir / "a.mmc.lock").read_text() == "my data"
+    assert sorted(os.listdir(cache_dir)) == ["a.mmc.lock", "b.mmc.lock", "c.mmc.lock", "notes.lock"]
+
+
+# -- files that are not regular files -------------------------------------------------------
+
+
+@pytest.fixture
+def not_regular(cache_dir: Path) -> Iterator[dict[str, Path]]:
+    """A Unix socket (bound, listening), a FIFO and a directory, each named like a cache."""
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(cache_dir / "socket.mmc"))
+    server.listen()
+    os.mkfifo(cache_dir / "fifo.mmc")
+    (cache_dir / "dir.mmc").mkdir()
+    try:
+        yield {kind: cache_dir / f"{kind}.mmc" for kind in ("socket", "fifo", "dir")}
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["socket", "fifo", "dir"])
+def test_info_refuses_what_is_not_a_regular_file(not_regular: dict[str, Path], kind: str) -> None:
+    path = not_regular[kind]
+    before = os.lstat(path)
+    with pytest.raises(UnsafeCacheFileError, match="not a regular file"):
+        mmapcache.info(path)
+    assert os.path.samestat(before, os.lstat(path))
+
+
+@pytest.mark.timeout(60)
+def test_list_and_gc_leave_what_is_not_a_regular_file_alone(cache_dir: Path, not_regular: dict[str, Path]) -> None:
+    items = {item.path.name: item for item in mmapcache.list_caches(cache_dir)}
+    assert sorted(items) == ["fifo.mmc", "socket.mmc"]  # directories are not listed
+    for item in items.values():
+        assert item.status == "unsafe"
+        assert "not a regular file" in (item.error or "")
+    for path in not_regular.values():
+        age(path, 30 * DAY)
+    report = mmapcache.gc(cache_dir, older_than="1d")
+    assert report.removed == ()
+    assert sorted(k.path.name for k in report.kept) == ["fifo.mmc", "socket.mmc"]
+    assert sorted(os.listdir(cache_dir)) == ["dir.mmc", "fifo.mmc", "socket.mmc"]
 
 
 # -- disk_usage -----------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,8 +15,10 @@ from pathlib import Path
 import pytest
 from _caches import DAY, Holder, age, make_cache
 
+import mmapcache.cli
 from mmapcache import Cache
 from mmapcache._file import read_header
+from mmapcache._format import FORMAT_VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = shutil.which("mmapcache")
@@ -84,6 +87,24 @@ def test_usage_errors_exit_2() -> None:
     result = run("gc", "--older-than", "soon")
     assert result.returncode == 2
     assert "cannot read 'soon' as a duration" in result.stderr
+
+
+def test_exit_statuses_are_stated_once_and_match_what_gc_does(cache_dir: Path, hold: object) -> None:
+    """--help, the cli docstring and docs/operating.md state EXIT_STATUSES, and gc keeping a cache in use exits 0."""
+    path = make_cache(cache_dir / "a.mmc")
+    hold(path)  # type: ignore[operator]
+    age(path, 30 * DAY)
+    status = run("gc", str(cache_dir)).returncode
+    assert status == mmapcache.cli.EXIT_OK
+    assert "gc: also when it kept caches in use" in mmapcache.cli.EXIT_STATUSES[status]
+    text = mmapcache.cli.exit_status_text()
+    assert f"exit status:\n{text}\n" in run("--help").stdout
+    assert f"Exit status:\n\n{text}\n" in (mmapcache.cli.__doc__ or "")
+    assert f"the exit status is still {status}." in " ".join(run("gc", "--help").stdout.split())
+    guide = GUIDE.read_text(encoding="utf-8")
+    table = guide[guide.index("| status | meaning |") :].splitlines()[2:]
+    rows = [line for line in table if line.startswith("|")]
+    assert rows == [f"| {code} | {meaning} |" for code, meaning in mmapcache.cli.EXIT_STATUSES.items()]
 
 
 # -- ls -------------------------------------------------------------------------------------
@@ -160,7 +181,7 @@ def test_info_text(cache_dir: Path) -> None:
     assert result.returncode == 0
     out = result.stdout
     for expected in (
-        "format       version 1",
+        f"format       version {FORMAT_VERSION}",
         "key          'v2'",
         "length       10 samples",
         "filled       3 of 10 slots (30.0%)",
@@ -327,6 +348,53 @@ def test_rm_keeps_going_and_fails_at_the_end(cache_dir: Path) -> None:
     assert foreign.read_text() == "my precious notes"
 
 
+def test_rm_removes_the_lock_file_a_cache_deleted_by_hand_left(cache_dir: Path, tmp_path: Path) -> None:
+    for name, argument in (("a.mmc", str(cache_dir / "a.mmc")), ("b.mmc", "b"), ("c.mmc", "c.mmc.lock")):
+        os.unlink(make_cache(cache_dir / name))  # plain `rm`: the lock file stays
+        result = run("rm", argument, env_dir=cache_dir, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == f"removed {cache_dir / name}.lock (the lock file of a cache that does not exist)\n"
+    assert os.listdir(cache_dir) == []
+    result = run("rm", str(cache_dir / "a.mmc"))  # nothing left at all
+    assert result.returncode == 1
+    assert result.stderr.startswith("FileNotFoundError: ")
+
+
+def test_rm_refuses_the_lock_file_of_a_cache_that_exists(cache_dir: Path) -> None:
+    make_cache(cache_dir / "a.mmc")
+    result = run("rm", str(cache_dir / "a.mmc.lock"))
+    assert result.returncode == 1
+    assert result.stderr.startswith("FileExistsError: ")
+    assert "`mmapcache rm`" in result.stderr
+    assert sorted(os.listdir(cache_dir)) == ["a.mmc", "a.mmc.lock"]
+
+
+@pytest.mark.timeout(60)
+def test_info_ls_rm_refuse_sockets_fifos_and_directories(cache_dir: Path) -> None:
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(cache_dir / "socket.mmc"))
+    os.mkfifo(cache_dir / "fifo.mmc")
+    (cache_dir / "dir.mmc").mkdir()
+    try:
+        before = {name: os.lstat(cache_dir / name) for name in os.listdir(cache_dir)}
+        for name in before:
+            for command in ("info", "rm"):
+                result = run(command, str(cache_dir / name))
+                assert result.returncode == 1, (command, name)
+                assert result.stderr.startswith("UnsafeCacheFileError: "), (command, name, result.stderr)
+                assert "not a regular file" in result.stderr
+        result = run("ls", str(cache_dir))
+        assert result.returncode == 0
+        assert re.search(r"^socket\.mmc .* UNSAFE ", result.stdout, re.M)
+        assert re.search(r"^fifo\.mmc .* UNSAFE ", result.stdout, re.M)
+        assert run("gc", str(cache_dir), "--older-than", "0").returncode == 0
+        after = {name: os.lstat(cache_dir / name) for name in os.listdir(cache_dir)}
+        assert before.keys() == after.keys()
+        assert all(os.path.samestat(before[name], after[name]) for name in before)
+    finally:
+        server.close()
+
+
 # -- gc -------------------------------------------------------------------------------------
 
 
@@ -370,6 +438,20 @@ def test_gc_refuses_a_cache_in_use(cache_dir: Path, hold: object) -> None:
     assert result.returncode == 0
     assert "removed a.mmc" in result.stdout
     assert not path.exists()
+
+
+def test_gc_lists_and_removes_orphan_lock_files(cache_dir: Path) -> None:
+    os.unlink(make_cache(cache_dir / "gone.mmc"))
+    age(cache_dir / "gone.mmc.lock", 8 * DAY)
+    result = run("gc", str(cache_dir), "--dry-run")
+    assert result.returncode == 0
+    assert re.search(
+        r"^would remove gone\.mmc\.lock  0 B  lock file of a cache that no longer exists", result.stdout, re.M
+    )
+    assert (cache_dir / "gone.mmc.lock").exists()
+    data = json.loads(run("gc", str(cache_dir), "--json").stdout)
+    assert [(item["path"], item["kind"]) for item in data["removed"]] == [(str(cache_dir / "gone.mmc.lock"), "lock")]
+    assert os.listdir(cache_dir) == []
 
 
 def test_gc_json(cache_dir: Path) -> None:
