@@ -176,11 +176,6 @@ def new_temp_path(path: Path) -> Path:
     return path.parent / f"{side_stem(path)}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def _temp_prefix(path: Path) -> str:
-    # Kept for _admin.py until it uses TEMP_MARK / temp_stem(); remove then.
-    return side_stem(path) + TEMP_MARK
-
-
 def temp_stem(name: str, directory: Path) -> str | None:
     """The stem the temp file ``directory / name`` was made from (``None``: not a temp name).
 
@@ -565,8 +560,9 @@ def _check_lock_file(lock_path: Path) -> None:
 
 def _remove_leftovers(path: Path) -> None:
     """Delete temp files of creators that died mid-way (only lock holders make them)."""
+    prefix = side_stem(path) + TEMP_MARK
     try:
-        names = [n for n in os.listdir(path.parent) if is_temp_name_of(n, path)]
+        names = [n for n in os.listdir(path.parent) if n.startswith(prefix) and _is_temp_tail(n[len(prefix) :])]
     except OSError:
         return
     for name in names:
