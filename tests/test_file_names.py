@@ -165,3 +165,27 @@ def test_the_leftover_of_a_killed_creator_of_a_255_byte_name_is_cleaned(cache_di
     [other_leftover] = [n for n in os.listdir(cache_dir) if TEMP_MARK in n]
     assert is_temp_name_of(other_leftover, other)
     assert sorted(os.listdir(cache_dir)) == sorted([other_leftover, lock_path_for(other).name])
+
+
+def _age_everything(directory: Path, seconds: float) -> None:
+    for name in os.listdir(directory):
+        st = os.stat(directory / name)
+        os.utime(directory / name, (st.st_atime, st.st_mtime - seconds))
+
+
+def test_gc_collects_a_long_names_leftover_and_cache_through_the_stem(cache_dir: Path) -> None:
+    # gc sees only the temp file's name: temp_stem() + lock_path_for() find the creation lock.
+    path = cache_dir / long_name(255)
+    subprocess.run([sys.executable, "-c", KILLED_CREATOR, str(path)], capture_output=True, check=False)
+    [leftover] = [n for n in os.listdir(cache_dir) if TEMP_MARK in n]
+    assert temp_stem(leftover, cache_dir) == side_stem(path)
+    _age_everything(cache_dir, 30 * 86400)
+    report = mmapcache.gc(cache_dir, older_than="1d")
+    assert [(item.path.name, item.kind) for item in report.removed if item.kind != "lock"] == [(leftover, "leftover")]
+    assert [n for n in os.listdir(cache_dir) if TEMP_MARK in n] == []
+    with Cache.open(path, FIELDS, length=4):
+        pass
+    _age_everything(cache_dir, 30 * 86400)
+    report = mmapcache.gc(cache_dir, older_than="1d")
+    assert [(item.path.name, item.kind) for item in report.removed] == [(path.name, "cache")]
+    assert os.listdir(cache_dir) == []
