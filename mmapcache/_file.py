@@ -1,6 +1,6 @@
 """Creating, opening, validating and removing cache files on disk.
 
-Creation is race-safe: under a ``filelock`` on ``<path>.lock`` the creator
+Creation is race-safe: under a ``filelock`` on ``<stem>.lock`` (below) the creator
 builds the whole file under a temporary name in the same directory
 (``O_EXCL | O_NOFOLLOW``, mode 0600), preallocates it with
 ``posix_fallocate`` (a sparse file on a full tmpfs would SIGBUS on first
@@ -35,6 +35,15 @@ A stem is its own stem, so ``lock_path_for(directory / temp_stem(name,
 directory))`` is the creation lock that guards the temp file ``name``:
 ``mmapcache gc`` can collect the leftovers of killed creators without knowing
 the cache's name.
+
+When the file system says no, the error says what to do: no bytes *or no
+inodes* left (for the lock file, the temp file, or the link: tmpfs counts
+each link as an inode) raise :class:`CacheSpaceError`; a read-only mount
+(EROFS), a directory one may not write or enter (EACCES), a name longer than
+``NAME_MAX`` or a path longer than ``PATH_MAX`` (ENAMETOOLONG), a file where
+a directory should be (ENOTDIR) and too many open files (EMFILE) keep their
+``OSError`` type and errno, with a message naming the fix. A directory deleted
+while a creator waits for the lock is made again (three times at most).
 """
 
 from __future__ import annotations
