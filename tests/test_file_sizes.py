@@ -46,7 +46,7 @@ def _largest_key_that_fits() -> int:
     return MAX_HEADER_SIZE - PREFIX_SIZE - meta_size
 
 
-def test_the_limit_is_exact_a_header_of_64_mib_is_created_and_reopened() -> None:
+def test_a_header_of_exactly_64_mib_is_allowed_and_one_byte_more_is_not() -> None:
     fits = _largest_key_that_fits()
     header = new_header(FIELDS, 10, 10, "k" * fits, CREATED)
     assert header.header_size == MAX_HEADER_SIZE
