@@ -1,19 +1,32 @@
-r"""The mmapcache file format, version 1.
+r"""The mmapcache file format, versions 1 and 2.
 
 This docstring is the specification, written so that a stranger could
 implement a reader or a writer from it; `docs/format.md` carries the same
 text. The format version is independent of the package version. MUST, MUST
 NOT, SHOULD and MAY are used as in RFC 2119.
 
+## Versions
+
+| version | adds | written by |
+|--------:|------|------------|
+| 1 | header, slot table, fixed-shape field data | mmapcache 0.1 |
+| 2 | the process counter region between the slot table and the data | mmapcache 0.2 and later |
+
+A writer writes the newest version; a reader MUST read every version it
+knows and MUST reject the others. Everything below holds for every version
+unless a section names one.
+
 ## Overview
 
-A cache file has three regions, each starting on a multiple of 4096 bytes:
+A cache file has these regions, each starting on a multiple of 4096 bytes:
 
 ```
 +--------------------+  0
 | header             |  header_size bytes (a multiple of 4096)
 +--------------------+  header_size
 | slot table         |  capacity * record_size bytes, padded to 4096
++--------------------+
+| process counters   |  version 2: 256 * 32 bytes, padded to 4096
 +--------------------+
 | field 0 data       |  capacity * nbytes(field 0) bytes, padded to 4096
 | field 1 data       |  ...
@@ -29,14 +42,14 @@ uses the byte order its dtype descriptor names.
 | offset | size | content |
 |-------:|-----:|---------|
 | 0 | 8 | magic: the bytes `89 4D 4D 43 0D 0A 1A 0A` (`\x89MMC\r\n\x1a\n`) |
-| 8 | 4 | format version, uint32; this document describes version 1 |
+| 8 | 4 | format version, uint32: 1 or 2 (see Versions) |
 | 12 | 4 | header_size, uint32: bytes in the header region, a non-zero multiple of 4096, at most 64 MiB |
 | 16 | 4 | meta_size, uint32: bytes of the metadata document |
 | 20 | 4 | header checksum, uint32: CRC-32 (the zlib/PNG polynomial) of the whole header region `[0, header_size)` with these four bytes taken as zero |
 | 24 | 8 | length, uint64: samples in the dataset; valid indices are `0 <= i < length` |
 | 32 | 8 | capacity, uint64: cacheable slots, `capacity <= length`; slot `i` caches index `i`; indices `>= capacity` are never cached |
-| 40 | 4 | record_size, uint32: bytes per slot record; 8 in version 1 |
-| 44 | 4 | flags, uint32: 0 in version 1; a reader MUST reject other values |
+| 40 | 4 | record_size, uint32: bytes per slot record; 8 in versions 1 and 2 |
+| 44 | 4 | flags, uint32: 0; a reader MUST reject other values |
 | 48 | 16 | uuid: 16 random bytes drawn when the file was created |
 | 64 | meta_size | metadata: UTF-8 JSON, an object (below) |
 | 64 + meta_size | ... | zero bytes up to header_size |
@@ -54,8 +67,7 @@ without raising the format version.
   unsigned integer of the same width, which is what `dtype` then says. Names
   are unique and non-empty.
 - `key`: the creator's identity string for the content (`""` if none).
-- `checksum`: the slot checksum algorithm, `"xxh3-64"` in version 1 (see the
-  slot table).
+- `checksum`: the slot checksum algorithm, `"xxh3-64"` (see the slot table).
 - `created`: an object describing the creator (`time` as ISO 8601 UTC,
   `host`, `pid`, `uid`, `mmapcache` version); informational only.
 
@@ -70,6 +82,33 @@ One record of `record_size` bytes per slot; slot `i`'s record starts at
 | 1 | 3 | zero |
 | 4 | 4 | checksum, uint32: meaningful only when the state is READY; computed as `h = 0`, then for each field in field order `h = XXH3_64(the slot's bytes of that field, seed = h)` (xxHash 0.8, 64-bit seed), and the checksum is `h & 0xFFFFFFFF` |
 
+## Process counters (version 2)
+
+256 records of 32 bytes start at `counters_offset = align(header_size +
+capacity * record_size)`; record `r` starts at `counters_offset + r * 32`.
+They count how the cache is used, for people (hit rates); nothing in reading
+or writing samples depends on them.
+
+| offset | size | content |
+|-------:|-----:|---------|
+| 0 | 4 | pid, uint32: the process that owns (or last owned) the record; 0 if never used |
+| 4 | 4 | zero |
+| 8 | 8 | hits, uint64: samples served from the cache |
+| 16 | 8 | misses, uint64: samples asked for that were not cached |
+| 24 | 8 | written, uint64: slots this owner filled |
+
+- Record 0 belongs to nobody: it holds the sums of the records of owners that
+  are gone ("retired"). A process adds to it only while holding an exclusive
+  `F_OFD_SETLKW` lock on the byte at record 0's offset.
+- A process owns record `r >= 1` while it holds an exclusive `F_OFD_SETLK`
+  lock on the byte at the record's offset; the kernel drops the lock when the
+  process dies. Only the owner changes its record. A process claiming a
+  record first moves whatever counts it holds into record 0, then zeroes it
+  and stores its pid. An owner that closes the cache MAY do the same before
+  letting go.
+- Counts are approximate by design: an owner killed mid-update may lose its
+  last update. Read the totals as record 0 plus every other record.
+
 ## Data
 
 Field `k` occupies `capacity * nbytes_k` bytes starting at `offset_k`, where
@@ -78,6 +117,7 @@ order (`align(x)` rounds `x` up to a multiple of 4096):
 
 ```
 pos = align(header_size + capacity * record_size)
+pos = align(pos + counter_records * 32)   # counter_records: 0 in version 1, 256 in version 2
 for each field k:  offset_k = pos;  pos = align(pos + capacity * nbytes_k)
 file_size = pos
 ```
@@ -103,8 +143,10 @@ reader MUST treat a shorter file as truncated and MUST NOT map it.
 
 ## Growing the format
 
-Readers reject other versions. Variable-shape fields (token sequences, images
-of varying size) are planned as version 2: a field entry gains
+A new version adds a row to the table of versions (the module's `VERSIONS`,
+which the writer and the reader both consult) and a section here. Readers
+reject versions they do not know. Variable-shape fields (token sequences,
+images of varying size) are planned as the next version: a field entry gains
 `"kind": "ragged"` with a per-slot (offset, length) index and a heap region
 after the fixed-size data, while the regions above keep their layout.
 """
@@ -140,7 +182,7 @@ __all__ = [
 ]
 
 MAGIC = b"\x89MMC\r\n\x1a\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what writers write; readers read every version in VERSIONS
 ALIGNMENT = 4096
 RECORD_SIZE = 8
 MAX_HEADER_SIZE = 64 * 2**20
@@ -152,6 +194,21 @@ _PREFIX = struct.Struct("<8sIIIIQQII16s")
 PREFIX_SIZE = _PREFIX.size
 _CRC_SLICE = slice(20, 24)
 assert PREFIX_SIZE == 64
+
+
+@dataclass(frozen=True)
+class Version:
+    """What one format version holds: the one table both the writer and the reader consult."""
+
+    record_size: int  # bytes per slot record
+    counter_records: int  # process counter records after the slot table (0: no such region)
+
+
+VERSIONS = {
+    1: Version(record_size=RECORD_SIZE, counter_records=0),
+    2: Version(record_size=RECORD_SIZE, counter_records=256),
+}
+COUNTER_RECORD_SIZE = 32
 
 
 def align(n: int) -> int:
@@ -182,17 +239,27 @@ class Layout:
     table_offset: int
     field_offsets: dict[str, int]
     file_size: int
+    counters_offset: int = 0
+    counter_records: int = 0
 
 
 def compute_layout(header: Header) -> Layout:
     """The region offsets and the file size a header implies (pure)."""
     table_offset = header.header_size
     pos = align(table_offset + header.capacity * header.record_size)
+    counters_offset, counter_records = pos, VERSIONS[header.version].counter_records
+    pos = align(pos + counter_records * COUNTER_RECORD_SIZE)
     offsets: dict[str, int] = {}
     for name, field in header.fields.items():
         offsets[name] = pos
         pos = align(pos + header.capacity * field.nbytes)
-    return Layout(table_offset=table_offset, field_offsets=offsets, file_size=pos)
+    return Layout(
+        table_offset=table_offset,
+        field_offsets=offsets,
+        file_size=pos,
+        counters_offset=counters_offset,
+        counter_records=counter_records,
+    )
 
 
 def new_header(fields: dict[str, Field], length: int, capacity: int, key: str, created: dict[str, Any]) -> Header:
@@ -293,11 +360,12 @@ def unpack_prefix(data: bytes, *, path: str, file_size: int) -> tuple[int, int]:
             f"{path} is not an mmapcache file: it starts with {magic!r}, expected {MAGIC!r}",
             path=path,
         )
-    if version != FORMAT_VERSION:
+    if version not in VERSIONS:
         newer = "a newer" if version > FORMAT_VERSION else "an older"
+        known = ", ".join(map(str, VERSIONS))
         raise CacheFormatError(
             f"{path} uses cache format version {version}, {newer} version than this mmapcache "
-            f"reads (version {FORMAT_VERSION}); upgrade mmapcache or remove the file "
+            f"reads (versions {known}); upgrade mmapcache or remove the file "
             "(`mmapcache rm PATH`) to rebuild it",
             path=path,
         )
@@ -335,7 +403,7 @@ def unpack_header(region: bytes, *, path: str) -> Header:
             "else. Remove it (`mmapcache rm PATH`) to rebuild the cache",
             path=path,
         )
-    _, _, _, _, _, length, capacity, record_size, flags, uuid = _PREFIX.unpack_from(region)
+    _, version, _, _, _, length, capacity, record_size, flags, uuid = _PREFIX.unpack_from(region)
     try:
         meta = json.loads(region[PREFIX_SIZE : PREFIX_SIZE + meta_size].decode("utf-8"))
         fields = _decode_fields(meta["fields"])
@@ -352,8 +420,8 @@ def unpack_header(region: bytes, *, path: str) -> Header:
             f"{path} has a corrupt header: cannot decode its metadata ({type(error).__name__}: {error})", path=path
         ) from None
     problems = []
-    if record_size != RECORD_SIZE:
-        problems.append(f"slot record size {record_size} (expected {RECORD_SIZE})")
+    if record_size != VERSIONS[version].record_size:
+        problems.append(f"slot record size {record_size} (expected {VERSIONS[version].record_size})")
     if flags != 0:
         problems.append(f"flags {flags:#x} (expected 0)")
     if checksum != CHECKSUM:
@@ -372,6 +440,7 @@ def unpack_header(region: bytes, *, path: str) -> Header:
         header_size=header_size,
         record_size=record_size,
         checksum=checksum,
+        version=version,
     )
 
 

@@ -42,7 +42,9 @@ import threading
 import weakref
 from pathlib import Path
 
+from ._counters import Board
 from ._errors import ReadonlyCacheError
+from ._format import Layout
 from ._locks import SlotLocks
 
 __all__ = ["Handle", "closed_error"]
@@ -58,12 +60,13 @@ def closed_error(path: Path) -> ValueError:
 class Handle:
     """A locked descriptor of one cache file and its shared mapping, in one process."""
 
-    __slots__ = ("__weakref__", "fd", "locks", "mm", "path", "readonly", "refused", "write_lock")
+    __slots__ = ("__weakref__", "board", "fd", "locks", "mm", "path", "readonly", "refused", "write_lock")
 
-    def __init__(self, path: Path, fd: int, size: int, *, readonly: bool) -> None:
+    def __init__(self, path: Path, fd: int, layout: Layout, *, readonly: bool) -> None:
         self.path, self.fd, self.readonly = path, fd, readonly
-        self.mm: mmap.mmap | None = _map(fd, size, path, readonly=readonly)
+        self.mm: mmap.mmap | None = _map(fd, layout.file_size, path, readonly=readonly)
         self.locks = SlotLocks(fd)
+        self.board = Board(self.mm, layout, self.locks, writable=not readonly)
         # Held by every writer, by close() and by the operations that use ``fd``:
         # a descriptor is never closed under a writer's claim, and never used
         # after close (its number may already name another file).
@@ -91,16 +94,19 @@ class Handle:
         except OSError as error:
             self.refused = _refusal(self.path, error)
             log.warning("%s", self.refused)
+            self.board.reset_after_fork(self.mm, claim=False)
             return
         fcntl.flock(new, fcntl.LOCK_SH)  # cannot block: the parent holds a shared lock
         os.close(self.fd)  # the parent's descriptor stays open: its locks stay
         self.fd = self.locks.fd = new
+        self.board.reset_after_fork(self.mm, claim=True)
 
     def close(self) -> None:
         """Release the descriptor and its locks now; the mapping goes with its last user."""
         with self.write_lock:
             _LIVE_HANDLES.discard(self)
             if self.fd >= 0:
+                self.board.release()
                 os.close(self.fd)
                 self.fd = self.locks.fd = -1
             self.mm = None  # arrays over the mapping keep it alive; it is unmapped after them

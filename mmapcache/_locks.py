@@ -119,6 +119,7 @@ def flock_holders(st: os.stat_result) -> list[int]:
 # off_t l_start, off_t l_len, pid_t l_pid, padded to 32 bytes.
 _FLOCK = struct.Struct("@hhqqi4x")
 _SETLK = getattr(fcntl, "F_OFD_SETLK", fcntl.F_SETLK)
+_SETLKW = getattr(fcntl, "F_OFD_SETLKW", fcntl.F_SETLKW)
 _GETLK = getattr(fcntl, "F_OFD_GETLK", fcntl.F_GETLK)
 HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
 
@@ -146,6 +147,10 @@ class SlotLocks:
                 return False
             raise
         return True
+
+    def claim_wait(self, offset: int) -> None:
+        """Lock byte ``offset``, waiting while another description holds it."""
+        fcntl.fcntl(self.fd, _SETLKW, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
 
     def release(self, offset: int) -> None:
         fcntl.fcntl(self.fd, _SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0))

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ._checksum import checksum
+from ._counters import Usage
 from ._errors import CacheError, CacheInUseError, ReadonlyCacheError
 from ._field import Field, FieldsLike, normalize_fields
 from ._file import Expected, NewFile, OpenedFile, creation_lock, open_or_create, read_header
@@ -175,7 +176,7 @@ class Cache:
     def _attach(self, path: Path, opened: OpenedFile, *, readonly: bool, verify: bool, timeout: float) -> None:
         header, layout = opened.header, opened.layout
         try:
-            handle = Handle(path, opened.fd, layout.file_size, readonly=readonly)
+            handle = Handle(path, opened.fd, layout, readonly=readonly)
         except BaseException:
             os.close(opened.fd)
             raise
@@ -196,6 +197,7 @@ class Cache:
         self._length = header.length
         self._capacity = header.capacity
         self._handle = handle
+        self._board = handle.board
         self._mapped: _Mapped | None = mapped
         self._finalizer = weakref.finalize(self, handle.close)
         self._closed = False
@@ -282,9 +284,10 @@ class Cache:
             sample: dict[str, np.ndarray[Any, Any]] = {}
             for name, array in mapped.items:
                 sample[name] = array[i, ...].copy()
-            if self._verify and not self._intact(mapped, i, sample.values()):
-                return default
-            return sample
+            if not self._verify or self._intact(mapped, i, sample.values()):
+                self._board.add(hits=1)
+                return sample
+        self._board.add(misses=1)
         return default
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray[Any, Any]]:
@@ -309,6 +312,7 @@ class Cache:
         idx = self._index_array(indices)
         ready = mapped.slots.ready_mask(idx, self._capacity, self._length)
         if not ready.all():
+            self._board.add(misses=len(idx) - int(np.count_nonzero(ready)))
             raise _missing_error(_as_given(indices, idx)[~ready], len(idx))
         out = {name: gather(array, idx) for name, array in mapped.items}
         if self._verify:
@@ -316,13 +320,32 @@ class Cache:
             if len(bad):
                 for i in idx[bad].tolist():
                     self._report_mismatch(i)
+                self._board.add(misses=len(bad))
                 raise _missing_error(idx[bad], len(idx), why="failed their checksum")
+        self._board.add(hits=len(idx))
         return out
 
     def contains_many(self, indices: Any) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """Which of ``indices`` are cached, as a bool array (from the state bytes; see ``verify``)."""
         mapped = self._live()
         return mapped.slots.ready_mask(self._index_array(indices), self._capacity, self._length)
+
+    def count(self, *, hits: int = 0, misses: int = 0) -> None:
+        """Add reads served outside :meth:`get`/:meth:`get_many` (e.g. through :attr:`views`) to the counters."""
+        self._live()
+        self._board.add(hits=hits, misses=misses)
+
+    def usage(self) -> Usage:
+        """How this cache has been used: this process's, every live process's and all-time counts.
+
+        :meth:`get` and :meth:`get_many` count hits and misses, :meth:`put`
+        and :meth:`put_many` the slots they filled, in the file: DataLoader
+        workers, DDP ranks and other jobs count where everyone sees it. A
+        readonly handle counts only in its own process. For the hit rate of
+        one epoch, subtract the ``total`` before it from the one after.
+        """
+        self._live()
+        return self._board.usage()
 
     def _intact(self, mapped: _Mapped, index: int, arrays: Any) -> bool:
         if checksum(map(_byte_view, arrays)) == int(mapped.slots.checksums[index]):
@@ -365,7 +388,10 @@ class Cache:
         handle = self._handle
         with handle.write_lock:
             handle.check_usable(writing=True)
-            return self._fill(mapped, i, arrays, None)
+            stored = self._fill(mapped, i, arrays, None)
+        if stored:
+            self._board.add(written=1)
+        return stored
 
     def put_many(self, indices: Any, batch: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """Store row ``k`` of every field of ``batch`` at ``indices[k]``; which rows were stored."""
@@ -383,6 +409,7 @@ class Cache:
             handle.check_usable(writing=True)
             for row in todo.tolist():
                 stored[row] = self._fill(mapped, int(idx[row]), arrays, row)
+        self._board.add(written=int(np.count_nonzero(stored)))
         return stored
 
     @staticmethod

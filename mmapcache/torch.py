@@ -563,18 +563,24 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         i = self._index(index)
         cache = self._opened()
         sample: Any = None
+        counted = False  # whether Cache.get counted a miss already
         if cache is not None:
             schema = self._schema
             assert schema is not None
-            if self._views is not None:
-                if i in cache and (not self._check_reads or cache.get(i) is not None):
-                    sample = schema.build([[view[i]] for view in self._views])[0]
-            else:
+            if self._views is None:
                 stored = cache.get(i)
                 if stored is not None:
                     sample = schema.build([[t] for t in schema.to_tensors(stored.values())])[0]
+                counted = True
+            elif i in cache:
+                if not self._check_reads:
+                    cache.count(hits=1)
+                    sample = schema.build([[view[i]] for view in self._views])[0]
+                elif cache.get(i) is not None:
+                    sample = schema.build([[view[i]] for view in self._views])[0]
+                counted = True
         if sample is None:
-            sample = self._load([i])[0]
+            sample = self._load([i], counted=counted)[0]
         else:
             self._hits += 1
         return sample if self.transform is None else self.transform(sample)
@@ -589,7 +595,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             return []
         cache = self._opened()
         if cache is None:
-            samples = self._load([self._index(i) for i in indices])
+            samples = self._load([self._index(i) for i in indices], counted=False)
         else:
             try:
                 samples = self._read_hits(cache, indices)
@@ -618,6 +624,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
                 error = KeyError("not cached")
                 error.missing = np.asarray(indices)[~ready]  # type: ignore[attr-defined]
                 raise error
+            cache.count(hits=len(indices))
         return schema.build([list(map(view.__getitem__, indices)) for view in self._views])
 
     def _read_mixed(self, cache: Cache, indices: Sequence[int]) -> list[Any]:
@@ -639,7 +646,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             out[row] = sample
         self._hits += len(hits)
         miss_rows = np.flatnonzero(~ready).tolist()
-        for row, sample in zip(miss_rows, self._load(idx[miss_rows].tolist()), strict=True):
+        for row, sample in zip(miss_rows, self._load(idx[miss_rows].tolist(), counted=self._core_counts), strict=True):
             out[row] = sample
         return out
 
@@ -655,10 +662,21 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             return samples
         return [self.dataset[i] for i in indices]
 
-    def _load(self, indices: list[int]) -> list[Any]:
-        """Misses: fetch from the dataset, write them back in one batch, return them as a hit would be."""
+    @property
+    def _core_counts(self) -> bool:
+        """Whether reads go through ``Cache.get``/``get_many``, which count hits and misses in the file."""
+        return self._views is None or self._check_reads
+
+    def _load(self, indices: list[int], *, counted: bool) -> list[Any]:
+        """Misses: fetch from the dataset, write them back in one batch, return them as a hit would be.
+
+        ``counted``: the cache already counted these misses in the file.
+        """
         self._misses += len(indices)
-        return self._store(indices, self._fetch(indices))
+        samples = self._store(indices, self._fetch(indices))
+        if not counted and self._cache is not None:
+            self._cache.count(misses=len(indices))
+        return samples
 
     def _store(self, indices: list[int], raw: list[Any]) -> list[Any]:
         cache = self._opened()
@@ -689,17 +707,29 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     # -- filling and statistics ----------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        """Counters of this process: ``hits``, ``misses`` (reads that went to ``dataset``), ``written``
-        (slots this process filled), and the file's ``filled`` (by any process), ``capacity``, ``length``.
+        """How the cache is used, by this process and by every process that uses the file.
 
-        Opens the cache (creating it from ``dataset[0]`` if missing). DataLoader
-        workers count in their own processes, not in the parent's ``stats()``.
+        ``hits``, ``misses`` (reads that went to ``dataset``) and ``written``
+        (slots filled) count this process; ``total_hits``, ``total_misses``
+        and ``total_written`` count every process that ever used the file —
+        DataLoader workers, DDP ranks, other jobs — since it was created
+        (they are kept in the file); ``processes`` is how many processes
+        count into it now; ``filled``, ``capacity`` and ``length`` describe
+        the file. For one epoch's hit rate across workers, subtract the totals
+        before it from those after it.
+
+        Opens the cache (creating it from ``dataset[0]`` if missing).
         """
         cache = self.cache
+        usage = cache.usage()
         return {
             "hits": self._hits,
             "misses": self._misses,
             "written": self._written,
+            "total_hits": usage.total.hits,
+            "total_misses": usage.total.misses,
+            "total_written": usage.total.written,
+            "processes": len(usage.processes),
             "filled": cache.filled,
             "capacity": cache.capacity,
             "length": cache.length,

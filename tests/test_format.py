@@ -65,7 +65,7 @@ def test_bytes_follow_the_spec() -> None:
     assert data[:8] == MAGIC == b"\x89MMC\r\n\x1a\n"
     version, header_size, meta_size, crc = struct.unpack_from("<IIII", data, 8)
     length, capacity, record_size, flags = struct.unpack_from("<QQII", data, 24)
-    assert (version, header_size, length, capacity, record_size, flags) == (1, h.header_size, 1000, 600, 8, 0)
+    assert (version, header_size, length, capacity, record_size, flags) == (2, h.header_size, 1000, 600, 8, 0)
     assert data[48:64] == h.uuid
     zeroed = bytearray(data)
     zeroed[20:24] = bytes(4)
@@ -85,10 +85,47 @@ def test_layout_math() -> None:
     layout = compute_layout(h)
     assert layout.table_offset == h.header_size
     pos = align(h.header_size + 600 * RECORD_SIZE)
+    assert (layout.counters_offset, layout.counter_records) == (pos, 256)
+    pos = align(pos + 256 * 32)
     for name, field in FIELDS.items():
         assert layout.field_offsets[name] == pos
         pos = align(pos + 600 * field.nbytes)
     assert layout.file_size == pos
+
+
+def test_version_1_has_no_counter_region() -> None:
+    h = header(version=1)
+    assert unpack_header(pack_header(h), path="p") == h
+    layout = compute_layout(h)
+    assert layout.counter_records == 0
+    assert layout.field_offsets["image"] == align(h.header_size + 600 * RECORD_SIZE)
+
+
+def test_a_version_1_file_still_opens_and_reads(cache_dir: Path) -> None:
+    """Files written before the counter region (format version 1) are read as they are."""
+    path = cache_dir / "v1.mmc"
+    fields = {"a": Field((3,), "<u2")}
+    v1 = new_header(fields, length=4, capacity=4, key="old", created={})
+    v1 = Header(**{**v1.__dict__, "version": 1})
+    layout = compute_layout(v1)
+    raw = bytearray(layout.file_size)
+    raw[: v1.header_size] = pack_header(v1)
+    raw[v1.header_size + 2 * RECORD_SIZE] = 2  # slot 2 READY
+    start = layout.field_offsets["a"] + 2 * 6
+    raw[start : start + 6] = np.array([7, 8, 9], "<u2").tobytes()
+    struct.pack_into(
+        "<I", raw, v1.header_size + 2 * RECORD_SIZE + 4, xxhash.xxh3_64_intdigest(raw[start : start + 6]) & 0xFFFFFFFF
+    )
+    path.write_bytes(bytes(raw))
+    path.chmod(0o600)
+    with Cache.open(path, fields, length=4, key="old", verify=True) as cache:
+        assert cache.get(2)["a"].tolist() == [7, 8, 9]
+        assert cache.put(1, {"a": [1, 2, 3]})
+        assert cache.verify() == []
+        usage = cache.usage()
+        assert not usage.shared  # no counter region: counts stay in this process
+        assert (usage.total.hits, usage.total.written) == (1, 1)
+    assert path.stat().st_size == layout.file_size
 
 
 def test_file_on_disk_matches_the_layout(cache_dir: Path) -> None:

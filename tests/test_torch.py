@@ -448,7 +448,8 @@ def test_fill_in_process_and_with_workers(cache_dir: Path, capsys: pytest.Captur
     assert "filling" in capsys.readouterr().err  # the tqdm bar
     assert ds.fill() == 0
     assert Counter(i for _, _, i in accesses(log)) == Counter(range(N))
-    assert ds.stats() == {"hits": 0, "misses": 1, "written": N, "filled": N, "capacity": N, "length": N}
+    totals = {"total_hits": 0, "total_misses": 1, "total_written": N, "processes": 1}
+    assert ds.stats() == {"hits": 0, "misses": 1, "written": N, **totals, "filled": N, "capacity": N, "length": N}
 
     other = CachedDataset(Recorded(N, log), key="fill-workers")
     before = len(accesses(log))
@@ -458,13 +459,16 @@ def test_fill_in_process_and_with_workers(cache_dir: Path, capsys: pytest.Captur
     assert len({pid for pid, _, _ in filled_by} - {os.getpid()}) == 2, "two worker processes filled it"
     assert other.cache.filled == N
     assert other.fill(num_workers=2, progress=False) == 0
+    assert other.stats()["total_written"] == N, "the workers' writes count in the file"
 
 
-def test_stats_are_per_process(cache_dir: Path) -> None:
+def test_stats_count_this_process_and_every_process_in_the_file(cache_dir: Path) -> None:
+    FILE = {"filled": 4, "capacity": N, "length": N}  # noqa: N806
     ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="stats")
     ds.__getitems__([0, 1, 2])
     ds.__getitems__([1, 2, 3])
-    assert ds.stats() == {"hits": 2, "misses": 4, "written": 4, "filled": 4, "capacity": N, "length": N}
+    totals = {"total_hits": 2, "total_misses": 4, "total_written": 4}
+    assert ds.stats() == {"hits": 2, "misses": 4, "written": 4, **totals, "processes": 1} | FILE
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through the pipe
@@ -477,7 +481,9 @@ def test_stats_are_per_process(cache_dir: Path) -> None:
     with os.fdopen(read) as pipe:
         child = json.loads(pipe.read())
     os.waitpid(pid, 0)
-    assert child == {"hits": 1, "misses": 0, "written": 0, "filled": 4, "capacity": N, "length": N}
+    assert child == {"hits": 1, "misses": 0, "written": 0, **totals, "total_hits": 3, "processes": 2} | FILE
+    # The child's counts stay in the file after it exited.
+    assert ds.stats() == {"hits": 2, "misses": 4, "written": 4, **totals, "total_hits": 3, "processes": 1} | FILE
 
 
 def test_pickles_by_path(cache_dir: Path) -> None:
