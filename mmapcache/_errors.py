@@ -7,7 +7,7 @@ it, so code that already catches ``ValueError`` or ``OSError`` keeps working::
     ├── CacheFormatError (ValueError)        not a cache, unsupported version,
     │                                        corrupt header, truncated file
     ├── SchemaMismatchError (ValueError)     the file holds other fields/length/key
-    ├── CacheSpaceError (OSError)            no room to create the file
+    ├── CacheSpaceError (OSError)            no room (bytes or inodes) to create the file
     ├── UnsafeCacheFileError (PermissionError)
     │                                        symlink, another user's file,
     │                                        writable by others, not a regular file

@@ -302,19 +302,33 @@ class Cache:
         mapped = self._live()
         return i < self._capacity and bool(mapped.states[i] == READY)
 
-    def get_many(self, indices: Any) -> dict[str, np.ndarray[Any, Any]]:
+    def get_many(
+        self, indices: Any, out: dict[str, np.ndarray[Any, Any]] | None = None
+    ) -> dict[str, np.ndarray[Any, Any]]:
         """Stacked samples ``{field: array of shape (len(indices), *shape)}``, one gather per field.
 
-        Raises ``KeyError`` (with ``.missing``, the indices not cached) if any
-        index is not cached.
+        With ``out`` — ``{field: ndarray}`` of shape ``(len(indices), *shape)``,
+        the field's dtype, C-contiguous and writable, for every field — the
+        rows are written into those buffers (nothing is allocated) and ``out``
+        is returned; a wrong buffer raises ``ValueError`` before anything is
+        read. Raises ``KeyError`` (with ``.missing``, the indices not cached)
+        if any index is not cached; ``out`` is then left untouched (with
+        ``verify``, a row that fails its checksum raises after the gather).
         """
         mapped = self._live()
         idx = self._index_array(indices)
+        if out is not None:
+            self._check_out(out, len(idx))
         ready = mapped.slots.ready_mask(idx, self._capacity, self._length)
         if not ready.all():
             self._board.add(misses=len(idx) - int(np.count_nonzero(ready)))
             raise _missing_error(_as_given(indices, idx)[~ready], len(idx))
-        out = {name: gather(array, idx) for name, array in mapped.items}
+        if out is None:
+            out = {name: gather(array, idx) for name, array in mapped.items}
+        else:
+            for name, array in mapped.items:
+                # mode="clip": numpy buffers take(out=) in mode="raise" (see _gather.py).
+                np.take(array, idx, axis=0, out=out[name], mode="clip")
         if self._verify:
             bad = self._failed_rows(mapped, idx, list(out.values()))
             if len(bad):
@@ -324,6 +338,23 @@ class Cache:
                 raise _missing_error(idx[bad], len(idx), why="failed their checksum")
         self._board.add(hits=len(idx))
         return out
+
+    def _check_out(self, out: Any, count: int) -> None:
+        if not isinstance(out, Mapping) or out.keys() != self._fields.keys():
+            got = list(out) if isinstance(out, Mapping) else type(out).__name__
+            raise ValueError(f"out must map every field {list(self._fields)} to an array, got {got}")
+        for name, field in self._fields.items():
+            buffer = out[name]
+            shape = (count, *field.shape)
+            if not isinstance(buffer, np.ndarray):
+                raise ValueError(f"out[{name!r}] must be a numpy array, not {type(buffer).__name__}")
+            if buffer.shape != shape or buffer.dtype != field.dtype:
+                raise ValueError(
+                    f"out[{name!r}] must have shape {shape} and dtype {field.dtype}, "
+                    f"got shape {buffer.shape} and dtype {buffer.dtype}"
+                )
+            if not (buffer.flags.c_contiguous and buffer.flags.writeable):
+                raise ValueError(f"out[{name!r}] must be C-contiguous and writable")
 
     def contains_many(self, indices: Any) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """Which of ``indices`` are cached, as a bool array (from the state bytes; see ``verify``)."""

@@ -244,6 +244,38 @@ def test_get_many_stacks_in_order(cache: Cache) -> None:
     assert cache.get_many(np.array(order, dtype=np.uint16))["label"].tolist() == [i * 10 for i in order]
 
 
+def test_get_many_into_caller_buffers(cache: Cache) -> None:
+    cache.put_many([4, 5, 6], {"image": np.stack([sample(i)["image"] for i in (4, 5, 6)]), "label": [40, 50, 60]})
+    out = {"image": np.zeros((2, 3, 8, 8), np.uint8), "label": np.zeros(2, np.int64)}
+    image = out["image"]
+    assert cache.get_many([6, 4], out=out) is out
+    assert out["image"] is image, "written in place, nothing allocated"
+    assert_sample({"image": out["image"][0], "label": out["label"][0]}, 6)
+    assert_sample({"image": out["image"][1], "label": out["label"][1]}, 4)
+    out["label"][:] = -1
+    with pytest.raises(KeyError) as missing:
+        cache.get_many([4, 7], out=out)
+    assert missing.value.missing.tolist() == [7]  # type: ignore[attr-defined]
+    assert out["label"].tolist() == [-1, -1], "a miss leaves the buffers untouched"
+
+
+@pytest.mark.parametrize(
+    ("out", "words"),
+    [
+        ({"image": np.zeros((2, 3, 8, 8), np.uint8)}, "every field"),
+        ([np.zeros(2)], "every field"),
+        ({"image": np.zeros((3, 3, 8, 8), np.uint8), "label": np.zeros(2, np.int64)}, r"shape \(2, 3, 8, 8\)"),
+        ({"image": np.zeros((2, 3, 8, 8), np.int16), "label": np.zeros(2, np.int64)}, "dtype uint8"),
+        ({"image": np.zeros((2, 3, 8, 8), np.uint8), "label": np.zeros(4, np.int64)[::2]}, "C-contiguous"),
+        ({"image": np.zeros((2, 3, 8, 8), np.uint8), "label": [0, 0]}, "numpy array"),
+    ],
+)
+def test_get_many_refuses_wrong_buffers(cache: Cache, out: Any, words: str) -> None:
+    cache.put(4, sample(4))
+    with pytest.raises(ValueError, match=words):
+        cache.get_many([4, 4], out=out)
+
+
 def test_get_many_reports_missing_indices(cache: Cache) -> None:
     cache.put(1, sample(1))
     with pytest.raises(KeyError, match="2 of 3 indices are not cached") as info:
