@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from ._counters import Usage, read_usage
 from ._errors import CacheError, CacheFormatError, CacheInUseError, CacheTimeoutError, UnsafeCacheFileError
 from ._file import (
     LOCK_SUFFIX,
@@ -48,8 +49,8 @@ from ._file import (
     remove,
     temp_stem,
 )
-from ._format import Header
-from ._locks import flock_holders, try_lock_exclusive
+from ._format import COUNTER_RECORD_SIZE, Header, Layout
+from ._locks import SlotLocks, flock_holders, try_lock_exclusive
 from ._paths import SUFFIX, check_file_stat, default_dir, filesystem_type, is_network_filesystem
 from ._sizes import format_bytes, parse_duration
 from ._slots import READY, WRITING
@@ -147,6 +148,7 @@ class CacheInfo:
     writing: int | None = None
     filesystem: str | None = None
     free: int | None = None
+    usage: Usage | None = None
 
     @property
     def ok(self) -> bool:
@@ -182,6 +184,7 @@ class CacheInfo:
             "fill": self.fill,
             "filesystem": self.filesystem,
             "free": self.free,
+            "usage": self.usage.to_dict() if self.usage is not None else None,
         }
 
 
@@ -411,13 +414,22 @@ def _inspect(path: Path, location: _Location) -> tuple[CacheInfo, Exception | No
             return _broken(path, location, error, st=st), error
         in_use, pids = _usage(fd, st)
         try:
-            header, _ = read_header(fd, str(path))
+            header, layout = read_header(fd, str(path))
             filled, writing = _count_states(fd, header)
+            usage = _read_usage(fd, layout)
         except (CacheError, OSError) as error:
             return _broken(path, location, error, st=st, in_use=in_use, pids=pids), error
     finally:
         os.close(fd)
-    return _healthy(path, location, st, header, in_use, pids, filled, writing), None
+    return replace(_healthy(path, location, st, header, in_use, pids, filled, writing), usage=usage), None
+
+
+def _read_usage(fd: int, layout: Layout) -> Usage:
+    """The usage counters, read with pread; live owners found with a lock probe (no mapping, no writes)."""
+    if not layout.counter_records:
+        return read_usage(None, layout, SlotLocks(fd))
+    region = os.pread(fd, layout.counter_records * COUNTER_RECORD_SIZE, layout.counters_offset)
+    return read_usage(region, layout, SlotLocks(fd))
 
 
 def _usage(fd: int, st: os.stat_result) -> tuple[bool, tuple[int, ...]]:

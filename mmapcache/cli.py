@@ -167,6 +167,19 @@ def format_ls(caches: Sequence[CacheInfo], base: Path, now: float) -> str:
     return "\n".join(out)
 
 
+def _reads(item: CacheInfo) -> str:
+    """All-time hits and misses from the file's counters, and the live processes' share."""
+    usage = item.usage
+    if usage is None or not usage.shared:
+        return "not counted (format version 1)"
+    total = usage.total
+    rate = "" if total.hit_rate is None else f" ({100 * total.hit_rate:.1f}% hits)"
+    text = f"{total.hits} hits, {total.misses} misses{rate}, {total.written} slots written, by all processes"
+    for pid, counts in sorted(usage.processes.items()):
+        text += f"; pid {pid}: {counts.hits} hits, {counts.misses} misses, {counts.written} written"
+    return text
+
+
 def _filled(item: CacheInfo) -> str:
     text = f"{item.filled} of {item.capacity} slots ({100 * (item.fill or 0):.1f}%)"
     if item.writing:
@@ -213,6 +226,7 @@ def format_info(item: CacheInfo, now: float) -> str:
         ("length", f"{item.length} samples"),
         ("capacity", _capacity(item)),
         ("filled", _filled(item)),
+        ("reads", _reads(item)),
         ("fields", fields[0]),
         *(("", line) for line in fields[1:]),
         ("size", f"{format_bytes(item.nbytes)} ({item.nbytes} bytes)"),

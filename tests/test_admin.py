@@ -613,3 +613,21 @@ def test_warns_when_nearly_full_network_or_charged() -> None:
 def test_memory_limit_reads_this_process_cgroup() -> None:
     limit = memory_limit()
     assert limit is None or limit > 0
+
+
+def test_info_reads_the_usage_counters_of_every_process(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    with Cache.open(path, {"x": Field((4,), "u1")}, length=8) as cache:
+        cache.put_many([0, 1], {"x": [[1] * 4, [2] * 4]})
+        cache.get(0), cache.get(0), cache.get(5)
+        before = path.read_bytes()
+        usage = mmapcache.info(path).usage
+        assert path.read_bytes() == before, "info never writes"
+        assert usage is not None
+        assert (usage.total.hits, usage.total.misses, usage.total.written) == (2, 1, 2)
+        assert set(usage.processes) == {os.getpid()}  # a live process: its record's lock is held
+        assert mmapcache.info(path).to_dict()["usage"]["total"]["hit_rate"] == 2 / 3
+    usage = mmapcache.info(path).usage
+    assert usage is not None
+    assert usage.processes == {}
+    assert (usage.total.hits, usage.total.written) == (2, 2), "closed handles leave their counts in the file"

@@ -16,7 +16,7 @@ import pytest
 from _caches import DAY, Holder, age, make_cache
 
 import mmapcache.cli
-from mmapcache import Cache
+from mmapcache import Cache, Field
 from mmapcache._file import read_header
 from mmapcache._format import FORMAT_VERSION
 
@@ -525,3 +525,14 @@ def test_guide_examples_run(cache_dir: Path, tmp_path: Path) -> None:
             ran += 1
     assert ran >= 10
     assert os.listdir(cache_dir) == []  # the guide cleans up after itself
+
+
+def test_info_shows_reads_across_processes(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    with Cache.open(path, {"x": Field((4,), "u1")}, length=8) as cache:
+        cache.put(0, {"x": [1] * 4})
+        cache.get(0), cache.get(3)
+        shown = run("info", str(path))
+    assert shown.returncode == 0, shown.stderr
+    assert "1 hits, 1 misses (50.0% hits), 1 slots written, by all processes" in shown.stdout
+    assert f"pid {os.getpid()}: 1 hits, 1 misses, 1 written" in shown.stdout
