@@ -86,7 +86,7 @@ from ._format import (
     unpack_prefix,
 )
 from ._locks import flock_holders, lock_exclusive_soon, lock_shared, try_lock_exclusive
-from ._paths import check_file_stat, filesystem_type, is_network_filesystem
+from ._paths import check_file_stat, check_kind, file_kind, filesystem_type, is_network_filesystem
 
 __all__ = [
     "LOCK_SUFFIX",
@@ -297,31 +297,6 @@ def _open_existing(path: Path, expected: Expected, *, readonly: bool, timeout: f
         raise
 
 
-_FILE_TYPES = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISSOCK, "a Unix socket"),
-    (stat.S_ISFIFO, "a FIFO (named pipe)"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-)
-
-
-def _check_kind(path: Path, st: os.stat_result) -> None:
-    """Refuse a symlink or anything else that is not a regular file (nothing is opened yet)."""
-    if stat.S_ISLNK(st.st_mode):
-        raise UnsafeCacheFileError(
-            f"{path} is a symlink; mmapcache opens cache files only by their real path "
-            "(a planted symlink could point at any of your files)",
-            path=path,
-        )
-    if not stat.S_ISREG(st.st_mode):
-        kind = next((name for test, name in _FILE_TYPES if test(st.st_mode)), f"of type {stat.S_IFMT(st.st_mode):#o}")
-        raise UnsafeCacheFileError(
-            f"{path} is not a regular file (it is {kind}); mmapcache leaves it alone. Use another path",
-            path=path,
-        )
-
-
 def _open_fd(path: Path, *, readonly: bool, check_owner: bool = False) -> int:
     """Open the regular file at ``path`` without following a symlink or touching anything else.
 
@@ -341,7 +316,7 @@ def _open_fd(path: Path, *, readonly: bool, check_owner: bool = False) -> int:
                 str(path),
             ) from None
         raise _explained(error, path) from None
-    _check_kind(path, before)
+    check_kind(path, before)
     if check_owner:
         check_file_stat(str(path), before)
     # O_NONBLOCK: a FIFO swapped in after the lstat must fail the check below, not hang.
@@ -353,7 +328,7 @@ def _open_fd(path: Path, *, readonly: bool, check_owner: bool = False) -> int:
             # Replaced since the lstat (a symlink, a directory, a socket...), or another user's now.
             with suppress(FileNotFoundError):
                 now = os.lstat(path)
-                _check_kind(path, now)
+                check_kind(path, now)
                 if check_owner:
                     check_file_stat(str(path), now)
         if error.errno == errno.EACCES and not readonly:
@@ -375,7 +350,7 @@ def _open_fd(path: Path, *, readonly: bool, check_owner: bool = False) -> int:
     try:
         after = os.fstat(fd)
         if not os.path.samestat(before, after):
-            _check_kind(path, after)
+            check_kind(path, after)
             if check_owner:
                 check_file_stat(str(path), after)
     except BaseException:
@@ -553,7 +528,7 @@ def _check_lock_file(lock_path: Path) -> None:
             f"{lock_path} is a symlink; remove it (mmapcache never follows symlinks)", path=lock_path
         )
     if not stat.S_ISREG(st.st_mode):
-        kind = next((name for test, name in _FILE_TYPES if test(st.st_mode)), "not a regular file")
+        kind = file_kind(st)
         raise UnsafeCacheFileError(
             f"the lock file {lock_path} is {kind}, not a regular file; mmapcache leaves it alone. "
             "Remove it or use another path",

@@ -24,7 +24,16 @@ from pathlib import Path
 
 from ._errors import UnsafeCacheFileError
 
-__all__ = ["SUFFIX", "check_chosen_directory", "check_directory", "check_file_stat", "default_dir", "filesystem_type"]
+__all__ = [
+    "SUFFIX",
+    "check_chosen_directory",
+    "check_directory",
+    "check_file_stat",
+    "check_kind",
+    "default_dir",
+    "file_kind",
+    "filesystem_type",
+]
 
 log = logging.getLogger("mmapcache")
 
@@ -149,8 +158,23 @@ def check_directory(path: Path, *, private: bool) -> None:
         )
 
 
-def check_file_stat(path: str, st: os.stat_result) -> None:
-    """Refuse a cache file that is not a regular file, is another user's, or is writable by others."""
+_FILE_TYPES = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISSOCK, "a Unix socket"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISLNK, "a symlink"),
+)
+
+
+def file_kind(st: os.stat_result) -> str:
+    """What a non-regular file is, for messages: ``"a Unix socket"``, ``"a FIFO (named pipe)"``, ..."""
+    return next((name for test, name in _FILE_TYPES if test(st.st_mode)), f"of type {stat.S_IFMT(st.st_mode):#o}")
+
+
+def check_kind(path: str | os.PathLike[str], st: os.stat_result) -> None:
+    """Refuse a symlink or anything else that is not a regular file (from ``lstat``: nothing opened yet)."""
     if stat.S_ISLNK(st.st_mode):
         raise UnsafeCacheFileError(
             f"{path} is a symlink; mmapcache opens cache files only by their real path "
@@ -158,7 +182,15 @@ def check_file_stat(path: str, st: os.stat_result) -> None:
             path=path,
         )
     if not stat.S_ISREG(st.st_mode):
-        raise UnsafeCacheFileError(f"{path} is not a regular file", path=path)
+        raise UnsafeCacheFileError(
+            f"{path} is not a regular file (it is {file_kind(st)}); mmapcache leaves it alone. Use another path",
+            path=path,
+        )
+
+
+def check_file_stat(path: str, st: os.stat_result) -> None:
+    """Refuse a cache file that is not a regular file, is another user's, or is writable by others."""
+    check_kind(path, st)
     if st.st_uid != os.geteuid():
         raise UnsafeCacheFileError(
             f"{path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); "

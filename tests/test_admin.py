@@ -5,7 +5,6 @@ Real files in a per-test directory, real processes holding caches open; no mocks
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from _caches import DAY, FIELDS, Holder, age, make_cache
+from test_file import mounted_tmpfs
 
 import mmapcache
 from mmapcache import Cache, CacheFormatError, CacheInUseError, CacheSpaceError, Field, UnsafeCacheFileError
@@ -372,23 +372,6 @@ def test_gc_report_to_dict_is_json(cache_dir: Path) -> None:
 
 
 # -- orphan lock files ---------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def mounted_tmpfs(mount_point: Path, options: str) -> Iterator[Path]:
-    """A real tmpfs at ``mount_point``, unmounted and removed afterwards; skips when it cannot be mounted."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)], capture_output=True)
-    if result.returncode != 0:
-        mount_point.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
-        mount_point.rmdir()
 
 
 def test_gc_collects_the_lock_file_of_a_creation_that_failed(cache_dir: Path) -> None:
