@@ -12,6 +12,7 @@ it, so code that already catches ``ValueError`` or ``OSError`` keeps working::
     │                                        symlink, another user's file,
     │                                        writable by others, not a regular file
     ├── CacheInUseError (OSError)            another handle has the cache open
+    ├── CacheMissError (KeyError)            get_many: some indices are not cached
     ├── ReadonlyCacheError (PermissionError) a write through a readonly handle
     └── CacheTimeoutError (TimeoutError)     the creation lock was not acquired in time
 
@@ -24,10 +25,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "CacheError",
     "CacheFormatError",
     "CacheInUseError",
+    "CacheMissError",
     "CacheSpaceError",
     "CacheTimeoutError",
     "ReadonlyCacheError",
@@ -119,6 +123,26 @@ class CacheInUseError(CacheError, OSError):
     ) -> None:
         super().__init__(message, path=path)
         self.pids: list[int] = list(pids or [])
+
+
+class CacheMissError(CacheError, KeyError):
+    """:meth:`Cache.get_many` was asked for indices that are not cached (or failed their checksum).
+
+    ``missing`` holds those indices (a 1-D integer array, in request order).
+    A miss is an ordinary outcome on a cold epoch: :meth:`Cache.read_many`
+    reports hits and misses as a mask instead of raising.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        missing: Any = (),
+    ) -> None:
+        super().__init__(message, path=path)
+        indices = np.asarray(missing)
+        self.missing: np.ndarray[Any, Any] = indices if indices.size else indices.astype(np.int64)
 
 
 class CacheTimeoutError(CacheError, TimeoutError):

@@ -19,11 +19,11 @@ import numpy as np
 
 from ._checksum import checksum
 from ._counters import Usage
-from ._errors import CacheError, CacheInUseError, ReadonlyCacheError
+from ._errors import CacheError, CacheInUseError, CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike, normalize_fields
 from ._file import Expected, NewFile, OpenedFile, creation_lock, open_or_create, read_header
 from ._format import RECORD_SIZE, Header, Layout
-from ._gather import gather
+from ._gather import empty_aligned, gather
 from ._handle import Handle, closed_error
 from ._locks import flock_holders, lock_exclusive_soon
 from ._sizes import parse_bytes
@@ -322,7 +322,7 @@ class Cache:
         ready = mapped.slots.ready_mask(idx, self._capacity, self._length)
         if not ready.all():
             self._board.add(misses=len(idx) - int(np.count_nonzero(ready)))
-            raise _missing_error(_as_given(indices, idx)[~ready], len(idx))
+            raise _missing_error(self._path, _as_given(indices, idx)[~ready], len(idx))
         if out is None:
             out = {name: gather(array, idx) for name, array in mapped.items}
         else:
@@ -335,9 +335,45 @@ class Cache:
                 for i in idx[bad].tolist():
                     self._report_mismatch(i)
                 self._board.add(misses=len(bad))
-                raise _missing_error(idx[bad], len(idx), why="failed their checksum")
+                raise _missing_error(self._path, idx[bad], len(idx), why="failed their checksum")
         self._board.add(hits=len(idx))
         return out
+
+    def read_many(
+        self, indices: Any, out: dict[str, np.ndarray[Any, Any]] | None = None
+    ) -> tuple[dict[str, np.ndarray[Any, Any]], np.ndarray[Any, np.dtype[np.bool_]]]:
+        """Read what is cached of ``indices``, without raising for what is not: ``(arrays, hits)``.
+
+        ``arrays`` maps each field to ``(len(indices), *shape)`` rows (``out``
+        when given, see :meth:`get_many`); ``hits[k]`` says whether row ``k``
+        holds sample ``indices[k]``. Rows of misses are left as they were
+        (uninitialised in a fresh buffer). With ``verify``, a row that fails
+        its checksum is a miss. A cold epoch's batch is an ordinary partial
+        hit, so this is the read for callers that fill misses themselves.
+        """
+        mapped = self._live()
+        idx = self._index_array(indices)
+        if out is not None:
+            self._check_out(out, len(idx))
+        else:
+            out = {name: empty_aligned((len(idx), *array.shape[1:]), array.dtype) for name, array in mapped.items}
+        hits = mapped.slots.ready_mask(idx, self._capacity, self._length)
+        if hits.all():
+            for name, array in mapped.items:
+                np.take(array, idx, axis=0, out=out[name], mode="clip")
+        elif hits.any():
+            rows = np.flatnonzero(hits)
+            for name, array in mapped.items:
+                out[name][rows] = array[idx[rows]]
+        if self._verify and hits.any():
+            rows = np.flatnonzero(hits)
+            bad = rows[self._failed_rows(mapped, idx[rows], [out[name][rows] for name in self._fields])]
+            for i in idx[bad].tolist():
+                self._report_mismatch(i)
+            hits[bad] = False
+        found = int(np.count_nonzero(hits))
+        self._board.add(hits=found, misses=len(idx) - found)
+        return out, hits
 
     def _check_out(self, out: Any, count: int) -> None:
         if not isinstance(out, Mapping) or out.keys() != self._fields.keys():
@@ -646,12 +682,14 @@ def _reopen_cache(path: str, readonly: bool, verify: bool, timeout: float) -> Ca
     return Cache(path, readonly=readonly, verify=verify, timeout=timeout)
 
 
-def _missing_error(missing: np.ndarray[Any, Any], total: int, why: str = "are not cached") -> KeyError:
+def _missing_error(
+    path: Path, missing: np.ndarray[Any, Any], total: int, why: str = "are not cached"
+) -> CacheMissError:
     shown = missing[:10].tolist()
     more = ", ..." if len(missing) > 10 else ""
-    error = KeyError(f"{len(missing)} of {total} indices {why}: {str(shown)[1:-1]}{more}")
-    error.missing = missing  # type: ignore[attr-defined]
-    return error
+    return CacheMissError(
+        f"{len(missing)} of {total} indices {why}: {str(shown)[1:-1]}{more}", path=path, missing=missing
+    )
 
 
 def _byte_view(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

@@ -259,6 +259,40 @@ def test_get_many_into_caller_buffers(cache: Cache) -> None:
     assert out["label"].tolist() == [-1, -1], "a miss leaves the buffers untouched"
 
 
+def test_read_many_reports_hits_and_misses_without_raising(cache_dir: Path) -> None:
+    with Cache.open(cache_dir / "c.mmc", FIELDS, length=20, capacity=10) as cache:
+        cache.put_many([2, 3], {"image": np.stack([sample(2)["image"], sample(3)["image"]]), "label": [20, 30]})
+        arrays, hits = cache.read_many([3, 7, 2, 15])
+        assert hits.tolist() == [True, False, True, False]
+        assert arrays["label"][hits].tolist() == [30, 20]
+        assert arrays["image"].shape == (4, 3, 8, 8)
+        out = {"image": np.full((2, 3, 8, 8), 9, np.uint8), "label": np.full(2, -1, np.int64)}
+        arrays, hits = cache.read_many([5, 2], out=out)
+        assert arrays is out
+        assert hits.tolist() == [False, True]
+        assert out["label"].tolist() == [-1, 20], "a miss's row is left as it was"
+        arrays, hits = cache.read_many([2, 3], out=out)
+        assert hits.all()
+        assert out["label"].tolist() == [20, 30]
+        usage = cache.usage().processes[os.getpid()]
+        assert (usage.hits, usage.misses) == (5, 3)
+
+
+def test_read_many_with_verify_treats_a_damaged_row_as_a_miss(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    with Cache.open(path, FIELDS, length=10) as writer:
+        for i in range(4):
+            writer.put(i, sample(i))
+        _corrupt_slot(writer, 2)
+    with Cache.open(path, verify=True) as cache:
+        _, hits = cache.read_many([1, 2, 3])
+        assert hits.tolist() == [True, False, True]
+        with pytest.raises(mmapcache.CacheMissError, match="failed their checksum") as info:
+            cache.get_many([2, 3])
+        assert info.value.missing.tolist() == [2]
+        assert isinstance(info.value, KeyError)
+
+
 @pytest.mark.parametrize(
     ("out", "words"),
     [

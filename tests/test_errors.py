@@ -15,6 +15,7 @@ from mmapcache import (
     CacheError,
     CacheFormatError,
     CacheInUseError,
+    CacheMissError,
     CacheSpaceError,
     CacheTimeoutError,
     Field,
@@ -31,6 +32,7 @@ ERRORS = [
     (CacheInUseError("busy", path="/x.mmc", pids=[12, 34]), OSError),
     (ReadonlyCacheError("readonly", path="/x.mmc"), PermissionError),
     (CacheTimeoutError("waited", path="/x.mmc"), TimeoutError),
+    (CacheMissError("2 of 3 indices are not cached: 4, 9", path="/x.mmc", missing=[4, 9]), KeyError),
 ]
 
 
@@ -41,7 +43,12 @@ def test_bases_and_pickling(error: CacheError, builtin: type[Exception]) -> None
     copy = pickle.loads(pickle.dumps(error))
     assert type(copy) is type(error)
     assert str(copy) == str(error)
-    assert copy.__dict__ == error.__dict__
+    if isinstance(error, CacheMissError):
+        assert isinstance(copy, CacheMissError)
+        assert copy.missing.tolist() == error.missing.tolist() == [4, 9]
+        assert copy.path == error.path
+    else:
+        assert copy.__dict__ == error.__dict__
     assert copy.path == "/x.mmc"
 
 
@@ -50,6 +57,7 @@ def test_attributes() -> None:
     assert CacheInUseError("m", pids=[1]).pids == [1]
     assert SchemaMismatchError("m").differences == {}
     assert CacheFormatError("m").path is None
+    assert CacheMissError("m").missing.dtype.kind == "i"
 
 
 def _open_in_child(path: str, queue: Any) -> None:
