@@ -40,7 +40,7 @@ from _common import fmt_bytes, index_sets, machine_info, ratio, ratio_of_mins, r
 
 import mmapcache
 from mmapcache import Cache, Field
-from mmapcache._gather import PAGE, gather
+from mmapcache._gather import PAGE, empty_aligned, gather
 
 SIZES: dict[str, tuple[int, ...]] = {"12KB": (3, 64, 64), "150KB": (3, 224, 224)}
 BATCH = 256
@@ -120,10 +120,64 @@ Times = dict[str, list[float]]
 
 def bench_targets(s: Sources, rounds: int, reps: int) -> Times:
     cache, mview, ram = s.cache, s.mview, s.ram
+    # One page-aligned buffer per variant, allocated once and reused by every call (what a
+    # training loop that recycles its batch buffer does); pre-touched, so no call faults.
+    reused = {name: {"image": offset_buffer((BATCH, *mview.shape[1:]), 0)} for name in ("cache", "raw")}
+    for buffers in reused.values():
+        buffers["image"].fill(0)
+    out, raw_out = reused["cache"], reused["raw"]["image"]
     variants: dict[str, Callable[[Any], object]] = {
         "get_many": lambda x: cache.get_many(x[0]),
+        "get_many(out=)": lambda x: cache.get_many(x[0], out=out),
         "take_mmap": lambda x: np.take(mview, x[0], axis=0),
+        "take_mmap(out=)": lambda x: np.take(mview, x[0], axis=0, out=raw_out, mode="clip"),
         "take_ram": lambda x: np.take(ram, x[0], axis=0),
+    }
+    return run_interleaved(variants, index_sets(s.n, reps, BATCH), rounds=rounds)
+
+
+def bench_get_many_overhead(s: Sources, rounds: int, reps: int) -> Times:
+    """Where one ``Cache.get_many`` call's time goes: each step of its body alone (kept in step with cache.py).
+
+    The steps of ``get_many(idx)`` for an ``intp`` index array, all cached:
+    validate the indices, read the READY mask, allocate a page-aligned output,
+    gather into it, add the hits to this process's usage counter in the file.
+    """
+    cache = s.cache
+    mapped = cache._mapped
+    assert mapped is not None
+    slots, (_, array) = mapped.slots, mapped.items[0]
+    capacity, length = cache.capacity, len(cache)
+    board = cache._board
+    shape = (BATCH, *array.shape[1:])
+
+    def overhead(x: Any) -> object:  # everything get_many does but the gather
+        idx = cache._index_array(x[0])
+        if not slots.ready_mask(idx, capacity, length).all():
+            raise KeyError
+        board.add(hits=len(idx))
+        return idx
+
+    def inlined(x: Any) -> object:  # the body of get_many, inlined
+        idx = overhead(x)
+        return {"image": gather(array, idx)}
+
+    def inlined_numpy_alloc(x: Any) -> object:  # the same, but numpy places the output (heap, any offset)
+        idx = overhead(x)
+        return {"image": np.take(array, idx, axis=0)}
+
+    variants: dict[str, Callable[[Any], object]] = {
+        "Cache.get_many": lambda x: cache.get_many(x[0]),
+        "body inlined": inlined,
+        "body inlined, np.take allocating": inlined_numpy_alloc,
+        "np.take allocating (take_mmap)": lambda x: np.take(array, x[0], axis=0),
+        "_gather.gather (alloc aligned + take)": lambda x: gather(array, x[0]),
+        "everything but the gather": overhead,
+        "_index_array": lambda x: cache._index_array(x[0]),
+        "ready_mask(...).all()": lambda x: slots.ready_mask(x[0], capacity, length).all(),
+        "usage counter add": lambda x: board.add(hits=BATCH),
+        "empty_aligned (allocation)": lambda x: empty_aligned(shape, array.dtype),
+        "np.empty (allocation)": lambda x: np.empty(shape, array.dtype),
     }
     return run_interleaved(variants, index_sets(s.n, reps, BATCH), rounds=rounds)
 
@@ -311,7 +365,8 @@ def main() -> None:
                 }
                 print(f"\n=== {label} samples {shape}: {s.n} rows, {fmt_bytes(s.n * s.row_bytes)}; {probe}")
                 size: dict[str, Any] = {"shape": shape, "rows": s.n, "row_bytes": s.row_bytes, "probe": probe}
-                targets = summarize(bench_targets(s, rounds, reps), "take_mmap", batch_bytes)
+                times = bench_targets(s, rounds, reps)
+                targets = summarize(times, "take_mmap", batch_bytes)
                 t_ram = {r["variant"]: r for r in targets}["take_ram"]["rounds_us"]
                 for row in targets:
                     row["speed_vs_take_ram"] = float(
@@ -325,6 +380,18 @@ def main() -> None:
                 }
                 print(f"  speed vs take_ram (median of ratios, ratio of mins): {vs_ram}")
                 size["targets"] = targets
+                size["out_vs_allocating"] = {
+                    "speed": 1 / ratio(times, "get_many(out=)", "get_many"),
+                    "speed_of_mins": 1 / ratio_of_mins(times, "get_many(out=)", "get_many"),
+                }
+                print(
+                    "  get_many(out=) speed vs allocating get_many (median of ratios, ratio of mins): "
+                    f"{size['out_vs_allocating']['speed']:.3g}, {size['out_vs_allocating']['speed_of_mins']:.3g}"
+                )
+                if label == "12KB":
+                    parts = summarize(bench_get_many_overhead(s, rounds, reps), "Cache.get_many", None)
+                    print_rows(f"[{label}] where one get_many's time goes, µs per call", parts, "Cache.get_many")
+                    size["get_many_overhead"] = parts
                 gets = summarize(bench_get(s, rounds, reps), "copy_loop", s.row_bytes)
                 print_rows(f"[{label}] get vs copy loop, µs per sample", gets, "copy_loop")
                 size["get"] = gets
@@ -349,14 +416,30 @@ def main() -> None:
     print(f"\nresults: {path}")
 
 
+# get_many vs np.take on a raw mapping of the same bytes: 0.9 at 12 KB is issue 9's target.
+TAKE_MMAP_TARGET = {"12KB": ">= 0.9", "150KB": ">= 0.85"}
+# get_many(out=) into one reused buffer vs allocating get_many (issue 9; at 12 KB: reported only).
+OUT_TARGET = {"150KB": ">= 2"}
+
+
 def print_targets(results: dict[str, Any]) -> None:
     print("\nTargets")
     rows = []
     for label, size in results["sizes"].items():
         t = {r["variant"]: r for r in size["targets"]}["get_many"]
         g = {r["variant"]: r for r in size["get"]}["cache.get"]
+        o = size["out_vs_allocating"]
         rows.append(
-            [label, "get_many speed vs take_mmap", ">= 0.85", t["speed_vs_baseline"], 1 / t["time_ratio_of_mins"]]
+            [
+                label,
+                "get_many speed vs take_mmap",
+                TAKE_MMAP_TARGET[label],
+                t["speed_vs_baseline"],
+                1 / t["time_ratio_of_mins"],
+            ]
+        )
+        rows.append(
+            [label, "get_many(out=) speed vs get_many", OUT_TARGET.get(label, "-"), o["speed"], o["speed_of_mins"]]
         )
         rows.append(
             [label, "get_many speed vs take_ram", ">= 0.7", t["speed_vs_take_ram"], t["speed_vs_take_ram_of_mins"]]
@@ -364,6 +447,9 @@ def print_targets(results: dict[str, Any]) -> None:
         rows.append([label, "get time vs copy loop", "<= 2", g["time_ratio"], g["time_ratio_of_mins"]])
     met = []
     for row in rows:
+        if row[2] == "-":
+            met.append([*row, "-"])
+            continue
         bound = float(row[2].split()[1])
         met.append([*row, "yes" if (row[3] >= bound if row[2].startswith(">") else row[3] <= bound) else "NO"])
     print(table(["size", "figure", "target", "median of ratios", "ratio of mins", "met"], met))
