@@ -5,11 +5,21 @@ Rules: shapes must match exactly. Dtypes must match or cast within their kind
 not); integer and string narrowing is checked value by value, so 300 never
 lands in a uint8 field as 44 and "abcdef" never becomes "abc". Python scalars
 and lists may also go int -> float. torch tensors are detached and moved to
-the CPU; dtypes numpy lacks (bfloat16, ...) go through :mod:`mmapcache.torch`.
+the CPU.
+
+A field of a torch dtype numpy lacks (bfloat16, complex32, float8, ...) is
+stored as raw bits in an unsigned integer of the same width: an array (or
+tensor) of that width and kind *is* those bits, with or without torch.
+Numbers (floats, other dtypes) need torch to become such bits.
+
+All torch knowledge lives in :mod:`mmapcache._torch_values`, imported only
+when a value is a tensor (torch is then loaded already) or numbers must be
+converted into a torch-only dtype; this module never imports torch itself.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,10 +62,12 @@ def _check_names(sample: Any, fields: dict[str, Field]) -> None:
 def coerce_value(value: Any, field: Field, name: str, *, count: int | None = None) -> np.ndarray[Any, Any]:
     """``value`` as an array of ``field``'s dtype and shape (with a leading ``count`` axis)."""
     shape = field.shape if count is None else (count, *field.shape)
-    if _is_tensor(value) or field.torch_dtype is not None:
-        from .torch import value_to_storage  # only torch.py imports torch
+    if _is_tensor(value):
+        from ._torch_values import tensor_to_numpy  # torch is loaded already: the value is a tensor
 
-        array = value_to_storage(value, field, name)
+        array = cast(tensor_to_numpy(value, field, name), field, name, from_python=False)
+    elif field.torch_dtype is not None:
+        array = _to_bits(value, field, name)
     else:
         array = _to_numpy(value, field, name)
     if array.shape != shape:
@@ -65,7 +77,28 @@ def coerce_value(value: Any, field: Field, name: str, *, count: int | None = Non
 
 
 def _is_tensor(value: Any) -> bool:
-    return type(value).__module__.startswith("torch") and hasattr(value, "detach")
+    # Nothing can be a tensor unless torch was imported; never import it here.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _to_bits(value: Any, field: Field, name: str) -> np.ndarray[Any, Any]:
+    """A value for a torch-only field: raw bits as they are, numbers converted by torch."""
+    if isinstance(value, (np.ndarray, np.generic)) and _is_raw_bits(value.dtype, field):
+        return np.asarray(value).astype(field.dtype, copy=False)  # the bits themselves
+    try:
+        from ._torch_values import value_to_numpy
+    except ImportError:
+        raise TypeError(
+            f"field {name!r}: converting {type(value).__name__} values to {field.dtype_name} needs torch, "
+            f"which cannot be imported; install torch, or pass the raw bits as a {field.dtype} array "
+            f"(e.g. tensor.view(torch.{field.dtype}).numpy())"
+        ) from None
+    return value_to_numpy(value, field, name)
+
+
+def _is_raw_bits(dtype: np.dtype[Any], field: Field) -> bool:
+    return dtype.kind == "u" and dtype.itemsize == field.dtype.itemsize
 
 
 def _to_numpy(value: Any, field: Field, name: str) -> np.ndarray[Any, Any]:

@@ -25,9 +25,7 @@ sample                 field names     note
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import json
 import logging
 import os
 import re
@@ -46,230 +44,20 @@ from ._errors import SchemaMismatchError
 from ._field import Field
 from ._paths import default_dir
 from ._slots import STRONGLY_ORDERED
-from ._values import cast, coerce_value
+from ._structure import Structure, name_leaves
+from ._torch_values import SUPPORTED, check_leaf, is_leaf, leaf_field, torch_dtype, write_column
+from ._values import coerce_value
 from .cache import Cache
 
-__all__ = ["CachedDataset", "value_to_storage"]
+__all__ = ["CachedDataset"]
 
 log = logging.getLogger("mmapcache")
-
-_BITS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
-
-
-@functools.cache
-def _torch_dtype(field: Field) -> torch.dtype:
-    if field.torch_dtype is not None:
-        dtype = getattr(torch, field.torch_dtype)
-        assert isinstance(dtype, torch.dtype)
-        return dtype
-    return torch.from_numpy(np.empty(0, field.dtype.newbyteorder("="))).dtype
-
-
-def value_to_storage(value: Any, field: Field, name: str) -> np.ndarray[Any, Any]:
-    """``value`` (tensor, array or Python value) as an array of ``field``'s storage dtype."""
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach()
-        if tensor.is_quantized:
-            raise TypeError(f"field {name!r}: quantized tensors cannot be cached; dequantize them first")
-        tensor = tensor.cpu()
-    elif field.torch_dtype is None:
-        raise TypeError(f"field {name!r}: expected a tensor, got {type(value).__name__}")
-    else:
-        array = np.asarray(value)
-        if array.dtype.hasobject:
-            raise TypeError(f"field {name!r}: cannot store {type(value).__name__} in a {field.dtype_name} field")
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if field.torch_dtype is None and _numpy_knows(tensor.dtype):
-        array = tensor.resolve_conj().resolve_neg().numpy()
-        return cast(array, field, name, from_python=False)
-    target = _torch_dtype(field)
-    if tensor.dtype != target:
-        if not torch.can_cast(tensor.dtype, target):
-            raise TypeError(
-                f"field {name!r}: cannot store {tensor.dtype} values in a {field.dtype_name} field "
-                f"(only casts within the same kind are allowed); convert them to {target} first"
-            )
-        tensor = tensor.to(target)
-    if field.torch_dtype is None:
-        return tensor.numpy()
-    return tensor.contiguous().view(_BITS[tensor.element_size()]).numpy()
-
-
-@functools.cache
-def _numpy_knows(dtype: torch.dtype) -> bool:
-    try:
-        torch.empty(0, dtype=dtype).numpy()
-    except TypeError:
-        return False
-    return True
-
-
-# -- sample structure <-> field names ------------------------------------------
-
-_SUPPORTED = (
-    "a torch.Tensor, a numpy array or scalar, a Python bool/int/float, "
-    "or a tuple/list/dict of those (nested at most one level)"
-)
-_SIMPLE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
-_BARE = "."
-
-# A node of a sample's structure: an int is a leaf (its field's position);
-# a container is (kind, keys, children) with kind "tuple", "list" or "dict".
-_Node = int | tuple[str, tuple[Any, ...], tuple[Any, ...]]
-
-
-def _component(kind: str, key: Any) -> str:
-    if kind == "tuple":
-        return str(key)
-    if kind == "list":
-        return f"[{key}]"
-    return key if _SIMPLE_KEY.fullmatch(key) else json.dumps(key)
-
-
-def _parse_name(name: str) -> list[tuple[str, Any]]:
-    """``"1/m"`` -> ``[("tuple", 1), ("dict", "m")]``; ValueError if it is no CachedDataset name."""
-    if name == _BARE:
-        return []
-    parts: list[tuple[str, Any]] = []
-    pos = 0
-    while True:
-        if name.startswith('"', pos):
-            key, pos = json.JSONDecoder().raw_decode(name, pos)
-            if not isinstance(key, str):
-                raise ValueError(name)
-            parts.append(("dict", key))
-        else:
-            end = name.find("/", pos)
-            end = len(name) if end < 0 else end
-            text = name[pos:end]
-            if text.isdigit() and text.isascii():
-                parts.append(("tuple", int(text)))
-            elif re.fullmatch(r"\[\d+\]", text):
-                parts.append(("list", int(text[1:-1])))
-            elif _SIMPLE_KEY.fullmatch(text):
-                parts.append(("dict", text))
-            else:
-                raise ValueError(name)
-            pos = end
-        if pos == len(name):
-            return parts
-        if name[pos] != "/":
-            raise ValueError(name)
-        pos += 1
-
-
-def _tree_from_names(names: Sequence[str]) -> _Node:
-    """The structure a list of field names describes (the inverse of naming)."""
-    paths = [_parse_name(name) for name in names]
-    if len(paths) == 1 and not paths[0]:
-        return 0
-    if any(not p or len(p) > 2 for p in paths):
-        raise ValueError("not a CachedDataset layout")
-    return _build_tree([(p, i) for i, p in enumerate(paths)])
-
-
-def _build_tree(entries: list[tuple[list[tuple[str, Any]], int]]) -> _Node:
-    kinds = {path[0][0] for path, _ in entries}
-    if len(kinds) != 1:
-        raise ValueError("mixed containers")
-    (kind,) = kinds
-    groups: dict[Any, list[tuple[list[tuple[str, Any]], int]]] = {}
-    for path, position in entries:
-        groups.setdefault(path[0][1], []).append((path[1:], position))
-    keys = tuple(groups)
-    if kind != "dict" and sorted(keys) != list(range(len(keys))):
-        raise ValueError("positions are not 0..n-1")
-    if kind != "dict":
-        keys = tuple(sorted(keys))
-    children: list[_Node] = []
-    for key in keys:
-        group = groups[key]
-        if len(group) == 1 and not group[0][0]:
-            children.append(group[0][1])
-        elif all(rest for rest, _ in group):
-            children.append(_build_tree(group))
-        else:
-            raise ValueError("a leaf and a container share a name")
-    return (kind, keys, tuple(children))
-
-
-def _is_leaf(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, np.ndarray, np.generic, bool, int, float))
-
-
-def _container(value: Any, where: str) -> tuple[str, tuple[Any, ...], tuple[Any, ...]] | None:
-    """``(kind, keys, values)`` if ``value`` is a supported container, None if it is not a container."""
-    if type(value) is tuple:
-        return ("tuple", tuple(range(len(value))), value)
-    if type(value) is list:
-        return ("list", tuple(range(len(value))), tuple(value))
-    if isinstance(value, Mapping):
-        bad = [k for k in value if not isinstance(k, str) or not k]
-        if bad:
-            raise TypeError(f"{where}: dict keys must be non-empty strings to be cached, got {bad[0]!r}")
-        return ("dict", tuple(value), tuple(value.values()))
-    if isinstance(value, tuple):  # a namedtuple or other tuple subclass
-        raise TypeError(
-            f"{where}: {type(value).__name__} (a tuple subclass) cannot be rebuilt from the cache; "
-            "return a plain tuple or a dict from the dataset (or convert it in transform)"
-        )
-    return None
-
-
-def _where(path: list[tuple[str, Any]]) -> str:
-    return f"field {'/'.join(_component(k, v) for k, v in path) or _BARE!r}"
-
-
-def _leaf_field(value: Any, path: list[tuple[str, Any]]) -> Field:
-    where = _where(path)
-    if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided or value.is_nested:
-            raise TypeError(f"{where}: {value.layout} tensors cannot be cached; use dense tensors ({_SUPPORTED})")
-        return Field(tuple(value.shape), value.dtype)
-    if isinstance(value, (np.ndarray, np.generic)):
-        dtype = value.dtype
-        if dtype.kind not in "biufc" or not _torch_knows(dtype.newbyteorder("=")):
-            raise TypeError(f"{where}: numpy dtype {dtype} has no torch equivalent; supported: {_SUPPORTED}")
-        return Field(np.shape(value), dtype.newbyteorder("="))
-    if isinstance(value, bool):
-        return Field((), np.bool_)
-    if isinstance(value, int):
-        return Field((), np.int64)
-    if isinstance(value, float):
-        return Field((), np.float64)
-    raise TypeError(f"{where}: {type(value).__name__} values cannot be cached; supported: {_SUPPORTED}")
-
-
-@functools.cache
-def _torch_knows(dtype: np.dtype[Any]) -> bool:
-    try:
-        torch.from_numpy(np.empty(0, dtype))
-    except TypeError:
-        return False
-    return True
 
 
 def infer_fields(sample: Any) -> dict[str, Field]:
     """The cache fields for ``sample``, named by their place in it (see the module docstring)."""
-    fields: dict[str, Field] = {}
-
-    def visit(value: Any, path: list[tuple[str, Any]]) -> None:
-        if _is_leaf(value):
-            fields[_BARE if not path else "/".join(_component(k, v) for k, v in path)] = _leaf_field(value, path)
-            return
-        where = _where(path) if path else "the sample"
-        container = _container(value, where)
-        if container is None or len(path) >= 2:
-            what = "a container nested more than one level" if container else f"{type(value).__name__}"
-            raise TypeError(f"{where}: {what} cannot be cached; supported: {_SUPPORTED}")
-        kind, keys, values = container
-        if not keys:
-            raise ValueError(f"{where}: an empty {kind} cannot be cached; supported: {_SUPPORTED}")
-        for key, item in zip(keys, values, strict=True):
-            visit(item, [*path, (kind, key)])
-
-    visit(sample, [])
-    return fields
+    leaves = name_leaves(sample, is_leaf, supported=SUPPORTED)
+    return {name: leaf_field(leaf, name) for name, leaf in leaves.items()}
 
 
 class _Schema:
@@ -279,7 +67,7 @@ class _Schema:
         self.fields = dict(fields)
         self.names = tuple(fields)
         try:
-            self.tree = _tree_from_names(self.names)
+            self.structure = Structure(self.names)
         except ValueError:
             raise SchemaMismatchError(
                 f"the fields {list(self.names)} of the cache at {path} were not laid out by CachedDataset "
@@ -287,8 +75,9 @@ class _Schema:
                 path=path,
                 differences={"fields": (None, list(self.names))},
             ) from None
-        self.dtypes = tuple(_torch_dtype(f) if f.torch_dtype is not None else None for f in fields.values())
-        self.build = _builder(self.tree)
+        self.tree = self.structure.tree
+        self.dtypes = tuple(torch_dtype(f) if f.torch_dtype is not None else None for f in fields.values())
+        self.build = self.structure.build
 
     def to_tensors(self, arrays: Iterable[np.ndarray[Any, Any]]) -> list[torch.Tensor]:
         """Storage arrays (one per field) as tensors of the fields' torch dtypes, sharing memory."""
@@ -300,61 +89,7 @@ class _Schema:
 
     def flatten(self, sample: Any) -> list[Any]:
         """``sample``'s leaves in field order; ValueError/TypeError naming the first part that does not fit."""
-        leaves: list[Any] = [None] * len(self.names)
-
-        def visit(node: _Node, value: Any, path: list[tuple[str, Any]]) -> None:
-            if isinstance(node, int):
-                if not _is_leaf(value):
-                    _leaf_field(value, path)  # raises the right error
-                    raise TypeError(f"{_where(path)}: expected {_SUPPORTED}, got {type(value).__name__}")
-                leaves[node] = value
-                return
-            kind, keys, children = node
-            container = _container(value, _where(path) if path else "the sample")
-            if container is None or container[0] != kind or container[1] != keys:
-                got = f"{container[0]} with keys {list(container[1])}" if container else f"a {type(value).__name__}"
-                raise ValueError(
-                    f"{_where(path) if path else 'the sample'}: the cache holds a {kind} with keys "
-                    f"{list(keys)} here, the dataset gave {got}"
-                )
-            for key, child, item in zip(keys, children, container[2], strict=True):
-                visit(child, item, [*path, (kind, key)])
-
-        visit(self.tree, sample, [])
-        return leaves
-
-
-def _builder(tree: _Node) -> Callable[[list[Sequence[torch.Tensor]]], list[Any]]:
-    """A function from per-field columns of per-sample tensors to a list of samples.
-
-    The flat shapes (a bare leaf, a tuple, list or dict of leaves) take one
-    C-level ``zip`` per batch; nested ones build each sample in Python.
-    """
-    if isinstance(tree, int):
-        return lambda columns: list(columns[0])
-    kind, keys, children = tree
-    if all(isinstance(child, int) for child in children):
-        order = list(children)
-        if order == list(range(len(order))):
-            if kind == "tuple":
-                return lambda columns: list(zip(*columns, strict=True))
-            if kind == "list":
-                return lambda columns: [list(values) for values in zip(*columns, strict=True)]
-            return lambda columns: [dict(zip(keys, values, strict=True)) for values in zip(*columns, strict=True)]
-    make = _maker(tree)
-    return lambda columns: [make(values) for values in zip(*columns, strict=True)]
-
-
-def _maker(node: _Node) -> Callable[[Sequence[torch.Tensor]], Any]:
-    if isinstance(node, int):
-        return lambda values: values[node]
-    kind, keys, children = node
-    makers = [_maker(child) for child in children]
-    if kind == "tuple":
-        return lambda values: tuple(m(values) for m in makers)
-    if kind == "list":
-        return lambda values: [m(values) for m in makers]
-    return lambda values: {k: m(values) for k, m in zip(keys, makers, strict=True)}
+        return self.structure.flatten(sample, is_leaf, supported=SUPPORTED)
 
 
 # -- the dataset -----------------------------------------------------------------
@@ -686,23 +421,29 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             self._check_schema(raw[0], indices[0])
         schema = self._schema
         assert schema is not None
-        columns: list[list[np.ndarray[Any, Any]]] = [[] for _ in schema.names]
+        # Each leaf is checked against the first sample's field (one policy: tensors and
+        # arrays keep its dtype exactly, Python scalars cast as Cache.put casts them),
+        # then copied once, into its row of the batch arrays that put_many stores as is.
+        fields = list(schema.fields.items())
+        columns: list[list[Any]] = [[] for _ in fields]
         for index, sample in zip(indices, raw, strict=True):
             try:
                 leaves = schema.flatten(sample)
-                for column, leaf, (name, field) in zip(columns, leaves, schema.fields.items(), strict=True):
-                    _check_dtype(leaf, field, name)
-                    column.append(coerce_value(leaf, field, name))
+                for column, leaf, (name, field) in zip(columns, leaves, fields, strict=True):
+                    if isinstance(leaf, (torch.Tensor, np.ndarray, np.generic)):
+                        column.append(check_leaf(leaf, field, name))
+                    else:
+                        column.append(coerce_value(leaf, field, name))
             except (TypeError, ValueError) as error:
                 raise type(error)(
                     f"dataset[{index}]: {error}. mmapcache caches samples of one fixed structure, shapes "
                     f"and dtypes ({_describe(schema.fields)}, from the first sample); pad, crop or resize "
                     "before the cache, or move variable parts into transform"
                 ) from None
-        batch = schema.to_tensors(np.stack(column) for column in columns)
-        stored = cache.put_many(indices, dict(zip(schema.names, batch, strict=True)))
+        arrays = [write_column(column, field) for column, (_, field) in zip(columns, fields, strict=True)]
+        stored = cache.put_many(indices, dict(zip(schema.names, arrays, strict=True)))
         self._written += int(np.count_nonzero(stored))
-        return schema.build([t.unbind(0) for t in batch])
+        return schema.build([t.unbind(0) for t in schema.to_tensors(arrays)])
 
     # -- filling and statistics ----------------------------------------------------
 
@@ -830,26 +571,6 @@ def _progress(total: int, description: str, *, enabled: bool) -> Any:
         log.info("%s: %d samples (install tqdm for a progress bar)", description, total)
         return None
     return tqdm(total=total, desc=description, unit="sample")
-
-
-def _check_dtype(value: Any, field: Field, name: str) -> None:
-    """Tensors and arrays must keep the dtype of the first sample: a silent cast would change the data."""
-    if isinstance(value, torch.Tensor):
-        if value.dtype == _torch_dtype(field):
-            return
-        got = str(value.dtype).removeprefix("torch.")
-    elif isinstance(value, (np.ndarray, np.generic)):
-        if field.torch_dtype is None and value.dtype.newbyteorder("=") == field.dtype.newbyteorder("="):
-            return
-        got = str(value.dtype.newbyteorder("="))
-    else:
-        return  # Python scalars follow the casting rules of mmapcache._values
-    want = (
-        field.dtype_name
-        if field.torch_dtype is None or isinstance(value, torch.Tensor)
-        else f"torch.{field.dtype_name}"
-    )
-    raise TypeError(f"field {name!r}: the dataset gave {got} values, the cache holds {want}")
 
 
 def _describe(fields: Mapping[str, Field]) -> str:

@@ -191,6 +191,43 @@ def test_half_precision_bits_roundtrip(cache_dir: Path) -> None:
         assert batch["fp16"].dtype == torch.float16
 
 
+class Varied(torch.utils.data.Dataset[Any]):
+    """Each sample gives its leaves in another form of the same dtype and shape."""
+
+    def __len__(self) -> int:
+        return 5
+
+    def __getitem__(self, i: int) -> Any:
+        base = torch.arange(12, dtype=torch.float32).reshape(3, 4) + i
+        image = [
+            base,
+            base.clone().requires_grad_(True),  # detached, not refused
+            torch.arange(24, dtype=torch.float32).reshape(3, 8)[:, ::2] + i,  # not contiguous
+            base.numpy(),  # a numpy array of the same dtype
+            base.t().contiguous().t(),  # column-major strides
+        ][i]
+        z = torch.tensor([1 + 2j, -3j], dtype=torch.complex64) * i
+        return {"image": image, "z": z.conj() if i % 2 else z.conj().resolve_conj(), "n": [i, np.int64(i), i][i % 3]}
+
+
+def _varied_expected(i: int) -> dict[str, torch.Tensor]:
+    image = torch.arange(24.0).reshape(3, 8)[:, ::2] if i == 2 else torch.arange(12.0).reshape(3, 4)
+    z = (torch.tensor([1 + 2j, -3j], dtype=torch.complex64) * i).conj().resolve_conj()
+    return {"image": image + i, "z": z, "n": torch.tensor(i)}
+
+
+def test_a_miss_stores_each_form_of_a_leaf_by_value(cache_dir: Path) -> None:
+    """Views, tensors needing grad, conjugates and arrays of the first sample's dtype are stored by value."""
+    ds = CachedDataset(Varied(), cache_dir / "c.mmc", key="varied")
+    cold = ds.__getitems__(list(range(5)))
+    warm = ds.__getitems__(list(range(5)))
+    for i in range(5):
+        for got in (cold[i], warm[i], ds[i]):
+            assert same(got, _varied_expected(i)), (i, got)
+            assert not got["image"].requires_grad
+    assert ds.stats()["misses"] == 5
+
+
 # -- what cannot be cached --------------------------------------------------------------------
 
 
@@ -501,14 +538,61 @@ def test_pickles_by_path(cache_dir: Path) -> None:
 
 
 def test_core_imports_without_torch(cache_dir: Path) -> None:
+    """Without torch the core stores numbers, and the raw bits of dtypes numpy lacks (put as get gives them)."""
     script = textwrap.dedent(
         f"""
         import sys
         sys.modules["torch"] = None  # any import of torch now fails
         import numpy as np, mmapcache
-        with mmapcache.Cache({str(cache_dir / "c.mmc")!r}, {{"x": ((3,), "float32")}}, 4) as cache:
-            cache.put(1, {{"x": np.ones(3)}})
-            assert cache.get(1)["x"].sum() == 3
+        fields = {{"x": ((3,), "float32"), "bf16": ((4,), "bfloat16"), "f8": ((2,), "float8_e4m3fn"),
+                   "c32": ((), "complex32")}}
+        bits = np.array([0x0000, 0x8000, 0x3FC0, 0x7FC1], np.uint16)  # 0, -0, 1.5, a NaN payload
+        with mmapcache.Cache({str(cache_dir / "c.mmc")!r}, fields, 4) as cache:
+            assert cache.put(1, {{"x": np.ones(3), "bf16": bits, "f8": np.array([1, 255], np.uint8),
+                                 "c32": np.uint32(0x3C003C00)}})
+            got = cache.get(1)
+            assert got["x"].sum() == 3
+            assert got["bf16"].dtype == np.uint16 and got["bf16"].tolist() == bits.tolist()
+            assert got["f8"].tolist() == [1, 255] and int(got["c32"]) == 0x3C003C00
+            # what get returns, put takes back: bits, byte order normalized
+            assert cache.put_many([2, 3], {{"x": np.zeros((2, 3)), "bf16": np.stack([bits, bits]).astype(">u2"),
+                                           "f8": np.ones((2, 2), np.uint8), "c32": np.ones(2, np.uint32)}}).all()
+            assert cache.get_many([2, 3])["bf16"].tolist() == [bits.tolist()] * 2
+            try:  # numbers (not bits) need torch to become bfloat16
+                cache.put(0, {{**got, "bf16": np.ones(4, np.float32)}})
+            except TypeError as error:
+                assert "needs torch" in str(error) and "raw bits" in str(error), error
+            else:
+                raise AssertionError("float32 values went into a bfloat16 field without torch")
+            assert 0 not in cache
+        assert "mmapcache.torch" not in sys.modules
+        assert "mmapcache._torch_values" not in sys.modules
+        print("ok")
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip() == "ok", run.stderr
+
+
+def test_core_put_of_a_tensor_leaves_the_torch_layer_unimported(cache_dir: Path) -> None:
+    """A tensor put into a core Cache loads only the torch value conversions, not mmapcache.torch."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import torch
+        import mmapcache
+        fields = {{"x": ((2, 3), torch.float32), "bf16": ((2,), torch.bfloat16)}}
+        with mmapcache.Cache({str(cache_dir / "c.mmc")!r}, fields, 4) as cache:
+            before = set(sys.modules)
+            x, half = torch.arange(6.0).reshape(2, 3), torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+            assert cache.put(0, {{"x": x, "bf16": half}})
+            assert cache.put_many([1], {{"x": x[None].double(), "bf16": half[None].view(torch.uint16)}}).all()
+            for i in (0, 1):
+                got = cache[i]
+                assert torch.equal(torch.from_numpy(got["x"]), x)
+                assert torch.equal(torch.from_numpy(got["bf16"]).view(torch.bfloat16), half)
+        new = sorted(set(sys.modules) - before)
+        assert new == ["mmapcache._torch_values"], new
         assert "mmapcache.torch" not in sys.modules
         print("ok")
         """

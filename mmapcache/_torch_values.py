@@ -1,0 +1,212 @@
+"""torch values <-> storage arrays: everything mmapcache knows about torch's types, in one leaf module.
+
+It imports torch, numpy and :mod:`mmapcache._field` only — never the core's
+higher layers (``cache.py``, ``_values.py``) nor :mod:`mmapcache.torch`, so
+the dependency points one way (as ``safetensors.torch`` does). The core
+(:mod:`mmapcache._values`) imports it lazily, only when it meets a tensor or
+has to convert numbers into a dtype numpy lacks; it never imports torch
+itself. :mod:`mmapcache.torch` (``CachedDataset``) imports it for the same
+conversions and for its leaf policy.
+
+torch dtypes numpy lacks (bfloat16, complex32, the float8 family, ...) are
+stored as their raw bits in an unsigned integer of the same width
+(``Field.dtype``); a same-width unsigned array or tensor given for such a field
+*is* those bits, not numbers to convert.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._field import Field
+
+__all__ = [
+    "SUPPORTED",
+    "as_tensor",
+    "check_leaf",
+    "is_leaf",
+    "is_raw_bits",
+    "leaf_field",
+    "tensor_to_numpy",
+    "torch_dtype",
+    "value_to_numpy",
+    "write_column",
+]
+
+# The unsigned torch dtype that holds the raw bits of an element of this many bytes.
+_BITS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+
+SUPPORTED = (
+    "a torch.Tensor, a numpy array or scalar, a Python bool/int/float, "
+    "or a tuple/list/dict of those (nested at most one level)"
+)
+
+
+@functools.cache
+def torch_dtype(field: Field) -> torch.dtype:
+    """The torch dtype of ``field``'s values (``torch.bfloat16`` for a field stored as uint16 bits)."""
+    if field.torch_dtype is not None:
+        dtype = getattr(torch, field.torch_dtype)
+        assert isinstance(dtype, torch.dtype)
+        return dtype
+    return torch.from_numpy(np.empty(0, field.dtype.newbyteorder("="))).dtype
+
+
+def as_tensor(array: np.ndarray[Any, Any], field: Field) -> torch.Tensor:
+    """A storage array of ``field`` as a tensor of the field's torch dtype, sharing memory."""
+    tensor = torch.from_numpy(array)
+    return tensor if field.torch_dtype is None else tensor.view(torch_dtype(field))
+
+
+def is_raw_bits(dtype: np.dtype[Any] | torch.dtype, field: Field) -> bool:
+    """Whether values of ``dtype`` are the raw bits of a torch-only ``field`` (same-width unsigned)."""
+    if field.torch_dtype is None:
+        return False
+    if isinstance(dtype, torch.dtype):
+        return dtype in _BITS.values() and dtype.itemsize == field.dtype.itemsize
+    return dtype.kind == "u" and dtype.itemsize == field.dtype.itemsize
+
+
+# -- the core's put: any tensor or number, cast within its kind --------------------------
+
+
+def tensor_to_numpy(value: torch.Tensor, field: Field, name: str) -> np.ndarray[Any, Any]:
+    """``value`` (a tensor) as a numpy array for ``field``, without copying when it can.
+
+    A dtype numpy knows comes back as is, for :func:`mmapcache._values.cast`
+    to apply the core's casting rules. For a torch-only field (or a tensor
+    dtype numpy lacks) the tensor is cast by torch's rules (within its kind)
+    and its raw bits come back in ``field.dtype``.
+    """
+    tensor = value.detach()
+    if tensor.is_quantized:
+        raise TypeError(f"field {name!r}: quantized tensors cannot be cached; dequantize them first")
+    if tensor.layout != torch.strided or tensor.is_nested:
+        raise TypeError(f"field {name!r}: {tensor.layout} tensors cannot be cached; convert them to dense tensors")
+    tensor = tensor.cpu().resolve_conj().resolve_neg()
+    if is_raw_bits(tensor.dtype, field):
+        return tensor.numpy()
+    if field.torch_dtype is None and _numpy_knows(tensor.dtype):
+        return tensor.numpy()
+    target = torch_dtype(field)
+    if tensor.dtype != target:
+        if not torch.can_cast(tensor.dtype, target):
+            raise TypeError(
+                f"field {name!r}: cannot store {tensor.dtype} values in a {field.dtype_name} field "
+                f"(only casts within the same kind are allowed); convert them to {target} first"
+            )
+        tensor = tensor.to(target)
+    if field.torch_dtype is None:
+        return tensor.numpy()
+    return tensor.view(_BITS[field.dtype.itemsize]).numpy()
+
+
+def value_to_numpy(value: Any, field: Field, name: str) -> np.ndarray[Any, Any]:
+    """Numbers (an array, scalar or list) for a torch-only ``field``, converted by torch into its raw bits."""
+    array = np.asarray(value)
+    if array.dtype.hasobject or array.dtype.kind not in "biufc":
+        raise TypeError(f"field {name!r}: cannot store {type(value).__name__} in a {field.dtype_name} field")
+    native = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("="), copy=False))
+    return tensor_to_numpy(torch.from_numpy(native), field, name)
+
+
+@functools.cache
+def _numpy_knows(dtype: torch.dtype) -> bool:
+    try:
+        torch.empty(0, dtype=dtype).numpy()
+    except TypeError:
+        return False
+    return True
+
+
+# -- CachedDataset's leaves: what a sample may hold, and one dtype policy on a miss -------
+
+
+def is_leaf(value: Any) -> bool:
+    """Whether ``value`` is one field of a CachedDataset sample (a leaf of its structure)."""
+    return isinstance(value, (torch.Tensor, np.ndarray, np.generic, bool, int, float))
+
+
+def leaf_field(value: Any, name: str) -> Field:
+    """The field a leaf (the first sample's) makes; TypeError if it cannot be cached."""
+    where = f"field {name!r}"
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.is_nested:
+            raise TypeError(f"{where}: {value.layout} tensors cannot be cached; use dense tensors ({SUPPORTED})")
+        return Field(tuple(value.shape), value.dtype)
+    if isinstance(value, (np.ndarray, np.generic)):
+        dtype = value.dtype
+        if dtype.kind not in "biufc" or not _torch_knows(dtype.newbyteorder("=")):
+            raise TypeError(f"{where}: numpy dtype {dtype} has no torch equivalent; supported: {SUPPORTED}")
+        return Field(np.shape(value), dtype.newbyteorder("="))
+    if isinstance(value, bool):
+        return Field((), np.bool_)
+    if isinstance(value, int):
+        return Field((), np.int64)
+    if isinstance(value, float):
+        return Field((), np.float64)
+    raise TypeError(f"{where}: {type(value).__name__} values cannot be cached; supported: {SUPPORTED}")
+
+
+@functools.cache
+def _torch_knows(dtype: np.dtype[Any]) -> bool:
+    try:
+        torch.from_numpy(np.empty(0, dtype))
+    except TypeError:
+        return False
+    return True
+
+
+def check_leaf(leaf: torch.Tensor | np.ndarray[Any, Any] | np.generic, field: Field, name: str) -> Any:
+    """A tensor or array leaf, checked against ``field`` (the first sample's): ready for :func:`write_column`.
+
+    Tensors and arrays must keep the first sample's dtype exactly — a silent
+    cast would change the data — and its shape. (Python scalars are not
+    checked here: they follow the core's casting rules, ``mmapcache._values``.)
+    """
+    if isinstance(leaf, torch.Tensor):
+        if leaf.dtype != torch_dtype(field):
+            _wrong_dtype(str(leaf.dtype).removeprefix("torch."), field.dtype_name, name)
+        if leaf.layout != torch.strided or leaf.is_nested:
+            raise TypeError(f"field {name!r}: {leaf.layout} tensors cannot be cached; use dense tensors")
+        if leaf.shape != field.shape:
+            raise ValueError(f"field {name!r}: expected a sample of shape {field.shape}, got shape {tuple(leaf.shape)}")
+        if leaf.requires_grad:
+            leaf = leaf.detach()
+        return leaf if leaf.is_cpu else leaf.cpu()
+    dtype = leaf.dtype
+    if field.torch_dtype is not None or dtype.newbyteorder("=") != field.dtype.newbyteorder("="):
+        want = field.dtype_name if field.torch_dtype is None else f"torch.{field.dtype_name}"
+        _wrong_dtype(str(dtype.newbyteorder("=")), want, name)
+    if leaf.shape != field.shape:
+        raise ValueError(f"field {name!r}: expected a sample of shape {field.shape}, got shape {leaf.shape}")
+    return leaf
+
+
+def _wrong_dtype(got: str, want: str, name: str) -> None:
+    raise TypeError(f"field {name!r}: the dataset gave {got} values, the cache holds {want}")
+
+
+def write_column(leaves: list[Any], field: Field) -> np.ndarray[Any, Any]:
+    """One field of a batch: the checked leaves stacked into a new array of ``field``'s storage dtype.
+
+    Each leaf is copied once, straight into its row (the only conversion on a
+    miss); ``put_many`` takes the result as is.
+    """
+    out = np.empty((len(leaves), *field.shape), field.dtype)
+    if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        torch.stack(leaves, out=as_tensor(out, field))
+        return out
+    bits = _BITS[field.dtype.itemsize] if field.torch_dtype is not None else None
+    arrays = [_storage(leaf, bits) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    np.stack(arrays, out=out)
+    return out
+
+
+def _storage(tensor: torch.Tensor, bits: torch.dtype | None) -> np.ndarray[Any, Any]:
+    tensor = tensor.resolve_conj().resolve_neg()
+    return (tensor if bits is None else tensor.view(bits)).numpy()
