@@ -116,7 +116,9 @@ def flock_holders(st: os.stat_result) -> list[int]:
 
 
 # struct flock on Linux (x86-64 and aarch64): short l_type, short l_whence,
-# off_t l_start, off_t l_len, pid_t l_pid, padded to 32 bytes.
+# off_t l_start, off_t l_len, pid_t l_pid, padded to 32 bytes. Other systems
+# order and size the members differently (macOS: l_start, l_len, l_pid, l_type,
+# l_whence), so these requests are Linux's, with or without F_OFD_*.
 _FLOCK = struct.Struct("@hhqqi4x")
 _SETLK = getattr(fcntl, "F_OFD_SETLK", fcntl.F_SETLK)
 _SETLKW = getattr(fcntl, "F_OFD_SETLKW", fcntl.F_SETLKW)
@@ -127,10 +129,14 @@ HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
 class SlotLocks:
     """Exclusive one-byte record locks on a file descriptor, one per slot.
 
-    ``try_claim`` costs one ``fcntl`` call (about 1-2 µs). Without
-    open-file-description locks (non-Linux) it falls back to classic POSIX
-    record locks, which belong to the process: there, two handles of one
-    process do not exclude each other.
+    ``try_claim`` costs one ``fcntl`` call (about 1-2 µs). Linux only: the
+    request is packed as Linux's ``struct flock`` (see ``_FLOCK``), which
+    other systems lay out differently. When Python's ``fcntl`` lacks the
+    open-file-description commands (built against Linux headers older than
+    3.15) it falls back to classic POSIX record locks, which belong to the
+    process: there, two handles of one process do not exclude each other. A
+    Python that has them on a kernel older than 3.15 fails the first claim
+    with ``EINVAL``.
     """
 
     __slots__ = ("fd",)
