@@ -4,7 +4,8 @@ A field's values are stored as a numpy dtype. torch dtypes that numpy lacks
 (bfloat16, complex32, the float8 family, bits*) are stored as their raw bits in
 an unsigned integer of the same width and remembered by name in
 ``Field.torch_dtype``, so :mod:`mmapcache.torch` hands them back as the torch
-dtype they were.
+dtype they were. Such a field needs no torch to exist, nor to store and read
+its raw bits (see :mod:`mmapcache._values`).
 """
 
 from __future__ import annotations
