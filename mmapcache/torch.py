@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from ._batches import Batched, as_is, collate_tree, new_batch
 from ._errors import SchemaMismatchError
 from ._field import Field
 from ._paths import default_dir
@@ -444,6 +445,90 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         stored = cache.put_many(indices, dict(zip(schema.names, arrays, strict=True)))
         self._written += int(np.count_nonzero(stored))
         return schema.build([t.unbind(0) for t in schema.to_tensors(arrays)])
+
+    # -- whole batches -------------------------------------------------------------
+
+    def loader(
+        self,
+        batch_size: int | None = 1,
+        shuffle: bool | None = False,
+        *,
+        sampler: torch.utils.data.Sampler[Any] | Iterable[Any] | None = None,
+        num_workers: int = 0,
+        drop_last: bool = False,
+        **dataloader_kwargs: Any,
+    ) -> torch.utils.data.DataLoader[Any]:
+        """A DataLoader over this dataset that reads each batch of hits with one copy.
+
+        It yields exactly what ``DataLoader(ds, batch_size, shuffle,
+        sampler=sampler, num_workers=num_workers, drop_last=drop_last,
+        **dataloader_kwargs)`` with the default collate yields — the same
+        structure, dtypes and values — but a batch of cached samples is
+        gathered field by field straight into the tensors the training loop
+        receives (inside workers, into shared memory, so the hand-off to the
+        main process copies nothing). Misses are loaded from ``dataset`` and
+        stored as usual. With a ``transform`` (it runs per sample) or a
+        ``collate_fn`` of yours, batches are built from samples as
+        ``DataLoader(ds)`` builds them. Any other DataLoader argument
+        (``pin_memory``, ``persistent_workers``, ``prefetch_factor``,
+        ``multiprocessing_context``, ...) passes through, and samplers —
+        ``DistributedSampler`` included — work as with ``DataLoader(ds)``.
+        """
+        collate_fn = dataloader_kwargs.pop("collate_fn", None)
+        batching = batch_size is not None or dataloader_kwargs.get("batch_sampler") is not None
+        if collate_fn is None:
+            # Without batching DataLoader converts each sample with default_convert, so do we.
+            collate_fn = as_is if batching else torch.utils.data.default_convert
+            collated = batching
+        else:
+            collated = False
+        return torch.utils.data.DataLoader(
+            Batched(self, collated=collated),
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            num_workers=num_workers,
+            drop_last=drop_last,
+            collate_fn=collate_fn,
+            **dataloader_kwargs,
+        )
+
+    def _read_batch(self, indices: Sequence[int]) -> Any:
+        """The batch ``default_collate(self.__getitems__(indices))`` is, with one copy for the hits."""
+        if self.transform is not None or len(indices) == 0:
+            return torch.utils.data.default_collate(self.__getitems__(indices))
+        idx = self._indices(indices)
+        cache = self._opened()
+        if cache is None:  # nobody created the file yet: this batch creates it
+            return torch.utils.data.default_collate(self._load(idx.tolist(), counted=False))
+        schema = self._schema
+        assert schema is not None
+        fields = list(schema.fields.values())
+        tensors, arrays = new_batch(
+            [(len(idx), *field.shape) for field in fields], [field.dtype for field in fields], schema.dtypes
+        )
+        _, hits = cache.read_many(idx, out=dict(zip(schema.names, arrays, strict=True)))
+        found = int(np.count_nonzero(hits))
+        self._hits += found
+        if found < len(idx):
+            rows = np.flatnonzero(~hits)
+            for row, sample in zip(rows.tolist(), self._load(idx[rows].tolist(), counted=True), strict=True):
+                for tensor, leaf in zip(tensors, schema.flatten(sample), strict=True):
+                    tensor[row] = leaf
+        return collate_tree(schema.tree, tensors)
+
+    def _indices(self, indices: Sequence[int]) -> np.ndarray[Any, np.dtype[np.intp]]:
+        """``indices`` validated like ``ds[i]`` (negative ones count from the end), as one array."""
+        given = np.asarray(indices)
+        n = len(self.dataset)
+        if given.ndim != 1 or given.dtype.kind not in "iu" or (given.size and int(given.max()) >= n):
+            return np.fromiter((self._index(i) for i in indices), np.intp, len(indices))
+        idx = given.astype(np.intp)
+        if idx.size and int(idx.min()) < 0:
+            idx = np.where(idx < 0, idx + n, idx)
+            if int(idx.min()) < 0:
+                return np.fromiter((self._index(i) for i in indices), np.intp, len(indices))
+        return idx
 
     # -- filling and statistics ----------------------------------------------------
 

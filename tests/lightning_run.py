@@ -23,9 +23,9 @@ from mmapcache.torch import CachedDataset
 
 
 class Model(LightningModule):
-    def __init__(self, dataset: CachedDataset, workers: int, ranks: str) -> None:
+    def __init__(self, dataset: CachedDataset, workers: int, ranks: str, *, batched: bool = False) -> None:
         super().__init__()
-        self.dataset, self.workers, self.ranks = dataset, workers, ranks
+        self.dataset, self.workers, self.ranks, self.batched = dataset, workers, ranks, batched
         self.layer = torch.nn.Linear(3 * 8 * 8, 1)
 
     def on_fit_start(self) -> None:
@@ -33,6 +33,8 @@ class Model(LightningModule):
             file.write(f"{self.global_rank} {os.getpid()}\n")
 
     def train_dataloader(self) -> DataLoader[Any]:
+        if self.batched:  # Lightning swaps in a DistributedSampler, as for a plain DataLoader
+            return self.dataset.loader(batch_size=8, shuffle=True, num_workers=self.workers)
         return DataLoader(self.dataset, batch_size=8, shuffle=True, num_workers=self.workers)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--key", default="lightning/v1")
     parser.add_argument("--log", required=True)
     parser.add_argument("--ranks", required=True)
+    parser.add_argument("--loader", action="store_true", help="read through CachedDataset.loader()")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # Lightning's advice about workers and logging
     dataset = CachedDataset(Recorded(args.length, args.log), key=args.key)  # the default location
@@ -66,7 +69,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Model(dataset, args.workers, args.ranks))
+    trainer.fit(Model(dataset, args.workers, args.ranks, batched=args.loader))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 LENGTH = 64
 
 
-def _fit(strategy: str, log: Path, ranks: Path) -> None:
+def _fit(strategy: str, log: Path, ranks: Path, *, loader: bool = False) -> None:
     run = subprocess.run(
         [
             sys.executable,
@@ -37,6 +37,7 @@ def _fit(strategy: str, log: Path, ranks: Path) -> None:
             str(log),
             "--ranks",
             str(ranks),
+            *(["--loader"] if loader else []),
         ],
         capture_output=True,
         text=True,
@@ -76,14 +77,15 @@ def _check_first_run(log: Path, ranks: Path) -> list[tuple[int, int, int]]:
     return first
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
-def test_ddp_shares_one_cache_and_the_next_run_is_warm(strategy: str, cache_dir: Path) -> None:
+@pytest.mark.parametrize(("strategy", "loader"), [("ddp", False), ("ddp_spawn", False), ("ddp", True)])
+def test_ddp_shares_one_cache_and_the_next_run_is_warm(strategy: str, loader: bool, cache_dir: Path) -> None:
+    """With ``loader=True`` the model reads through ``CachedDataset.loader()``."""
     log, ranks = cache_dir / "accesses", cache_dir / "ranks"
-    _fit(strategy, log, ranks)
+    _fit(strategy, log, ranks, loader=loader)
     first = _check_first_run(log, ranks)
 
     # A second fit in a new process: the whole node starts warm.
-    _fit(strategy, log, ranks)
+    _fit(strategy, log, ranks, loader=loader)
     assert accesses(log) == first, "the second run must have zero misses"
     assert len(list(default_dir().glob("*.mmc"))) == 1
 

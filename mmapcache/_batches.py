@@ -1,0 +1,115 @@
+"""Whole batches for :meth:`mmapcache.torch.CachedDataset.loader`: one copy from the file to the batch.
+
+``DataLoader(ds, batch_size=...)`` with the default collate reads each batch
+twice: ``ds.__getitems__`` returns one tensor per sample, and
+``default_collate`` stacks them into the batch (in a worker, into shared
+memory). ``loader()`` instead hands DataLoader a view of the dataset whose
+``__getitems__`` returns the finished batch: every field is gathered by one
+``np.take`` straight into the tensor the training loop receives — in a
+DataLoader worker, a tensor in shared memory, which crosses to the main
+process as a handle without being copied again — and the collate function
+passes it through. The batch has exactly the structure ``default_collate``
+builds from the samples (a tuple becomes a list, as there).
+
+Buffers start on a page boundary: a gather into a buffer a few bytes off a page
+boundary runs many times slower (4K aliasing, see ``_gather.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from ._gather import empty_aligned
+
+__all__ = ["Batched", "as_is", "collate_tree", "new_batch"]
+
+_BITS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+
+
+def new_batch(
+    shapes: Sequence[tuple[int, ...]], storage: Sequence[np.dtype[Any]], dtypes: Sequence[torch.dtype | None]
+) -> tuple[list[torch.Tensor], list[np.ndarray[Any, Any]]]:
+    """Uninitialised batch tensors (the fields' torch dtypes) and numpy views of their storage dtypes.
+
+    Inside a DataLoader worker the tensors live in shared memory, so handing
+    them to the main process copies nothing.
+    """
+    shared = torch.utils.data.get_worker_info() is not None
+    tensors, arrays = [], []
+    for shape, dtype, torch_dtype in zip(shapes, storage, dtypes, strict=True):
+        if shared:
+            raw = _shared_tensor(shape, dtype)
+            array = raw.numpy()
+        else:
+            array = empty_aligned(shape, dtype)
+            raw = torch.from_numpy(array)
+        arrays.append(array)
+        tensors.append(raw if torch_dtype is None else raw.view(torch_dtype))
+    return tensors, arrays
+
+
+def _shared_tensor(shape: tuple[int, ...], dtype: np.dtype[Any]) -> torch.Tensor:
+    """An uninitialised tensor in a fresh shared-memory segment (page aligned), as default_collate makes in workers."""
+    nbytes = max(math.prod(shape) * dtype.itemsize, 1)
+    storage: torch.UntypedStorage = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
+    strides = torch.empty(shape, device="meta").stride()
+    return torch.empty(0, dtype=_storage_torch_dtype(dtype)).set_(storage, 0, shape, strides)
+
+
+def _storage_torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+def collate_tree(tree: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """The batch ``default_collate`` builds from samples of structure ``tree``, given one tensor per field.
+
+    ``tree`` is the structure codec's node: an ``int`` (a leaf: the field's
+    position) or ``(kind, keys, children)`` with kind ``"tuple"``, ``"list"``
+    or ``"dict"``. Like ``default_collate``: tuples and lists become lists,
+    dicts stay dicts with their key order.
+    """
+    if isinstance(tree, int):
+        return tensors[tree]
+    kind, keys, children = tree
+    if kind == "dict":
+        return {key: collate_tree(child, tensors) for key, child in zip(keys, children, strict=True)}
+    return [collate_tree(child, tensors) for child in children]
+
+
+def as_is(batch: Any) -> Any:
+    """The collate function of ``loader()``: the dataset already returns finished batches."""
+    return batch
+
+
+class Batched(torch.utils.data.Dataset[Any]):
+    """A :class:`CachedDataset` as ``loader()`` shows it to DataLoader.
+
+    ``__getitems__`` returns the finished batch when ``collated`` (no
+    ``collate_fn`` of the user's), else the samples for the user's collate.
+    ``__getitem__`` and ``len`` are the dataset's, so samplers (including
+    ``DistributedSampler`` and the ones Lightning injects) work unchanged.
+    """
+
+    def __init__(self, dataset: Any, *, collated: bool) -> None:
+        self.dataset = dataset
+        self.collated = collated
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: Sequence[int]) -> Any:
+        if self.collated:
+            return self.dataset._read_batch(indices)
+        return self.dataset.__getitems__(indices)
+
+    def __repr__(self) -> str:
+        return f"Batched({self.dataset!r})"

@@ -1,0 +1,175 @@
+"""CachedDataset.loader(): the batches DataLoader(ds) yields, with one copy from the file to the batch."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, Subset
+from torch_helpers import Recorded, accesses, as_collated, check_batch, same
+
+from mmapcache.torch import CachedDataset
+
+N = 50
+
+
+def batches(loader: Any) -> list[Any]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*pin_memory.*")  # no accelerator here
+        return list(loader)
+
+
+def both(ds: CachedDataset, seed: int = 0, **kwargs: Any) -> tuple[list[Any], list[Any]]:
+    """The batches of ``DataLoader(ds, ...)`` and ``ds.loader(...)`` for the same arguments and shuffle seed."""
+    plain = batches(DataLoader(ds, generator=torch.Generator().manual_seed(seed), **kwargs))
+    fast = batches(ds.loader(generator=torch.Generator().manual_seed(seed), **kwargs))
+    return plain, fast
+
+
+def assert_same_batches(plain: list[Any], fast: list[Any]) -> None:
+    assert len(plain) == len(fast)
+    for a, b in zip(plain, fast, strict=True):
+        assert same(a, b), "loader() must yield what DataLoader(ds) yields"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_same_batches_as_dataloader_cold_and_warm(workers: int, drop_last: bool, cache_dir: Path) -> None:
+    log = cache_dir / "log"
+    ds = CachedDataset(Recorded(N, log), cache_dir / "c.mmc", key="loader")
+    # Cold: loader() first, so it fills the cache itself (misses are loaded, stored and batched).
+    fast = batches(
+        ds.loader(
+            batch_size=8,
+            shuffle=True,
+            num_workers=workers,
+            drop_last=drop_last,
+            generator=torch.Generator().manual_seed(1),
+        )
+    )
+    plain = batches(
+        DataLoader(
+            Recorded(N),
+            batch_size=8,
+            shuffle=True,
+            num_workers=0,
+            drop_last=drop_last,
+            generator=torch.Generator().manual_seed(1),
+        )
+    )
+    for a, b in zip(plain, fast, strict=True):
+        assert same(check_batch(b), check_batch(a))
+    assert sorted(i for _, _, i in accesses(log)) == sorted(i for b in fast for i in check_batch(b))
+    # Warm: every batch is a hit, and equals the plain DataLoader's, structure and dtypes included.
+    assert_same_batches(*both(ds, 2, batch_size=8, shuffle=True, num_workers=workers, drop_last=drop_last))
+    loaded = [i for _, _, i in accesses(log)]
+    assert len(loaded) == len(set(loaded)), "no sample is loaded twice"
+
+
+def test_structures_and_dtypes_match_default_collate(cache_dir: Path) -> None:
+    class Shapes(torch.utils.data.Dataset[Any]):
+        def __len__(self) -> int:
+            return 20
+
+        def __getitem__(self, i: int) -> Any:
+            g = torch.Generator().manual_seed(i)
+            return {
+                "image": torch.randint(0, 255, (2, 3), dtype=torch.uint8, generator=g),
+                "bf16": torch.randn(3, generator=g).to(torch.bfloat16),
+                "flag": bool(i % 2),
+                "label": i,
+                "score": i / 7,
+                "pair": [np.float32(i), torch.tensor([i, -i], dtype=torch.int16)],
+            }
+
+    for kind, wrap in [("dict", lambda s: s), ("tuple", lambda s: tuple(s.values())), ("bare", lambda s: s["image"])]:
+
+        class Wrapped(Shapes):
+            def __getitem__(self, i: int, wrap: Any = wrap) -> Any:
+                return wrap(super().__getitem__(i))
+
+        ds = CachedDataset(Wrapped(), cache_dir / f"{kind}.mmc", key=kind)
+        ds.fill(progress=False)
+        plain, fast = both(ds, batch_size=6, shuffle=True)
+        assert_same_batches(plain, fast)
+        assert type(fast[0]) is type(plain[0])
+
+
+def test_a_batch_mixing_hits_and_misses(cache_dir: Path) -> None:
+    log = cache_dir / "log"
+    ds = CachedDataset(Recorded(N, log), cache_dir / "c.mmc", key="mixed")
+    ds.__getitems__([1, 3, 5])
+    (batch,) = batches(ds.loader(batch_size=6, sampler=[0, 1, 2, 3, 4, 5]))
+    assert check_batch(batch) == [0, 1, 2, 3, 4, 5]
+    assert sorted(i for _, _, i in accesses(log)) == [0, 1, 2, 3, 4, 5]
+    stats = ds.stats()
+    assert (stats["hits"], stats["misses"]) == (3, 6)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_batches_from_workers_arrive_in_shared_memory(context: str, cache_dir: Path) -> None:
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="shm")
+    ds.fill(progress=False)
+    for batch in batches(ds.loader(batch_size=10, num_workers=2, multiprocessing_context=context)):
+        image, label, extra = batch
+        # Made in shared memory by the worker: the hand-off to this process copied nothing.
+        assert image.is_shared()
+        assert label.is_shared()
+        assert extra["bf16"].is_shared()
+        check_batch(batch)
+
+
+def test_samplers_and_dataloader_options_pass_through(cache_dir: Path) -> None:
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="options")
+    ds.fill(progress=False)
+    for rank in (0, 1):
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=3)
+        sampler.set_epoch(4)
+        plain = batches(DataLoader(ds, batch_size=7, sampler=sampler))
+        assert_same_batches(plain, batches(ds.loader(batch_size=7, sampler=sampler)))
+    options = {"pin_memory": True, "persistent_workers": True, "prefetch_factor": 3, "num_workers": 2}
+    loader = ds.loader(batch_size=5, shuffle=False, **options)
+    assert loader.persistent_workers
+    assert loader.prefetch_factor == 3
+    for _ in range(2):  # the persistent workers serve both epochs
+        assert [i for b in batches(loader) for i in check_batch(b)] == list(range(N))
+    assert_same_batches(*both(ds, batch_size=5, sampler=SequentialSampler(range(N))))
+    assert_same_batches(*both(ds, batch_size=None, shuffle=True))  # no batching: samples as they are
+
+
+def test_transform_and_collate_fn_keep_their_meaning(cache_dir: Path) -> None:
+    def flip(sample: Any) -> Any:
+        image, label, extra = sample
+        return image.flip(-1), label, extra
+
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="transform", transform=flip)
+    ds.fill(progress=False)
+    assert_same_batches(*both(ds, batch_size=8, shuffle=True))
+    plain = batches(DataLoader(ds, batch_size=4, collate_fn=len))
+    assert plain == batches(ds.loader(batch_size=4, collate_fn=len)) == [4] * (N // 4) + [N % 4]
+
+
+def test_copy_false_and_subsets(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    CachedDataset(Recorded(N), path, key="views").fill(progress=False)
+    ds = CachedDataset(Recorded(N), path, key="views", copy=False)
+    plain, fast = both(ds, batch_size=9, shuffle=True)
+    assert_same_batches(plain, fast)
+    first = fast[0][0]
+    first.zero_()  # a batch is the caller's own memory, never a view of the file
+    assert same(ds[check_batch(plain[0])[0]], as_collated(check_batch(plain[0])[0]))
+    assert check_batch(batches(DataLoader(Subset(ds, [4, 2]), batch_size=2))[0]) == [4, 2]
+
+
+def test_negative_and_numpy_indices_read_like_ds_getitem(cache_dir: Path) -> None:
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="indices")
+    ds.fill(progress=False)
+    assert check_batch(ds._read_batch([-1, np.int64(3), -N])) == [N - 1, 3, 0]
+    with pytest.raises(IndexError):
+        ds._read_batch([N])
+    with pytest.raises(TypeError):
+        ds._read_batch([1.5])  # type: ignore[list-item]
