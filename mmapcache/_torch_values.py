@@ -62,13 +62,12 @@ def as_tensor(array: np.ndarray[Any, Any], field: Field) -> torch.Tensor:
     return tensor if field.torch_dtype is None else tensor.view(torch_dtype(field))
 
 
-def is_raw_bits(dtype: np.dtype[Any] | torch.dtype, field: Field) -> bool:
-    """Whether values of ``dtype`` are the raw bits of a torch-only ``field`` (same-width unsigned)."""
-    if field.torch_dtype is None:
-        return False
-    if isinstance(dtype, torch.dtype):
-        return dtype in _BITS.values() and dtype.itemsize == field.dtype.itemsize
-    return dtype.kind == "u" and dtype.itemsize == field.dtype.itemsize
+def is_raw_bits(dtype: torch.dtype, field: Field) -> bool:
+    """Whether tensors of ``dtype`` are the raw bits of a torch-only ``field`` (same-width unsigned).
+
+    The same rule as ``mmapcache._values`` applies to numpy arrays, without torch.
+    """
+    return field.torch_dtype is not None and dtype in _BITS.values() and dtype.itemsize == field.dtype.itemsize
 
 
 # -- the core's put: any tensor or number, cast within its kind --------------------------
