@@ -11,14 +11,27 @@ process as a handle without being copied again — and the collate function
 passes it through. The batch has exactly the structure ``default_collate``
 builds from the samples (a tuple becomes a list, as there).
 
+The default path gets the same single copy another way. ``__getitems__``
+gathers a batch into tensors made by :func:`new_batch` and returns each sample
+as views of one row of them; those tensors are remembered (weakly) by
+:func:`adopt`. ``default_collate`` stacks tensors through the function that
+``torch.utils.data._utils.collate.default_collate_fn_map`` holds for
+``torch.Tensor`` — the extension point torch documents for custom collation —
+and :func:`install_collate` wraps it. When every tensor of a column is the
+next row of one adopted batch tensor, in order, the wrapper returns a view
+of those rows instead of a copy: the bytes a stack would make, without making
+them. Anything else goes to torch's own function unchanged.
+
 Buffers start on a page boundary: a gather into a buffer a few bytes off a page
 boundary runs many times slower (4K aliasing, see ``_gather.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,7 +40,7 @@ import torch.utils.data
 
 from ._gather import empty_aligned
 
-__all__ = ["Batched", "as_is", "collate_tree", "new_batch"]
+__all__ = ["Batched", "adopt", "as_is", "collate_tree", "install_collate", "new_batch"]
 
 _BITS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 
@@ -113,3 +126,73 @@ class Batched(torch.utils.data.Dataset[Any]):
 
     def __repr__(self) -> str:
         return f"Batched({self.dataset!r})"
+
+
+# -- the default path: default_collate stacks adopted rows without copying ---------------
+
+# id -> weak reference of each adopted tensor (a WeakSet would compare tensors with ==).
+_ADOPTED: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def adopt(tensors: Sequence[torch.Tensor]) -> None:
+    """Let ``default_collate`` return views of these batch tensors' rows instead of stacking copies.
+
+    Only for tensors nobody else holds: a collated batch then shares memory
+    with the sample views ``__getitems__`` handed out.
+    """
+    for tensor in tensors:
+        key = id(tensor)
+        _ADOPTED[key] = weakref.ref(tensor, functools.partial(_forget, key))
+
+
+def _forget(key: int, ref: weakref.ref[torch.Tensor]) -> None:
+    if _ADOPTED.get(key) is ref:  # not a newer tensor that got the same id
+        del _ADOPTED[key]
+
+
+def _adopted(tensor: torch.Tensor) -> bool:
+    ref = _ADOPTED.get(id(tensor))
+    return ref is not None and ref() is tensor
+
+
+def _rows_of_one_batch(batch: Sequence[Any]) -> torch.Tensor | None:
+    """The batch tensor whose rows 0..n-1 are exactly ``batch``, in order, if it is an adopted one."""
+    first = batch[0]
+    base: torch.Tensor | None = first._base
+    if base is None or not _adopted(base) or not first.is_contiguous():
+        return None
+    step = first.numel() * first.element_size()
+    if not step:
+        return None
+    start = first.data_ptr()
+    for k, row in enumerate(batch):
+        if (
+            type(row) is not torch.Tensor
+            or row._base is not base
+            or row.data_ptr() != start + k * step
+            or row.shape != first.shape
+            or not row.is_contiguous()
+        ):
+            return None
+    offset, remainder = divmod(start - base.data_ptr(), step)
+    if remainder or offset < 0 or offset + len(batch) > base.shape[0] or base.shape[1:] != first.shape:
+        return None
+    return base.narrow(0, offset, len(batch))
+
+
+def install_collate() -> None:
+    """Wrap the tensor entry of torch's ``default_collate_fn_map`` (once) with the no-copy check."""
+    from torch.utils.data._utils import collate
+
+    previous: Callable[..., Any] = collate.default_collate_fn_map[torch.Tensor]
+    if getattr(previous, "_mmapcache", False):
+        return
+
+    def collate_tensors(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
+        rows = _rows_of_one_batch(batch)
+        if rows is not None:
+            return rows
+        return previous(batch, collate_fn_map=collate_fn_map)
+
+    collate_tensors._mmapcache = True  # type: ignore[attr-defined]
+    collate.default_collate_fn_map[torch.Tensor] = collate_tensors

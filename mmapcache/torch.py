@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from ._batches import Batched, as_is, collate_tree, new_batch
+from ._batches import Batched, adopt, as_is, collate_tree, install_collate, new_batch
 from ._errors import SchemaMismatchError
 from ._field import Field
 from ._paths import default_dir
@@ -53,6 +53,8 @@ from .cache import Cache
 __all__ = ["CachedDataset"]
 
 log = logging.getLogger("mmapcache")
+
+install_collate()  # default_collate returns adopted batch rows without a second copy (see _batches)
 
 
 def infer_fields(sample: Any) -> dict[str, Field]:
@@ -349,9 +351,16 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         schema = self._schema
         assert schema is not None
         if self._views is None:
-            # One gather per field into a fresh batch; each sample is a view of its row.
-            arrays = cache.get_many(indices)
-            return schema.build([t.unbind(0) for t in schema.to_tensors(arrays.values())])
+            # One gather per field into a fresh batch (in a worker, in shared memory); each sample
+            # is views of its row, and default_collate gives those rows back as the batch without
+            # copying them again (see mmapcache._batches).
+            fields = list(schema.fields.values())
+            tensors, arrays = new_batch(
+                [(len(indices), *field.shape) for field in fields], [field.dtype for field in fields], schema.dtypes
+            )
+            cache.get_many(indices, out=dict(zip(schema.names, arrays, strict=True)))
+            adopt(tensors)
+            return schema.build([tensor.unbind(0) for tensor in tensors])
         if self._check_reads:
             cache.get_many(indices)  # checks every slot's checksum; the copy is dropped
         else:

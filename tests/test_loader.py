@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, Subset, default_collate
 from torch_helpers import Recorded, accesses, as_collated, check_batch, same
 
 from mmapcache.torch import CachedDataset
@@ -173,3 +173,47 @@ def test_negative_and_numpy_indices_read_like_ds_getitem(cache_dir: Path) -> Non
         ds._read_batch([N])
     with pytest.raises(TypeError):
         ds._read_batch([1.5])  # type: ignore[list-item]
+
+
+# -- the default path: DataLoader(ds) with default_collate ------------------------------------
+
+
+def test_default_collate_returns_the_gathered_rows_without_a_second_copy(cache_dir: Path) -> None:
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="default")
+    ds.fill(progress=False)
+    samples = ds.__getitems__([7, 3, 9])
+    batch = default_collate(samples)
+    assert check_batch(batch) == [7, 3, 9]
+    assert batch[0].data_ptr() == samples[0][0].data_ptr(), "the batch is the rows __getitems__ gathered"
+    assert batch[2]["bf16"].dtype == torch.bfloat16
+    assert batch[2]["bf16"].data_ptr() == samples[0][2]["bf16"].data_ptr()
+    # Rows out of order, or not all of them, are stacked as torch always does.
+    reordered = default_collate([samples[1], samples[0], samples[2]])
+    assert check_batch(reordered) == [3, 7, 9]
+    assert reordered[0].data_ptr() != samples[1][0].data_ptr()
+    assert check_batch(default_collate(samples[1:])) == [3, 9]
+    # A batch is still the caller's own: writing into it never reaches the cache.
+    batch[0].zero_()
+    assert same(ds[7], as_collated(7))
+
+
+def test_default_collate_of_other_tensors_is_unchanged() -> None:
+    data = torch.arange(12).reshape(4, 3)
+    stacked = default_collate(list(data.unbind(0)))  # consecutive rows of a tensor of the user's
+    assert torch.equal(stacked, data)
+    assert stacked.data_ptr() != data.data_ptr(), "only mmapcache's own gather buffers are returned as views"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_default_path_batches_are_exact(workers: int, cache_dir: Path) -> None:
+    log = cache_dir / "log"
+    ds = CachedDataset(Recorded(N, log), cache_dir / "c.mmc", key="exact")
+    ds.__getitems__(list(range(0, N, 3)))  # a third cached: batches mix hits and misses
+    for epoch in range(2):
+        seen = []
+        for batch in batches(DataLoader(ds, batch_size=8, shuffle=True, num_workers=workers)):
+            seen += check_batch(batch)
+            if workers and epoch:
+                assert batch[0].is_shared(), "gathered in the worker's shared memory"
+        assert sorted(seen) == list(range(N))
+    assert len(accesses(log)) == N
