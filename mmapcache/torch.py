@@ -1,4 +1,4 @@
-"""PyTorch binding: the only module of mmapcache that imports torch.
+"""PyTorch binding: the only public module of mmapcache that imports torch.
 
 :class:`CachedDataset` wraps a map-style dataset and keeps its samples in one
 :class:`~mmapcache.Cache` file that every process on the node opens by path:
