@@ -40,7 +40,7 @@ import torch.utils.data
 
 from ._gather import empty_aligned
 
-__all__ = ["Batched", "adopt", "as_is", "collate_tree", "install_collate", "new_batch"]
+__all__ = ["Batched", "Deferred", "adopt", "as_is", "collate_tree", "install_collate", "new_batch"]
 
 _BITS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 
@@ -100,6 +100,27 @@ def as_is(batch: Any) -> Any:
     return batch
 
 
+class Deferred:
+    """A batch a DataLoader worker leaves for the main process to gather: it pickles as the indices.
+
+    A worker makes sure every cacheable sample of the batch is in the file
+    (loading and storing the misses — the expensive part), then sends only
+    the indices and the rows that could not be cached. Unpickling it in the
+    main process gathers the batch from the file into fresh tensors there: one
+    copy from the file to the batch, and nothing crosses between processes
+    but a few hundred bytes — no shared-memory segment to create and fault in
+    per batch.
+    """
+
+    __slots__ = ("args", "resolve")
+
+    def __init__(self, resolve: Callable[..., Any], *args: Any) -> None:
+        self.resolve, self.args = resolve, args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.resolve, self.args)
+
+
 class Batched(torch.utils.data.Dataset[Any]):
     """A :class:`CachedDataset` as ``loader()`` shows it to DataLoader.
 
@@ -109,9 +130,10 @@ class Batched(torch.utils.data.Dataset[Any]):
     ``DistributedSampler`` and the ones Lightning injects) work unchanged.
     """
 
-    def __init__(self, dataset: Any, *, collated: bool) -> None:
+    def __init__(self, dataset: Any, *, collated: bool, token: str) -> None:
         self.dataset = dataset
         self.collated = collated
+        self.token = token  # names the main process's dataset to a Deferred batch
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -120,9 +142,11 @@ class Batched(torch.utils.data.Dataset[Any]):
         return self.dataset[index]
 
     def __getitems__(self, indices: Sequence[int]) -> Any:
-        if self.collated:
-            return self.dataset._read_batch(indices)
-        return self.dataset.__getitems__(indices)
+        if not self.collated:
+            return self.dataset.__getitems__(indices)
+        if torch.utils.data.get_worker_info() is not None:
+            return self.dataset._batch_in_worker(indices, self.token)
+        return self.dataset._read_batch(indices)
 
     def __repr__(self) -> str:
         return f"Batched({self.dataset!r})"

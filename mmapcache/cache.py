@@ -340,7 +340,7 @@ class Cache:
         return out
 
     def read_many(
-        self, indices: Any, out: dict[str, np.ndarray[Any, Any]] | None = None
+        self, indices: Any, out: dict[str, np.ndarray[Any, Any]] | None = None, *, count: bool = True
     ) -> tuple[dict[str, np.ndarray[Any, Any]], np.ndarray[Any, np.dtype[np.bool_]]]:
         """Read what is cached of ``indices``, without raising for what is not: ``(arrays, hits)``.
 
@@ -350,6 +350,8 @@ class Cache:
         (uninitialised in a fresh buffer). With ``verify``, a row that fails
         its checksum is a miss. A cold epoch's batch is an ordinary partial
         hit, so this is the read for callers that fill misses themselves.
+        ``count=False`` leaves the usage counters alone (for a caller that
+        counted these reads already, e.g. in another process).
         """
         mapped = self._live()
         idx = self._index_array(indices)
@@ -371,8 +373,9 @@ class Cache:
             for i in idx[bad].tolist():
                 self._report_mismatch(i)
             hits[bad] = False
-        found = int(np.count_nonzero(hits))
-        self._board.add(hits=found, misses=len(idx) - found)
+        if count:
+            found = int(np.count_nonzero(hits))
+            self._board.add(hits=found, misses=len(idx) - found)
         return out, hits
 
     def _check_out(self, out: Any, count: int) -> None:

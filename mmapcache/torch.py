@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import threading
+import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from ._batches import Batched, adopt, as_is, collate_tree, install_collate, new_batch
+from ._batches import Batched, Deferred, adopt, as_is, collate_tree, install_collate, new_batch
 from ._errors import SchemaMismatchError
 from ._field import Field
 from ._paths import default_dir
@@ -491,8 +492,10 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             collated = batching
         else:
             collated = False
+        token = uuid.uuid4().hex
+        _LOADING[token] = self
         return torch.utils.data.DataLoader(
-            Batched(self, collated=collated),
+            Batched(self, collated=collated, token=token),
             batch_size=batch_size,
             shuffle=shuffle,
             sampler=sampler,
@@ -502,8 +505,43 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             **dataloader_kwargs,
         )
 
-    def _read_batch(self, indices: Sequence[int]) -> Any:
-        """The batch ``default_collate(self.__getitems__(indices))`` is, with one copy for the hits."""
+    def _batch_in_worker(self, indices: Sequence[int], token: str) -> Any:
+        """In a DataLoader worker: store the batch's misses, and leave the gather to the main process.
+
+        Returns a :class:`~mmapcache._batches.Deferred` that pickles as the
+        indices plus the leaves of samples that could not be stored (beyond
+        the capacity, or being written by another process right now).
+        """
+        if self.transform is not None or len(indices) == 0:
+            return self._read_batch(indices)
+        idx = self._indices(indices)
+        cache = self._opened()
+        if cache is None:  # nobody created the file yet: this batch creates it
+            return self._read_batch(idx)
+        ready = cache.contains_many(idx)
+        cache.count(hits=int(np.count_nonzero(ready)))  # the main process gathers without counting
+        rows: list[int] = []
+        leaves: list[list[Any]] = []
+        if not ready.all():
+            todo = np.flatnonzero(~ready)
+            samples = self._load(idx[todo].tolist(), counted=False)
+            stored = cache.contains_many(idx[todo])
+            schema = self._schema
+            assert schema is not None
+            for row, sample, cached in zip(todo.tolist(), samples, stored.tolist(), strict=True):
+                if not cached:
+                    rows.append(row)
+                    leaves.append(schema.flatten(sample))
+        return Deferred(_gather_deferred, token, str(self.path), idx, rows, leaves)
+
+    def _read_batch(
+        self, indices: Any, rows: Sequence[int] = (), leaves: Sequence[list[Any]] = (), *, deferred: bool = False
+    ) -> Any:
+        """The batch ``default_collate(self.__getitems__(indices))`` is, with one copy for the hits.
+
+        ``deferred``: a worker prepared this batch (see :meth:`_batch_in_worker`) and counted its
+        reads; ``rows``/``leaves`` are samples it loaded but could not store.
+        """
         if self.transform is not None or len(indices) == 0:
             return torch.utils.data.default_collate(self.__getitems__(indices))
         idx = self._indices(indices)
@@ -516,17 +554,22 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         tensors, arrays = new_batch(
             [(len(idx), *field.shape) for field in fields], [field.dtype for field in fields], schema.dtypes
         )
-        _, hits = cache.read_many(idx, out=dict(zip(schema.names, arrays, strict=True)))
-        found = int(np.count_nonzero(hits))
-        self._hits += found
-        if found < len(idx):
-            rows = np.flatnonzero(~hits)
-            for row, sample in zip(rows.tolist(), self._load(idx[rows].tolist(), counted=True), strict=True):
+        _, hits = cache.read_many(idx, out=dict(zip(schema.names, arrays, strict=True)), count=not deferred)
+        self._hits += int(np.count_nonzero(hits))
+        for row, given in zip(rows, leaves, strict=True):
+            if not hits[row]:
+                for tensor, leaf in zip(tensors, given, strict=True):
+                    tensor[row] = leaf
+                hits[row] = True
+        if not hits.all():
+            missing = np.flatnonzero(~hits)
+            samples = self._load(idx[missing].tolist(), counted=not deferred)
+            for row, sample in zip(missing.tolist(), samples, strict=True):
                 for tensor, leaf in zip(tensors, schema.flatten(sample), strict=True):
                     tensor[row] = leaf
         return collate_tree(schema.tree, tensors)
 
-    def _indices(self, indices: Sequence[int]) -> np.ndarray[Any, np.dtype[np.intp]]:
+    def _indices(self, indices: Any) -> np.ndarray[Any, np.dtype[np.intp]]:
         """``indices`` validated like ``ds[i]`` (negative ones count from the end), as one array."""
         given = np.asarray(indices)
         n = len(self.dataset)
@@ -637,6 +680,21 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         if not 0 <= i < n:
             raise IndexError(f"index {index} is out of range for a dataset of length {n}")
         return i
+
+
+# The datasets whose loader() may send Deferred batches, by the token their workers carry.
+_LOADING: weakref.WeakValueDictionary[str, CachedDataset] = weakref.WeakValueDictionary()
+
+
+def _gather_deferred(token: str, path: str, indices: Any, rows: list[int], leaves: list[list[Any]]) -> Any:
+    """Unpickling a worker's Deferred batch: gather it here, from this process's handle of the file."""
+    dataset = _LOADING.get(token)
+    if dataset is None:
+        raise RuntimeError(
+            f"a batch of the mmapcache loader over {path} arrived in a process that did not create that "
+            "loader; iterate a loader() in the process that called loader()"
+        )
+    return dataset._read_batch(indices, rows, leaves, deferred=True)
 
 
 class _FillTasks(torch.utils.data.Dataset[tuple[int, int]]):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -111,16 +113,35 @@ def test_a_batch_mixing_hits_and_misses(cache_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
-def test_batches_from_workers_arrive_in_shared_memory(context: str, cache_dir: Path) -> None:
-    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="shm")
+def test_workers_fill_misses_and_the_main_process_gathers(context: str, cache_dir: Path) -> None:
+    log = cache_dir / "log"
+    ds = CachedDataset(Recorded(N, log), cache_dir / "c.mmc", key="workers", capacity=30)
+    ds[0]  # the file exists, so every worker batch is a deferred one
+    for _ in range(2):
+        seen = []
+        for batch in batches(ds.loader(batch_size=10, shuffle=True, num_workers=2, multiprocessing_context=context)):
+            seen += check_batch(batch)
+            # Gathered here from the file, not shipped through a shared-memory segment.
+            assert not batch[0].is_shared()
+        assert sorted(seen) == list(range(N))
+    loaded = Counter(i for _, _, i in accesses(log))
+    assert all(loaded[i] == 1 for i in range(30)), "cacheable samples are loaded once"
+    assert all(loaded[i] == 2 for i in range(30, N)), "beyond the capacity: loaded by a worker every epoch"
+    stats = ds.stats()
+    # Every read counted once: epoch 1 loaded all but sample 0, epoch 2 read 30 from the cache.
+    assert (stats["total_hits"], stats["total_misses"]) == (1 + 30, 1 + (N - 1) + (N - 30))
+
+
+def test_a_deferred_batch_needs_the_process_that_made_the_loader(cache_dir: Path) -> None:
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="deferred")
     ds.fill(progress=False)
-    for batch in batches(ds.loader(batch_size=10, num_workers=2, multiprocessing_context=context)):
-        image, label, extra = batch
-        # Made in shared memory by the worker: the hand-off to this process copied nothing.
-        assert image.is_shared()
-        assert label.is_shared()
-        assert extra["bf16"].is_shared()
-        check_batch(batch)
+    loader = ds.loader(batch_size=4)
+    deferred = ds._batch_in_worker([1, 2], loader.dataset.token)  # type: ignore[attr-defined]
+    assert len(pickle.dumps(deferred)) < 600, "a worker sends indices, not data"
+    assert check_batch(pickle.loads(pickle.dumps(deferred))) == [1, 2]
+    deferred = ds._batch_in_worker([1, 2], "no-such-loader")
+    with pytest.raises(RuntimeError, match="did not create that loader"):
+        pickle.loads(pickle.dumps(deferred))
 
 
 def test_samplers_and_dataloader_options_pass_through(cache_dir: Path) -> None:
