@@ -176,7 +176,9 @@ __all__ = [
     "Layout",
     "align",
     "compute_layout",
+    "max_slots",
     "pack_header",
+    "slot_nbytes",
     "unpack_header",
     "unpack_prefix",
 ]
@@ -241,6 +243,20 @@ class Layout:
     file_size: int
     counters_offset: int = 0
     counter_records: int = 0
+
+
+MAX_FILE_SIZE = 2**63 - 1  # off_t, and the most bytes a numpy array can span
+
+
+def slot_nbytes(fields: dict[str, Field], version: int = FORMAT_VERSION) -> int:
+    """Bytes one slot takes in a file of ``version``: its data in every field, plus its slot record."""
+    return sum(field.nbytes for field in fields.values()) + VERSIONS[version].record_size
+
+
+def max_slots(fields: dict[str, Field], version: int = FORMAT_VERSION) -> int:
+    """The most slots a file of these fields can hold (< 2**63 bytes, with room for the header and padding)."""
+    overhead = MAX_HEADER_SIZE + (len(fields) + 2) * ALIGNMENT + VERSIONS[version].counter_records * COUNTER_RECORD_SIZE
+    return (MAX_FILE_SIZE - overhead) // max(slot_nbytes(fields, version), 1)
 
 
 def compute_layout(header: Header) -> Layout:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import math
 import operator
 import os
 import socket
 import time
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,38 +20,20 @@ from ._counters import Usage
 from ._errors import CacheError, CacheInUseError, CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike, normalize_fields
 from ._file import Expected, NewFile, OpenedFile, creation_lock, open_or_create, read_header
-from ._format import RECORD_SIZE, Header, Layout
+from ._format import Header, Layout, max_slots, slot_nbytes
 from ._gather import empty_aligned, gather
 from ._handle import Handle, closed_error
 from ._locks import flock_holders, lock_exclusive_soon
 from ._sizes import parse_bytes
-from ._slots import EMPTY, READY, STRONGLY_ORDERED, WRITING, SlotTable
+from ._slots import EMPTY, READY, STRONGLY_ORDERED, SlotTable
 from ._values import coerce_batch, coerce_sample
+from ._verify import Problem, failed_rows, intact, slot_problems
 
 __all__ = ["Cache", "Problem"]
 
 log = logging.getLogger("mmapcache")
 
 _MISSING: Any = object()
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing :meth:`Cache.verify` found wrong.
-
-    ``kind`` is ``"header"``, ``"checksum"`` (a READY slot whose bytes do not
-    match its checksum), ``"stuck"`` (WRITING, and its writer is gone) or
-    ``"state"`` (an invalid state byte). ``fixed`` says whether ``fix=True``
-    reset the slot to EMPTY.
-    """
-
-    kind: str
-    index: int | None
-    message: str
-    fixed: bool = False
-
-    def __str__(self) -> str:
-        return self.message + (" (fixed: slot reset to empty)" if self.fixed else "")
 
 
 class _Mapped:
@@ -330,7 +310,7 @@ class Cache:
                 # mode="clip": numpy buffers take(out=) in mode="raise" (see _gather.py).
                 np.take(array, idx, axis=0, out=out[name], mode="clip")
         if self._verify:
-            bad = self._failed_rows(mapped, idx, list(out.values()))
+            bad = failed_rows(mapped.slots, idx, list(out.values()))
             if len(bad):
                 for i in idx[bad].tolist():
                     self._report_mismatch(i)
@@ -369,7 +349,7 @@ class Cache:
                 out[name][rows] = array[idx[rows]]
         if self._verify and hits.any():
             rows = np.flatnonzero(hits)
-            bad = rows[self._failed_rows(mapped, idx[rows], [out[name][rows] for name in self._fields])]
+            bad = rows[failed_rows(mapped.slots, idx[rows], [out[name][rows] for name in self._fields])]
             for i in idx[bad].tolist():
                 self._report_mismatch(i)
             hits[bad] = False
@@ -418,19 +398,10 @@ class Cache:
         return self._board.usage()
 
     def _intact(self, mapped: _Mapped, index: int, arrays: Any) -> bool:
-        if checksum(map(_byte_view, arrays)) == int(mapped.slots.checksums[index]):
+        if intact(mapped.slots, index, arrays):
             return True
         self._report_mismatch(index)
         return False
-
-    def _failed_rows(
-        self, mapped: _Mapped, idx: np.ndarray[Any, Any], out: list[np.ndarray[Any, Any]]
-    ) -> np.ndarray[Any, Any]:
-        """Rows of a gathered batch whose bytes do not match their slot's checksum."""
-        count = len(idx)
-        rows = [array.reshape(count, math.prod(array.shape[1:])).view(np.uint8) for array in out]
-        sums = np.fromiter((checksum([r[row] for r in rows]) for row in range(count)), np.uint32, count)
-        return np.flatnonzero(sums != mapped.slots.checksums[idx])
 
     def _report_mismatch(self, index: int) -> None:
         log.warning(
@@ -542,7 +513,7 @@ class Cache:
         with handle.write_lock:
             handle.check_usable(writing=fix)
             problems = self._header_problems(handle.fd)
-            problems += self._slot_problems(mapped, fix)
+            problems += slot_problems(mapped.slots, mapped.raws, fix=fix)
         return problems
 
     def _header_problems(self, fd: int) -> list[Problem]:
@@ -553,40 +524,6 @@ class Cache:
         if header != self._header:
             return [Problem("header", None, f"the header of {self._path} changed after it was opened")]
         return []
-
-    @staticmethod
-    def _slot_problems(mapped: _Mapped, fix: bool) -> list[Problem]:
-        slots, problems = mapped.slots, []
-        states = np.array(slots.states)  # a snapshot
-        for i in np.flatnonzero(states > READY).tolist():
-            problems.append(Problem("state", i, f"slot {i} has the invalid state byte {states[i]}"))
-        for i in np.flatnonzero(states == WRITING).tolist():
-            # Re-read the state after the lock probe: a live writer may have
-            # published and let go since the snapshot (not stuck, just done).
-            if not slots.writer_alive(i) and slots.states[i] == WRITING:
-                problems.append(Problem("stuck", i, f"slot {i} was left half-written by a writer that died"))
-        for i in np.flatnonzero(states == READY).tolist():
-            crc = checksum([raw[i] for raw in mapped.raws])
-            if crc != int(slots.checksums[i]):
-                problems.append(
-                    Problem(
-                        "checksum",
-                        i,
-                        f"slot {i} does not match its checksum ({crc:#010x} != {int(slots.checksums[i]):#010x})",
-                    )
-                )
-        if fix:
-            problems = [
-                Problem(
-                    p.kind,
-                    p.index,
-                    p.message,
-                    # A stuck slot may have been refilled since: reset it only if still WRITING.
-                    fixed=p.index is not None and slots.reset(p.index, expect=WRITING if p.kind == "stuck" else None),
-                )
-                for p in problems
-            ]
-        return problems
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -695,12 +632,7 @@ def _missing_error(
     )
 
 
-def _byte_view(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-
-
 _MAX_COUNT = 2**64 - 1  # length and capacity are uint64 in the header
-_MAX_FILE = 2**63 - 1  # off_t, and the largest array numpy can view
 
 
 def _check_count(name: str, value: Any) -> int:
@@ -718,23 +650,26 @@ def _check_count(name: str, value: Any) -> int:
 
 
 def _plan_capacity(fields: dict[str, Field], length: int, capacity: int | None, max_bytes: int | str | None) -> int:
-    per_slot = sum(field.nbytes for field in fields.values()) + RECORD_SIZE
+    """How many slots a new file gets, from the arguments (the layout math is ``_format``'s)."""
+    per_slot = slot_nbytes(fields)
     if max_bytes is not None:
         budget = parse_bytes(max_bytes, name="max_bytes")
         slots = min(length, budget // per_slot)
         if slots == 0 and length > 0:
+            record = per_slot - sum(field.nbytes for field in fields.values())
             raise ValueError(
                 f"max_bytes={max_bytes!r} ({budget} bytes) is too small for one slot, which "
-                f"takes {per_slot} bytes ({per_slot - RECORD_SIZE} of data + {RECORD_SIZE} of slot record)"
+                f"takes {per_slot} bytes ({per_slot - record} of data + {record} of slot record)"
             )
-        return slots
-    slots = length if capacity is None else min(_check_count("capacity", capacity), length)
-    # Page padding per region comes on top of the slots; keep a generous margin for it.
-    if slots * per_slot > _MAX_FILE - (len(fields) + 2) * 2 * 4096 - 2**26:
+        given = "max_bytes"
+    else:
+        slots = length if capacity is None else min(_check_count("capacity", capacity), length)
         given = "capacity" if capacity is not None and capacity <= length else "length"
+    if slots > max_slots(fields):
         raise ValueError(
-            f"{given}={slots} slots of {per_slot} bytes make a file of about {slots * per_slot} bytes, "
-            "more than a file can hold (2**63 - 1 bytes); cache fewer samples with capacity= or max_bytes="
+            f"{given} gives {slots} slots of {per_slot} bytes, a file of about {slots * per_slot} bytes: "
+            f"more than a file can hold (2**63 - 1 bytes, at most {max_slots(fields)} such slots); "
+            "cache fewer samples with capacity= or max_bytes="
         )
     return slots
 

@@ -127,6 +127,8 @@ def test_sizes_beyond_the_format_raise_value_error_naming_the_argument(cache_dir
         Cache.open(path, FIELDS, length=10, capacity=2**64)
     with pytest.raises(ValueError, match="more than a file can hold"):
         Cache.open(path, FIELDS, length=2**62)
+    with pytest.raises(ValueError, match="max_bytes gives .* more than a file can hold"):
+        Cache.open(path, FIELDS, length=2**62, max_bytes="1" * 400)
     with pytest.raises(ValueError, match="max_bytes 'x1'"):
         Cache.open(path, FIELDS, length=10, max_bytes="x1")
     with pytest.raises(ValueError, match=r"spans \d+ bytes, more than an array"):
