@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import fcntl
+import inspect
 import logging
 import operator
 import os
 import socket
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
@@ -65,6 +66,20 @@ class _Mapped:
         )
 
 
+_P = ParamSpec("_P")
+
+
+def _parameters_of(init: Callable[Concatenate[Any, _P], None]) -> Callable[[Callable[..., Cache]], Callable[_P, Cache]]:
+    """Give a function ``init``'s parameters (less ``self``) for type checkers and ``help()``: one list, not two."""
+
+    def decorate(function: Callable[..., Cache]) -> Callable[_P, Cache]:
+        parameters = list(inspect.signature(init).parameters.values())[1:]
+        function.__signature__ = inspect.Signature(parameters, return_annotation="Cache")  # type: ignore[attr-defined]
+        return function
+
+    return decorate
+
+
 class Cache:
     """A dataset cache in one memory-mapped file, shared by every process that opens it.
 
@@ -107,20 +122,9 @@ class Cache:
         opened = open_or_create(target, Expected(wanted, length, key), new, readonly=readonly, timeout=float(timeout))
         self._attach(target, opened, readonly=readonly, verify=verify, timeout=float(timeout))
 
-    @classmethod
-    def open(
-        cls,
-        path: str | os.PathLike[str],
-        fields: FieldsLike | None = None,
-        length: int | None = None,
-        *,
-        key: str | None = None,
-        capacity: int | None = None,
-        max_bytes: int | str | None = None,
-        readonly: bool = False,
-        timeout: float = 60.0,
-        verify: bool = False,
-    ) -> Cache:
+    @staticmethod
+    @_parameters_of(__init__)
+    def open(*args: Any, **kwargs: Any) -> Cache:
         """Open the cache at ``path``, creating it first if it is missing.
 
         * The file exists: it is validated, and any of ``fields``, ``length``,
@@ -141,17 +145,7 @@ class Cache:
         ``verify=True`` checks every read against the slot's checksum and
         treats a mismatch as a miss.
         """
-        return cls(
-            path,
-            fields,
-            length,
-            key=key,
-            capacity=capacity,
-            max_bytes=max_bytes,
-            readonly=readonly,
-            timeout=timeout,
-            verify=verify,
-        )
+        return Cache(*args, **kwargs)
 
     def _attach(self, path: Path, opened: OpenedFile, *, readonly: bool, verify: bool, timeout: float) -> None:
         header, layout = opened.header, opened.layout
