@@ -51,7 +51,7 @@ from ._file import (
 )
 from ._format import COUNTER_RECORD_SIZE, Header, Layout
 from ._locks import SlotLocks, flock_holders, try_lock_exclusive
-from ._paths import SUFFIX, check_file_stat, default_dir, filesystem_type, is_network_filesystem
+from ._paths import SUFFIX, check_file_stat, default_dir, filesystem_type, free_bytes, is_network_filesystem
 from ._sizes import format_bytes, parse_duration
 from ._slots import READY, WRITING
 
@@ -306,12 +306,7 @@ class _Location:
 
     @classmethod
     def of(cls, directory: Path) -> _Location:
-        try:
-            st = os.statvfs(directory)
-            free: int | None = st.f_bavail * st.f_frsize
-        except OSError:
-            free = None
-        return cls(filesystem_type(directory), free)
+        return cls(filesystem_type(directory), free_bytes(directory))
 
 
 def _directory(directory: str | os.PathLike[str] | None) -> Path:

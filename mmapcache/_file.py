@@ -86,7 +86,15 @@ from ._format import (
     unpack_prefix,
 )
 from ._locks import flock_holders, lock_exclusive_soon, lock_shared, try_lock_exclusive
-from ._paths import check_file_stat, check_kind, file_kind, filesystem_type, is_network_filesystem
+from ._paths import (
+    check_file_stat,
+    check_kind,
+    file_kind,
+    filesystem_type,
+    free_bytes,
+    is_network_filesystem,
+    statvfs_near,
+)
 
 __all__ = [
     "LOCK_SUFFIX",
@@ -664,20 +672,11 @@ def _preallocate(fd: int, size: int, path: Path) -> None:
 
 
 def _statvfs(path: Path) -> os.statvfs_result | None:
-    """``statvfs`` of the nearest existing directory of ``path`` (its parent may not exist yet)."""
-    for directory in path.parents:
-        try:
-            return os.statvfs(directory)
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return None
-    return None
+    return statvfs_near(path.parent)
 
 
 def _free_bytes(path: Path) -> int | None:
-    st = _statvfs(path)
-    return None if st is None else st.f_bavail * st.f_frsize
+    return free_bytes(path.parent)
 
 
 def _free_inodes(path: Path) -> int | None:

@@ -33,6 +33,8 @@ __all__ = [
     "default_dir",
     "file_kind",
     "filesystem_type",
+    "free_bytes",
+    "statvfs_near",
 ]
 
 log = logging.getLogger("mmapcache")
@@ -235,3 +237,25 @@ def filesystem_type(path: str | os.PathLike[str]) -> str | None:
 
 def is_network_filesystem(fs_type: str | None) -> bool:
     return fs_type is not None and (fs_type in NETWORK_FILESYSTEMS or fs_type.startswith("fuse."))
+
+
+def statvfs_near(path: str | os.PathLike[str]) -> os.statvfs_result | None:
+    """``statvfs`` of ``path``, or of its nearest existing parent (a cache's directory may not exist yet).
+
+    The one place free space is asked for: creation checks it, ``info``, ``ls`` and ``df`` show it.
+    """
+    candidate = Path(os.path.abspath(os.fspath(path)))
+    for directory in (candidate, *candidate.parents):
+        try:
+            return os.statvfs(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError:
+            return None
+    return None
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Bytes an unprivileged user may still allocate where ``path`` is (``None`` when unknown)."""
+    st = statvfs_near(path)
+    return None if st is None else st.f_bavail * st.f_frsize
