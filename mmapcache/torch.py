@@ -328,71 +328,84 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         """The samples at ``indices``: one vectorized read for the hits, one batch write for the misses.
 
         torch's DataLoader calls this with each batch of indices when it is
-        defined; ``default_collate`` then stacks the returned samples.
+        defined; ``default_collate`` then makes the batch (for a batch read
+        here it hands back the gathered rows instead of stacking a copy).
         """
         if len(indices) == 0:
             return []
+        idx = self._indices(indices)
         cache = self._opened()
-        if cache is None:
-            samples = self._load([self._index(i) for i in indices], counted=False)
+        if cache is None:  # nobody created the file yet: this batch creates it
+            samples = self._load(idx.tolist(), counted=False)
+        elif self._views is None:
+            schema = self._schema
+            assert schema is not None
+            tensors = self._gather(cache, idx)
+            adopt(tensors)  # default_collate may return these rows as the batch (see mmapcache._batches)
+            samples = schema.build([tensor.unbind(0) for tensor in tensors])
         else:
-            try:
-                samples = self._read_hits(cache, indices)
-            except KeyError:
-                samples = self._read_mixed(cache, indices)
-            else:
-                self._hits += len(samples)
+            samples = self._read_views(cache, idx)
         if self.transform is not None:
             transform = self.transform
             samples = [transform(sample) for sample in samples]
         return samples
 
-    def _read_hits(self, cache: Cache, indices: Sequence[int]) -> list[Any]:
-        """The samples at ``indices``, all of which must be cached; else ``KeyError`` (with ``.missing``)."""
+    def _gather(
+        self,
+        cache: Cache,
+        idx: np.ndarray[Any, np.dtype[np.intp]],
+        rows: Sequence[int] = (),
+        leaves: Sequence[list[Any]] = (),
+        *,
+        counted: bool = False,
+    ) -> list[torch.Tensor]:
+        """One batch tensor per field holding samples ``idx``: hits gathered from the file, misses loaded.
+
+        The tensors are fresh (in a DataLoader worker, in shared memory). ``rows``/``leaves``:
+        samples a worker already loaded and could not store; ``counted``: the reads were counted
+        in the file already (by that worker).
+        """
         schema = self._schema
         assert schema is not None
-        if self._views is None:
-            # One gather per field into a fresh batch (in a worker, in shared memory); each sample
-            # is views of its row, and default_collate gives those rows back as the batch without
-            # copying them again (see mmapcache._batches).
-            fields = list(schema.fields.values())
-            tensors, arrays = new_batch(
-                [(len(indices), *field.shape) for field in fields], [field.dtype for field in fields], schema.dtypes
-            )
-            cache.get_many(indices, out=dict(zip(schema.names, arrays, strict=True)))
-            adopt(tensors)
-            return schema.build([tensor.unbind(0) for tensor in tensors])
-        if self._check_reads:
-            cache.get_many(indices)  # checks every slot's checksum; the copy is dropped
-        else:
-            ready = cache.contains_many(indices)
-            if not ready.all():
-                error = KeyError("not cached")
-                error.missing = np.asarray(indices)[~ready]  # type: ignore[attr-defined]
-                raise error
-            cache.count(hits=len(indices))
-        return schema.build([list(map(view.__getitem__, indices)) for view in self._views])
+        fields = list(schema.fields.values())
+        tensors, arrays = new_batch(
+            [(len(idx), *field.shape) for field in fields], [field.dtype for field in fields], schema.dtypes
+        )
+        _, hits = cache.read_many(idx, out=dict(zip(schema.names, arrays, strict=True)), count=not counted)
+        self._hits += int(np.count_nonzero(hits))
+        for row, given in zip(rows, leaves, strict=True):
+            if not hits[row]:
+                for tensor, leaf in zip(tensors, given, strict=True):
+                    tensor[row] = leaf
+                hits[row] = True
+        if not hits.all():
+            missing = np.flatnonzero(~hits)
+            for row, sample in zip(missing.tolist(), self._load(idx[missing].tolist(), counted=True), strict=True):
+                for tensor, leaf in zip(tensors, schema.flatten(sample), strict=True):
+                    tensor[row] = leaf
+        return tensors
 
-    def _read_mixed(self, cache: Cache, indices: Sequence[int]) -> list[Any]:
-        """Some of ``indices`` are missing: read the hits together, load the rest, keep the order."""
-        idx = np.asarray(indices, dtype=np.intp)
-        ready = cache.contains_many(idx)
-        hits: list[Any] = []
-        while ready.any():
-            try:
-                hits = self._read_hits(cache, idx[ready].tolist())
-                break
-            except KeyError as error:  # slots that failed their checksum (verify): misses
-                missing = getattr(error, "missing", None)
-                if missing is None:
-                    raise
-                ready &= ~np.isin(idx, missing)
+    def _read_views(self, cache: Cache, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
+        """``copy=False``: hits as views of the read-only mapping, misses loaded; the order kept."""
+        schema, views = self._schema, self._views
+        assert schema is not None
+        assert views is not None
+        if self._check_reads:
+            _, hits = cache.read_many(idx)  # checks every slot's checksum; the copy is dropped
+        else:
+            hits = cache.contains_many(idx)
+            ready = int(np.count_nonzero(hits))
+            cache.count(hits=ready, misses=len(idx) - ready)
+        found_rows = np.flatnonzero(hits)
+        self._hits += len(found_rows)
+        if len(found_rows) == len(idx):
+            return schema.build([list(map(view.__getitem__, idx.tolist())) for view in views])
         out: list[Any] = [None] * len(idx)
-        for row, sample in zip(np.flatnonzero(ready).tolist(), hits, strict=True):
+        cached = schema.build([list(map(view.__getitem__, idx[found_rows].tolist())) for view in views])
+        for row, sample in zip(found_rows.tolist(), cached, strict=True):
             out[row] = sample
-        self._hits += len(hits)
-        miss_rows = np.flatnonzero(~ready).tolist()
-        for row, sample in zip(miss_rows, self._load(idx[miss_rows].tolist(), counted=self._core_counts), strict=True):
+        missing = np.flatnonzero(~hits)
+        for row, sample in zip(missing.tolist(), self._load(idx[missing].tolist(), counted=True), strict=True):
             out[row] = sample
         return out
 
@@ -407,11 +420,6 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
                 raise ValueError(f"dataset.__getitems__ returned {len(samples)} samples for {len(indices)} indices")
             return samples
         return [self.dataset[i] for i in indices]
-
-    @property
-    def _core_counts(self) -> bool:
-        """Whether reads go through ``Cache.get``/``get_many``, which count hits and misses in the file."""
-        return self._views is None or self._check_reads
 
     def _load(self, indices: list[int], *, counted: bool) -> list[Any]:
         """Misses: fetch from the dataset, write them back in one batch, return them as a hit would be.
@@ -550,24 +558,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             return torch.utils.data.default_collate(self._load(idx.tolist(), counted=False))
         schema = self._schema
         assert schema is not None
-        fields = list(schema.fields.values())
-        tensors, arrays = new_batch(
-            [(len(idx), *field.shape) for field in fields], [field.dtype for field in fields], schema.dtypes
-        )
-        _, hits = cache.read_many(idx, out=dict(zip(schema.names, arrays, strict=True)), count=not deferred)
-        self._hits += int(np.count_nonzero(hits))
-        for row, given in zip(rows, leaves, strict=True):
-            if not hits[row]:
-                for tensor, leaf in zip(tensors, given, strict=True):
-                    tensor[row] = leaf
-                hits[row] = True
-        if not hits.all():
-            missing = np.flatnonzero(~hits)
-            samples = self._load(idx[missing].tolist(), counted=not deferred)
-            for row, sample in zip(missing.tolist(), samples, strict=True):
-                for tensor, leaf in zip(tensors, schema.flatten(sample), strict=True):
-                    tensor[row] = leaf
-        return collate_tree(schema.tree, tensors)
+        return collate_tree(schema.tree, self._gather(cache, idx, rows, leaves, counted=deferred))
 
     def _indices(self, indices: Any) -> np.ndarray[Any, np.dtype[np.intp]]:
         """``indices`` validated like ``ds[i]`` (negative ones count from the end), as one array."""
