@@ -339,7 +339,7 @@ def breakdown(datasets: dict[str, Any], n: int, rounds: int, reps: int) -> dict[
 
     ds, dsv = datasets["mmapcache"], datasets["mmapcache copy=False"]
     cache = ds.cache
-    image, label = (torch.from_numpy(a) for a in cache._mapped.arrays.values())
+    image, label = (torch.from_numpy(a) for a in cache.views.values())  # read-only views: warns once
     states = cache._mapped.states
     ready = 2  # mmapcache._slots.READY
 

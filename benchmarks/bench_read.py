@@ -44,7 +44,7 @@ from mmapcache._gather import PAGE, empty_aligned, gather
 
 SIZES: dict[str, tuple[int, ...]] = {"12KB": (3, 64, 64), "150KB": (3, 224, 224)}
 BATCH = 256
-READY = 2  # the slot state byte of a filled slot (mmapcache._mapped.slots.READY)
+READY = 2  # the slot state byte of a filled slot (mmapcache._slots.READY)
 
 
 @dataclass
