@@ -49,7 +49,8 @@ from ._file import (
     remove,
     temp_stem,
 )
-from ._format import COUNTER_RECORD_SIZE, Header, Layout
+from ._format import COUNTER_RECORD_SIZE, Header, Layout, descriptor_nbytes
+from ._heap import VariableRegion
 from ._locks import SlotLocks, flock_holders, try_lock_exclusive
 from ._paths import SUFFIX, check_file_stat, default_dir, filesystem_type, free_bytes, is_network_filesystem
 from ._sizes import format_bytes, parse_duration
@@ -105,12 +106,12 @@ def error_message(error: BaseException) -> str:
 
 @dataclass(frozen=True)
 class FieldInfo:
-    """One field of a cache: ``nbytes`` is the size of one sample of it."""
+    """One field of a cache: ``nbytes`` is the size of one sample of it (``None``: variable, each its own)."""
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int | None, ...]
     dtype: str
-    nbytes: int
+    nbytes: int | None
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "nbytes": self.nbytes}
@@ -149,6 +150,7 @@ class CacheInfo:
     filesystem: str | None = None
     free: int | None = None
     usage: Usage | None = None
+    variable: VariableRegion | None = None
 
     @property
     def ok(self) -> bool:
@@ -185,6 +187,7 @@ class CacheInfo:
             "filesystem": self.filesystem,
             "free": self.free,
             "usage": self.usage.to_dict() if self.usage is not None else None,
+            "variable": self.variable.to_dict() if self.variable is not None else None,
         }
 
 
@@ -412,11 +415,13 @@ def _inspect(path: Path, location: _Location) -> tuple[CacheInfo, Exception | No
             header, layout = read_header(fd, str(path))
             filled, writing = _count_states(fd, header)
             usage = _read_usage(fd, layout)
+            variable = _read_variable_region(fd, header, layout)
         except (CacheError, OSError) as error:
             return _broken(path, location, error, st=st, in_use=in_use, pids=pids), error
     finally:
         os.close(fd)
-    return replace(_healthy(path, location, st, header, in_use, pids, filled, writing), usage=usage), None
+    healthy = _healthy(path, location, st, header, in_use, pids, filled, writing)
+    return replace(healthy, usage=usage, variable=variable), None
 
 
 def _read_usage(fd: int, layout: Layout) -> Usage:
@@ -434,6 +439,24 @@ def _usage(fd: int, st: os.stat_result) -> tuple[bool, tuple[int, ...]]:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False, ()
     return True, tuple(flock_holders(st))
+
+
+def _read_variable_region(fd: int, header: Header, layout: Layout) -> VariableRegion | None:
+    """How full the variable region is, read with pread: the claimed counter, and READY values' bytes."""
+    if not layout.variable_size:
+        return None
+    (claimed,) = np.frombuffer(os.pread(fd, 8, layout.allocator_offset), np.dtype("<u8"))
+    table = os.pread(fd, header.capacity * header.record_size, header.header_size)
+    ready = np.frombuffer(table, np.uint8)[:: header.record_size] == READY
+    used = 0
+    for name, spec in header.fields.items():
+        if not spec.variable:
+            continue
+        size = descriptor_nbytes(spec)
+        raw = np.frombuffer(os.pread(fd, header.capacity * size, layout.field_offsets[name]), np.uint8)
+        dims = raw.reshape(header.capacity, size)[:, 8 : 8 + 4 * len(spec.shape)].copy().view("<u4")
+        used += int(dims[ready].astype(np.int64).prod(axis=1).sum()) * spec.dtype.itemsize
+    return VariableRegion(layout.variable_size, int(claimed), used)
 
 
 def _count_states(fd: int, header: Header) -> tuple[int, int]:
@@ -500,7 +523,10 @@ def _healthy(
         in_use=in_use,
         pids=pids,
         version=header.version,
-        fields=tuple(FieldInfo(name, f.shape, f.dtype_name, f.nbytes) for name, f in header.fields.items()),
+        fields=tuple(
+            FieldInfo(name, f.shape, f.dtype_name, None if f.variable else f.nbytes)
+            for name, f in header.fields.items()
+        ),
         length=header.length,
         capacity=header.capacity,
         key=header.key,

@@ -32,22 +32,29 @@ _BITS_BY_SIZE: dict[int, np.dtype[Any]] = {
 
 
 class Field:
-    """One named part of a sample: a fixed ``shape`` and a ``dtype``.
+    """One named part of a sample: a ``shape`` and a ``dtype``.
 
     >>> Field((3, 32, 32), "uint8").nbytes
     3072
     >>> Field((), "int64") == Field((), np.int64)
+    True
+    >>> Field((None,), "int32").variable  # token sequences of any length
     True
 
     ``dtype`` is anything ``numpy.dtype()`` accepts, or a ``torch.dtype``.
     ``Field.dtype`` is the numpy dtype the values are stored as;
     ``Field.torch_dtype`` names the torch dtype for types numpy lacks
     (e.g. ``"bfloat16"``), else it is ``None``.
+
+    A dimension given as ``None`` is variable: each sample has its own size
+    there (``Field((3, None, None), "uint8")`` holds images of any height and
+    width, ``Field((None, 4), "float32")`` any number of boxes). Such a field
+    is stored in the cache's variable region, sized by ``max_bytes``.
     """
 
     __slots__ = ("_dtype", "_shape", "_torch_dtype")
 
-    def __init__(self, shape: Iterable[int] | int, dtype: Any) -> None:
+    def __init__(self, shape: Iterable[int | None] | int, dtype: Any) -> None:
         self._shape = _normalize_shape(shape)
         self._dtype, self._torch_dtype = _normalize_dtype(dtype)
         span = math.prod(d for d in self._shape if d) * self._dtype.itemsize  # numpy checks it even with a 0
@@ -58,8 +65,27 @@ class Field:
             )
 
     @property
-    def shape(self) -> tuple[int, ...]:
+    def shape(self) -> tuple[int | None, ...]:
+        """The dimensions; ``None`` where each sample has its own size."""
         return self._shape
+
+    @property
+    def variable(self) -> bool:
+        """Whether some dimension is ``None`` (each sample has its own shape)."""
+        return None in self._shape
+
+    @property
+    def fixed_shape(self) -> tuple[int, ...]:
+        """The shape of a fixed field; ``TypeError`` for a variable one."""
+        if None in self._shape:
+            raise TypeError(f"{self!r} has variable dimensions: each sample has its own shape")
+        return self._shape  # type: ignore[return-value]  # no None in it
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """Whether a value of ``shape`` can be stored: same number of dimensions, and every fixed one equal."""
+        return len(shape) == len(self._shape) and all(
+            d is None or d == n for d, n in zip(self._shape, shape, strict=True)
+        )
 
     @property
     def dtype(self) -> np.dtype[Any]:
@@ -71,8 +97,8 @@ class Field:
 
     @property
     def nbytes(self) -> int:
-        """Bytes one sample of this field takes."""
-        return math.prod(self._shape) * self._dtype.itemsize
+        """Bytes one sample of this field takes (fixed fields; ``TypeError`` for a variable one)."""
+        return math.prod(self.fixed_shape) * self._dtype.itemsize
 
     @property
     def dtype_name(self) -> str:
@@ -108,15 +134,18 @@ def _field_from_state(shape: tuple[int, ...], dtype: np.dtype[Any], torch_dtype:
     return field
 
 
-def _normalize_shape(shape: Iterable[int] | int) -> tuple[int, ...]:
+def _normalize_shape(shape: Iterable[int | None] | int) -> tuple[int | None, ...]:
     dims_in: Iterable[Any] = (shape,) if isinstance(shape, (int, np.integer)) else shape
     try:
-        if isinstance(shape, bool):
+        if isinstance(shape, (bool, str)):
             raise TypeError
-        dims = tuple(operator.index(d) for d in dims_in)
+        dims = tuple(None if d is None else operator.index(d) for d in dims_in)
     except TypeError:
-        raise TypeError(f"a Field shape must be a tuple of ints, e.g. (3, 32, 32) or (), not {shape!r}") from None
-    if any(d < 0 for d in dims):
+        raise TypeError(
+            f"a Field shape must be a tuple of ints (None for a variable dimension), e.g. (3, 32, 32), "
+            f"(None,) or (), not {shape!r}"
+        ) from None
+    if any(d is not None and d < 0 for d in dims):
         raise ValueError(f"a Field shape must not have negative dimensions, got {dims}")
     return dims
 

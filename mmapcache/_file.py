@@ -135,6 +135,8 @@ class NewFile:
     capacity: int
     key: str
     created: dict[str, Any]
+    variable_size: int = 0
+    extent_size: int = 0
 
 
 @dataclass
@@ -239,7 +241,15 @@ def open_or_create(
         if planned is None:
             # Everything that can be checked is checked before anything (a
             # directory, the lock file, a temp file) is created.
-            header = new_header(new.fields, new.length, new.capacity, new.key, new.created)
+            header = new_header(
+                new.fields,
+                new.length,
+                new.capacity,
+                new.key,
+                new.created,
+                variable_size=new.variable_size,
+                extent_size=new.extent_size,
+            )
             planned = header, compute_layout(header)
             _check_space(path, planned[1].file_size)
         try:

@@ -1,4 +1,4 @@
-r"""The mmapcache file format, versions 1 and 2.
+r"""The mmapcache file format, versions 1, 2 and 3.
 
 This docstring is the specification, written so that a stranger could
 implement a reader or a writer from it; `docs/format.md` carries the same
@@ -11,10 +11,12 @@ NOT, SHOULD and MAY are used as in RFC 2119.
 |--------:|------|------------|
 | 1 | header, slot table, fixed-shape field data | mmapcache 0.1 |
 | 2 | the process counter region between the slot table and the data | mmapcache 0.2 and later |
+| 3 | variable-shape fields: per-slot descriptors, and the variable region after the data | mmapcache 0.2 and later |
 
-A writer writes the newest version; a reader MUST read every version it
-knows and MUST reject the others. Everything below holds for every version
-unless a section names one.
+A writer writes the lowest version that holds its schema (3 when a field
+has a variable dimension, else 2), so that older readers keep reading what
+they can; a reader MUST read every version it knows and MUST reject the
+others. Everything below holds for every version unless a section names one.
 
 ## Overview
 
@@ -31,6 +33,9 @@ A cache file has these regions, each starting on a multiple of 4096 bytes:
 | field 0 data       |  capacity * nbytes(field 0) bytes, padded to 4096
 | field 1 data       |  ...
 | ...                |
++--------------------+
+| allocation page    |  version 3 with variable fields: 4096 bytes
+| variable region    |  variable_size bytes, padded to 4096
 +--------------------+  file_size
 ```
 
@@ -59,7 +64,9 @@ not know; a writer MUST NOT add members that change how the data is read
 without raising the format version.
 
 - `fields`: a list, in order, of objects
-  `{"name": str, "shape": [int, ...], "dtype": descr, "torch_dtype": str | null}`.
+  `{"name": str, "shape": [int | null, ...], "dtype": descr, "torch_dtype": str | null}`.
+  A `null` dimension (version 3) is *variable*: every sample has its own
+  size there, and the field is stored as described under "Variable fields".
   `descr` is a numpy array-protocol type descriptor as in the `.npy` format
   (`"<f4"`, `"|u1"`, `"<U10"`, or a list of `[name, descr]` /
   `[name, descr, shape]` for structured dtypes). `torch_dtype` names a torch
@@ -70,6 +77,10 @@ without raising the format version.
 - `checksum`: the slot checksum algorithm, `"xxh3-64"` (see the slot table).
 - `created`: an object describing the creator (`time` as ISO 8601 UTC,
   `host`, `pid`, `uid`, `mmapcache` version); informational only.
+- `variable` (version 3, present exactly when a field is variable):
+  `{"size": int, "extent": int}`: the bytes of the variable region (a
+  positive multiple of 4096) and of the extents writers claim from it (a
+  positive multiple of 16, at most `size`).
 
 ## Slot table
 
@@ -80,7 +91,7 @@ One record of `record_size` bytes per slot; slot `i`'s record starts at
 |-------:|-----:|---------|
 | 0 | 1 | state: 0 EMPTY, 1 WRITING, 2 READY; other values are invalid |
 | 1 | 3 | zero |
-| 4 | 4 | checksum, uint32: meaningful only when the state is READY; computed as `h = 0`, then for each field in field order `h = XXH3_64(the slot's bytes of that field, seed = h)` (xxHash 0.8, 64-bit seed), and the checksum is `h & 0xFFFFFFFF` |
+| 4 | 4 | checksum, uint32: meaningful only when the state is READY; computed as `h = 0`, then for each field in field order `h = XXH3_64(the slot's bytes of that field, seed = h)` (xxHash 0.8, 64-bit seed), and the checksum is `h & 0xFFFFFFFF`. For a variable field two steps take the place of one: first the shape (one little-endian uint32 per dimension), then the value's bytes |
 
 ## Process counters (version 2)
 
@@ -112,19 +123,49 @@ or writing samples depends on them.
 ## Data
 
 Field `k` occupies `capacity * nbytes_k` bytes starting at `offset_k`, where
-`nbytes_k = prod(shape_k) * itemsize_k` and offsets are assigned in field
+`nbytes_k = prod(shape_k) * itemsize_k` for a fixed field and the size of a
+descriptor for a variable one (below), and offsets are assigned in field
 order (`align(x)` rounds `x` up to a multiple of 4096):
 
 ```
 pos = align(header_size + capacity * record_size)
-pos = align(pos + counter_records * 32)   # counter_records: 0 in version 1, 256 in version 2
+pos = align(pos + counter_records * 32)   # counter_records: 0 in version 1, 256 in versions 2 and 3
 for each field k:  offset_k = pos;  pos = align(pos + capacity * nbytes_k)
+if variable_size:  allocation_offset = pos;  variable_offset = pos + 4096;  pos = align(variable_offset + variable_size)
 file_size = pos
 ```
 
-Slot `i` of field `k` is the C-ordered array of `shape_k` at
+Slot `i` of a fixed field `k` is the C-ordered array of `shape_k` at
 `offset_k + i * nbytes_k`. The file MUST be exactly `file_size` bytes; a
 reader MUST treat a shorter file as truncated and MUST NOT map it.
+
+## Variable fields (version 3)
+
+Slot `i` of a variable field `k` is a descriptor of `nbytes_k = 8 + 4 * ndim_k`
+bytes rounded up to a multiple of 8, at `offset_k + i * nbytes_k`:
+
+| offset | size | content |
+|-------:|-----:|---------|
+| 0 | 8 | uint64: where the value starts, in bytes from `variable_offset` |
+| 8 | 4 * ndim | uint32 per dimension: the value's shape (its fixed dimensions equal the field's) |
+
+The value is the C-ordered array of that shape and the field's dtype,
+`prod(shape) * itemsize` bytes, which MUST lie within the variable region; it
+starts on a multiple of 16. The allocation page's first 8 bytes are
+`claimed`, uint64: the bytes of the variable region handed out so far, from
+its start.
+
+- A writer takes space only by advancing `claimed`, and only while holding an
+  exclusive `F_OFD_SETLKW` lock on the allocation page's first byte; it takes
+  an *extent* (`extent` bytes, or a run of whole extents for a larger value,
+  or what is left of the region) and places values in it without further
+  locking. No two writers ever hold the same bytes.
+- A writer writes the value and the descriptor before the checksum and the
+  READY state (the slot rules below), so a READY slot never describes bytes
+  that were not written. Space a writer claimed and did not fill before it
+  died is not reused until the cache is cleared, which sets `claimed` to 0.
+- When the region has no room for a value, the sample is not stored (the
+  slot goes back to EMPTY).
 
 ## Rules for writers and readers
 
@@ -145,10 +186,7 @@ reader MUST treat a shorter file as truncated and MUST NOT map it.
 
 A new version adds a row to the table of versions (the module's `VERSIONS`,
 which the writer and the reader both consult) and a section here. Readers
-reject versions they do not know. Variable-shape fields (token sequences,
-images of varying size) are planned as the next version: a field entry gains
-`"kind": "ragged"` with a per-slot (offset, length) index and a heap region
-after the fixed-size data, while the regions above keep their layout.
+reject versions they do not know.
 """
 
 from __future__ import annotations
@@ -157,7 +195,7 @@ import json
 import struct
 import uuid as uuid_module
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -184,7 +222,7 @@ __all__ = [
 ]
 
 MAGIC = b"\x89MMC\r\n\x1a\n"
-FORMAT_VERSION = 2  # what writers write; readers read every version in VERSIONS
+FORMAT_VERSION = 3  # the newest; a writer writes the lowest version that holds its schema
 ALIGNMENT = 4096
 RECORD_SIZE = 8
 MAX_HEADER_SIZE = 64 * 2**20
@@ -204,13 +242,31 @@ class Version:
 
     record_size: int  # bytes per slot record
     counter_records: int  # process counter records after the slot table (0: no such region)
+    variable: bool = False  # fields may have variable dimensions, stored in a variable region
 
 
 VERSIONS = {
     1: Version(record_size=RECORD_SIZE, counter_records=0),
     2: Version(record_size=RECORD_SIZE, counter_records=256),
+    3: Version(record_size=RECORD_SIZE, counter_records=256, variable=True),
 }
 COUNTER_RECORD_SIZE = 32
+PAYLOAD_ALIGNMENT = 16  # a variable value starts on a multiple of this in the variable region
+
+
+def version_for(fields: dict[str, Field]) -> int:
+    """The lowest format version that holds ``fields`` (older readers can read the file)."""
+    return 3 if any(field.variable for field in fields.values()) else 2
+
+
+def descriptor_nbytes(field: Field) -> int:
+    """Bytes of a variable field's per-slot descriptor: uint64 offset, uint32 per dimension, padded to 8."""
+    return -(-(8 + 4 * len(field.shape)) // 8) * 8
+
+
+def field_slot_nbytes(field: Field) -> int:
+    """Bytes a field takes per slot in its region: the value (fixed) or its descriptor (variable)."""
+    return descriptor_nbytes(field) if field.variable else field.nbytes
 
 
 def align(n: int) -> int:
@@ -232,6 +288,8 @@ class Header:
     record_size: int = RECORD_SIZE
     checksum: str = CHECKSUM
     version: int = FORMAT_VERSION
+    variable_size: int = 0  # bytes of the variable region (version 3 with variable fields)
+    extent_size: int = 0  # bytes a writer claims from it at a time
 
 
 @dataclass(frozen=True)
@@ -243,14 +301,18 @@ class Layout:
     file_size: int
     counters_offset: int = 0
     counter_records: int = 0
+    allocator_offset: int = 0  # the variable region's allocation page (0: no variable region)
+    variable_offset: int = 0
+    variable_size: int = 0
+    extent_size: int = 0
 
 
 MAX_FILE_SIZE = 2**63 - 1  # off_t, and the most bytes a numpy array can span
 
 
 def slot_nbytes(fields: dict[str, Field], version: int = FORMAT_VERSION) -> int:
-    """Bytes one slot takes in a file of ``version``: its data in every field, plus its slot record."""
-    return sum(field.nbytes for field in fields.values()) + VERSIONS[version].record_size
+    """Bytes one slot takes in the fixed regions: every field's value or descriptor, plus its slot record."""
+    return sum(field_slot_nbytes(field) for field in fields.values()) + VERSIONS[version].record_size
 
 
 def max_slots(fields: dict[str, Field], version: int = FORMAT_VERSION) -> int:
@@ -268,28 +330,57 @@ def compute_layout(header: Header) -> Layout:
     offsets: dict[str, int] = {}
     for name, field in header.fields.items():
         offsets[name] = pos
-        pos = align(pos + header.capacity * field.nbytes)
+        pos = align(pos + header.capacity * field_slot_nbytes(field))
+    allocator_offset = variable_offset = 0
+    if header.variable_size:
+        allocator_offset, variable_offset = pos, pos + ALIGNMENT
+        pos = align(variable_offset + header.variable_size)
     return Layout(
         table_offset=table_offset,
         field_offsets=offsets,
         file_size=pos,
         counters_offset=counters_offset,
         counter_records=counter_records,
+        allocator_offset=allocator_offset,
+        variable_offset=variable_offset,
+        variable_size=header.variable_size,
+        extent_size=header.extent_size,
     )
 
 
-def new_header(fields: dict[str, Field], length: int, capacity: int, key: str, created: dict[str, Any]) -> Header:
+def new_header(
+    fields: dict[str, Field],
+    length: int,
+    capacity: int,
+    key: str,
+    created: dict[str, Any],
+    *,
+    variable_size: int = 0,
+    extent_size: int = 0,
+) -> Header:
     """A header for a new file, with a fresh uuid and the smallest header size that fits.
 
     Raises ``ValueError`` naming what is too big when the header would exceed
     :data:`MAX_HEADER_SIZE` (a reader would refuse the file).
     """
-    draft = Header(fields, length, capacity, key, uuid_module.uuid4().bytes, created, header_size=ALIGNMENT)
+    version = version_for(fields)
+    draft = Header(
+        fields,
+        length,
+        capacity,
+        key,
+        uuid_module.uuid4().bytes,
+        created,
+        header_size=ALIGNMENT,
+        version=version,
+        variable_size=variable_size,
+        extent_size=extent_size,
+    )
     meta = _metadata_bytes(draft)
     header_size = align(PREFIX_SIZE + len(meta))
     if header_size > MAX_HEADER_SIZE:
         raise ValueError(_too_big_message(draft, header_size))
-    return Header(fields, length, capacity, key, draft.uuid, created, header_size=header_size)
+    return replace(draft, header_size=header_size)
 
 
 def _too_big_message(header: Header, header_size: int) -> str:
@@ -311,12 +402,14 @@ def _too_big_message(header: Header, header_size: int) -> str:
 
 
 def _metadata_bytes(header: Header) -> bytes:
-    meta = {
+    meta: dict[str, Any] = {
         "fields": _fields_metadata(header.fields),
         "key": header.key,
         "checksum": header.checksum,
         "created": header.created,
     }
+    if header.variable_size:
+        meta["variable"] = {"size": header.variable_size, "extent": header.extent_size}
     return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
@@ -428,6 +521,7 @@ def unpack_header(region: bytes, *, path: str) -> Header:
         created = meta.get("created", {})
         if not isinstance(key, str) or not isinstance(created, dict):
             raise TypeError("key must be a string and created an object")
+        variable_size, extent_size = _variable_metadata(meta.get("variable"))
     # numpy parses comma-string dtypes ("(2,)u1,") with ast.literal_eval, so a
     # damaged descriptor can also raise SyntaxError; deeply nested JSON raises
     # RecursionError. Found by tests/test_header_fuzz.py.
@@ -444,6 +538,7 @@ def unpack_header(region: bytes, *, path: str) -> Header:
         problems.append(f"checksum algorithm {checksum!r} (expected {CHECKSUM!r})")
     if capacity > length:
         problems.append(f"capacity {capacity} larger than length {length}")
+    problems += _variable_problems(fields, version, variable_size, extent_size)
     if problems:
         raise CacheFormatError(f"{path} has an unsupported or corrupt header: {'; '.join(problems)}", path=path)
     return Header(
@@ -457,7 +552,32 @@ def unpack_header(region: bytes, *, path: str) -> Header:
         record_size=record_size,
         checksum=checksum,
         version=version,
+        variable_size=variable_size,
+        extent_size=extent_size,
     )
+
+
+def _variable_metadata(entry: Any) -> tuple[int, int]:
+    """``(size, extent)`` of the metadata's ``variable`` member (``(0, 0)`` when it is absent)."""
+    if entry is None:
+        return 0, 0
+    size, extent = entry["size"], entry["extent"]
+    if not all(type(n) is int for n in (size, extent)):
+        raise TypeError("variable size and extent must be integers")
+    return size, extent
+
+
+def _variable_problems(fields: dict[str, Field], version: int, size: int, extent: int) -> list[str]:
+    variable = [name for name, field in fields.items() if field.variable]
+    if variable and not VERSIONS[version].variable:
+        return [f"variable dimensions in fields {variable}, which format version {version} cannot hold"]
+    if not variable:
+        return ["a variable region without variable fields"] if size or extent else []
+    if size <= 0 or size % ALIGNMENT or size > MAX_FILE_SIZE:
+        return [f"variable region size {size} (expected a positive multiple of {ALIGNMENT})"]
+    if extent <= 0 or extent % PAYLOAD_ALIGNMENT or extent > size:
+        return [f"extent size {extent} (expected a positive multiple of {PAYLOAD_ALIGNMENT}, at most {size})"]
+    return []
 
 
 def _decode_fields(entries: Any) -> dict[str, Field]:

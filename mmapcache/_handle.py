@@ -45,6 +45,7 @@ from pathlib import Path
 from ._counters import Board
 from ._errors import ReadonlyCacheError
 from ._format import Layout
+from ._heap import Heap
 from ._locks import SlotLocks
 
 __all__ = ["Handle", "closed_error"]
@@ -60,13 +61,14 @@ def closed_error(path: Path) -> ValueError:
 class Handle:
     """A locked descriptor of one cache file and its shared mapping, in one process."""
 
-    __slots__ = ("__weakref__", "board", "fd", "locks", "mm", "path", "readonly", "refused", "write_lock")
+    __slots__ = ("__weakref__", "board", "fd", "heap", "locks", "mm", "path", "readonly", "refused", "write_lock")
 
     def __init__(self, path: Path, fd: int, layout: Layout, *, readonly: bool) -> None:
         self.path, self.fd, self.readonly = path, fd, readonly
         self.mm: mmap.mmap | None = _map(fd, layout.file_size, path, readonly=readonly)
         self.locks = SlotLocks(fd)
         self.board = Board(self.mm, layout, self.locks, writable=not readonly)
+        self.heap = Heap(self.mm, layout, self.locks) if layout.variable_size else None
         # Held by every writer, by close() and by the operations that use ``fd``:
         # a descriptor is never closed under a writer's claim, and never used
         # after close (its number may already name another file).
@@ -87,6 +89,8 @@ class Handle:
     def reopen_in_child(self) -> None:
         """After fork: take our own description, so parent and child never share a claim."""
         self.write_lock = threading.Lock()  # another thread may have held it at fork time
+        if self.heap is not None:
+            self.heap.forget_extent()  # the parent keeps filling it
         if self.fd < 0:
             return
         try:

@@ -36,10 +36,28 @@ def coerce_sample(sample: Any, fields: dict[str, Field]) -> list[np.ndarray[Any,
     return [coerce_value(sample[name], field, name) for name, field in fields.items()]
 
 
-def coerce_batch(batch: Any, fields: dict[str, Field], count: int) -> list[np.ndarray[Any, Any]]:
-    """One stacked array per field, shape ``(count, *field.shape)``."""
+def coerce_batch(batch: Any, fields: dict[str, Field], count: int) -> list[Any]:
+    """Per field, in field order: a stacked array of shape ``(count, *field.shape)`` (fixed fields),
+    or a list of ``count`` arrays, one per row (variable fields)."""
     _check_names(batch, fields)
-    return [coerce_value(batch[name], field, name, count=count) for name, field in fields.items()]
+    return [
+        _coerce_rows(batch[name], field, name, count)
+        if field.variable
+        else coerce_value(batch[name], field, name, count=count)
+        for name, field in fields.items()
+    ]
+
+
+def _coerce_rows(values: Any, field: Field, name: str, count: int) -> list[np.ndarray[Any, Any]]:
+    """A variable field's batch: a sequence of ``count`` values, each of its own shape."""
+    if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
+        raise TypeError(
+            f"field {name!r} has variable dimensions: give a sequence of {count} values (one per row), "
+            f"not {type(values).__name__}"
+        )
+    if len(values) != count:
+        raise ValueError(f"field {name!r}: expected {count} values (one per row), got {len(values)}")
+    return [coerce_value(value, field, name) for value in values]
 
 
 def _check_names(sample: Any, fields: dict[str, Field]) -> None:
@@ -60,8 +78,11 @@ def _check_names(sample: Any, fields: dict[str, Field]) -> None:
 
 
 def coerce_value(value: Any, field: Field, name: str, *, count: int | None = None) -> np.ndarray[Any, Any]:
-    """``value`` as an array of ``field``'s dtype and shape (with a leading ``count`` axis)."""
-    shape = field.shape if count is None else (count, *field.shape)
+    """``value`` as an array of ``field``'s dtype and shape (with a leading ``count`` axis).
+
+    A variable field takes any shape with the field's number of dimensions and
+    its fixed ones (``count`` is for fixed fields only).
+    """
     if _is_tensor(value):
         from ._torch_values import tensor_to_numpy  # torch is loaded already: the value is a tensor
 
@@ -70,10 +91,19 @@ def coerce_value(value: Any, field: Field, name: str, *, count: int | None = Non
         array = _to_bits(value, field, name)
     else:
         array = _to_numpy(value, field, name)
-    if array.shape != shape:
-        what = "batch" if count is not None else "sample"
-        raise ValueError(f"field {name!r}: expected a {what} of shape {shape}, got shape {array.shape}")
-    return array
+    if count is None and field.fits(array.shape):
+        return array
+    if count is not None and array.shape[:1] == (count,) and field.fits(array.shape[1:]):
+        return array
+    what = "batch" if count is not None else "sample"
+    shape = _spelled(field.shape if count is None else (count, *field.shape))
+    raise ValueError(f"field {name!r}: expected a {what} of shape {shape}, got shape {array.shape}")
+
+
+def _spelled(shape: tuple[int | None, ...]) -> str:
+    """A shape for messages, ``None`` dimensions shown as ``*`` (any size): ``(3, *, *)``."""
+    dims = ["*" if d is None else str(d) for d in shape]
+    return f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
 
 
 def _is_tensor(value: Any) -> bool:

@@ -8,7 +8,7 @@ CPUs), what a mismatch means (a miss, logged), and what ``fix=True`` may reset.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ import numpy as np
 from ._checksum import checksum
 from ._slots import READY, WRITING, SlotTable
 
-__all__ = ["Problem", "failed_rows", "intact", "slot_problems"]
+__all__ = ["Problem", "failed_rows", "intact", "intact_parts", "slot_problems"]
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,11 @@ class Problem:
     """One thing :meth:`Cache.verify` found wrong.
 
     ``kind`` is ``"header"``, ``"checksum"`` (a READY slot whose bytes do not
-    match its checksum), ``"stuck"`` (WRITING, and its writer is gone) or
-    ``"state"`` (an invalid state byte). ``fixed`` says whether ``fix=True``
-    reset the slot to EMPTY.
+    match its checksum), ``"stuck"`` (WRITING, and its writer is gone),
+    ``"state"`` (an invalid state byte), ``"variable"`` (a variable value
+    described outside the variable region or with the wrong shape) or
+    ``"overlap"`` (two slots' variable values share bytes). ``fixed`` says
+    whether ``fix=True`` reset the slot to EMPTY.
     """
 
     kind: str
@@ -44,6 +46,11 @@ def intact(slots: SlotTable, index: int, arrays: Iterable[np.ndarray[Any, Any]])
     return checksum(map(_byte_view, arrays)) == int(slots.checksums[index])
 
 
+def intact_parts(slots: SlotTable, index: int, parts: Iterable[np.ndarray[Any, Any]]) -> bool:
+    """Whether a slot's checksum parts (see ``_Mapped.parts``) match its checksum."""
+    return checksum(parts) == int(slots.checksums[index])
+
+
 def failed_rows(
     slots: SlotTable, idx: np.ndarray[Any, Any], out: Sequence[np.ndarray[Any, Any]]
 ) -> np.ndarray[Any, Any]:
@@ -54,12 +61,21 @@ def failed_rows(
     return np.flatnonzero(sums != slots.checksums[idx])
 
 
-def slot_problems(slots: SlotTable, raws: Sequence[np.ndarray[Any, Any]], *, fix: bool) -> list[Problem]:
-    """Invalid states, abandoned writes and checksum mismatches of every slot; reset them when ``fix``.
+def slot_problems(
+    slots: SlotTable,
+    parts: Callable[[int], list[np.ndarray[Any, Any]] | None],
+    *,
+    fix: bool,
+    ranges: Callable[[np.ndarray[Any, Any]], list[tuple[int, int, int]]] | None = None,
+) -> list[Problem]:
+    """Invalid states, abandoned writes, damaged and overlapping values; reset them when ``fix``.
 
-    ``raws`` are the fields' flat byte rows. Slots a live writer holds are
-    never reported or reset: a WRITING slot is "stuck" only when no one holds
-    its claim *and* it is still WRITING after the probe.
+    ``parts(i)`` gives slot ``i``'s checksum parts (``None``: a variable
+    descriptor is impossible — out of the region, or of the wrong shape).
+    ``ranges(ready)`` gives ``(start, end, slot)`` of every variable value of
+    the READY slots, for the check that no two share bytes. Slots a live
+    writer holds are never reported or reset: a WRITING slot is "stuck" only
+    when no one holds its claim *and* it is still WRITING after the probe.
     """
     problems = []
     states = np.array(slots.states)  # a snapshot
@@ -70,11 +86,19 @@ def slot_problems(slots: SlotTable, raws: Sequence[np.ndarray[Any, Any]], *, fix
         # published and let go since the snapshot (not stuck, just done).
         if not slots.writer_alive(i) and slots.states[i] == WRITING:
             problems.append(Problem("stuck", i, f"slot {i} was left half-written by a writer that died"))
-    for i in np.flatnonzero(states == READY).tolist():
-        crc = checksum([raw[i] for raw in raws])
+    ready = np.flatnonzero(states == READY)
+    for i in ready.tolist():
+        found = parts(i)
+        if found is None:
+            message = f"slot {i} describes a variable value outside the variable region or of the wrong shape"
+            problems.append(Problem("variable", i, message))
+            continue
+        crc = checksum(found)
         if crc != int(slots.checksums[i]):
             message = f"slot {i} does not match its checksum ({crc:#010x} != {int(slots.checksums[i]):#010x})"
             problems.append(Problem("checksum", i, message))
+    if ranges is not None:
+        problems += _overlaps(ranges(ready), {p.index for p in problems})
     if not fix:
         return problems
     return [
@@ -87,6 +111,24 @@ def slot_problems(slots: SlotTable, raws: Sequence[np.ndarray[Any, Any]], *, fix
         )
         for p in problems
     ]
+
+
+def _overlaps(spans: list[tuple[int, int, int]], known: set[int | None]) -> list[Problem]:
+    """Slots whose variable values share bytes with another's (space handed out twice)."""
+    problems = []
+    spans = sorted(span for span in spans if span[0] < span[1] and span[2] not in known)
+    reach, owner = -1, -1
+    for start, end, slot in spans:
+        if start < reach and slot != owner:
+            for i in (owner, slot):
+                if i not in known:
+                    known.add(i)
+                    problems.append(
+                        Problem("overlap", i, f"slot {i}'s variable value shares bytes with another slot's")
+                    )
+        if end > reach:
+            reach, owner = end, slot
+    return problems
 
 
 def _byte_view(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

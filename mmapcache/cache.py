@@ -21,14 +21,16 @@ from ._counters import Usage
 from ._errors import CacheError, CacheInUseError, CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike, normalize_fields
 from ._file import Expected, NewFile, OpenedFile, creation_lock, open_or_create, read_header
-from ._format import Header, Layout, max_slots, slot_nbytes
+from ._format import MAX_FILE_SIZE, Header, Layout, max_slots, slot_nbytes
 from ._gather import empty_aligned, gather
 from ._handle import Handle, closed_error
+from ._heap import VariableRegion, extent_size_for
 from ._locks import flock_holders, lock_exclusive_soon
 from ._sizes import parse_bytes
 from ._slots import EMPTY, READY, STRONGLY_ORDERED, SlotTable
 from ._values import coerce_batch, coerce_sample
-from ._verify import Problem, failed_rows, intact, slot_problems
+from ._variable import VariableColumn
+from ._verify import Problem, failed_rows, intact, intact_parts, slot_problems
 
 __all__ = ["Cache", "Problem"]
 
@@ -47,23 +49,53 @@ class _Mapped:
     — it never reads unmapped memory.
     """
 
-    __slots__ = ("arrays", "items", "raws", "slots", "states")
+    __slots__ = ("arrays", "heap", "items", "order", "raws", "region", "slots", "states", "variables")
 
     def __init__(self, handle: Handle, header: Header, layout: Layout) -> None:
         mm = handle.mm
         assert mm is not None
-        self.slots = SlotTable(mm, layout, header.capacity, header.record_size, handle.locks)
+        capacity = header.capacity
+        self.slots = SlotTable(mm, layout, capacity, header.record_size, handle.locks)
         self.states = self.slots.state_bytes
+        fixed = {name: field for name, field in header.fields.items() if not field.variable}
+        # Fixed fields: one array each, shape (capacity, *shape); their flat byte rows, for checksums.
         self.arrays = {
-            name: np.ndarray((header.capacity, *field.shape), field.dtype, buffer=mm, offset=layout.field_offsets[name])
-            for name, field in header.fields.items()
+            name: np.ndarray((capacity, *field.fixed_shape), field.dtype, buffer=mm, offset=layout.field_offsets[name])
+            for name, field in fixed.items()
         }
         self.items = tuple(self.arrays.items())
-        # Flat byte rows of each field, for checksums.
         self.raws = tuple(
-            np.ndarray((header.capacity, field.nbytes), np.uint8, buffer=mm, offset=layout.field_offsets[name])
-            for name, field in header.fields.items()
+            np.ndarray((capacity, field.nbytes), np.uint8, buffer=mm, offset=layout.field_offsets[name])
+            for name, field in fixed.items()
         )
+        # Variable fields: descriptors per slot, values in the variable region.
+        self.variables = tuple(
+            VariableColumn(name, field, mm, layout.field_offsets[name], capacity)
+            for name, field in header.fields.items()
+            if field.variable
+        )
+        self.heap = handle.heap
+        self.region = self.heap.region if self.heap is not None else np.zeros(0, np.uint8)
+        raws = dict(zip(fixed, self.raws, strict=True))
+        columns = {column.name: column for column in self.variables}
+        # Every field in file order: ("fixed", array, raw) or ("variable", column).
+        self.order: tuple[tuple[Any, ...], ...] = tuple(
+            (name, columns[name]) if name in columns else (name, self.arrays[name], raws[name])
+            for name in header.fields
+        )
+
+    def parts(self, index: int) -> list[np.ndarray[Any, Any]] | None:
+        """Slot ``index``'s checksum parts in field order (``None``: a variable descriptor is impossible)."""
+        parts: list[np.ndarray[Any, Any]] = []
+        for entry in self.order:
+            if len(entry) == 3:
+                parts.append(entry[2][index])
+                continue
+            found = entry[1].parts(self.region, index)
+            if found is None:
+                return None
+            parts.extend(found)
+        return parts
 
 
 _P = ParamSpec("_P")
@@ -108,16 +140,23 @@ class Cache:
             length = _check_count("length", length)
         if key is not None and not isinstance(key, str):
             raise TypeError(f"key must be a string, not {type(key).__name__}")
-        if capacity is not None and max_bytes is not None:
+        variable = wanted is not None and any(field.variable for field in wanted.values())
+        if capacity is not None and max_bytes is not None and not variable:
             raise ValueError("give capacity= or max_bytes=, not both")
         new = None
         if not readonly and wanted is not None and length is not None:
+            if variable:
+                slots, variable_size = _plan_variable(wanted, length, capacity, max_bytes)
+            else:
+                slots, variable_size = _plan_capacity(wanted, length, capacity, max_bytes), 0
             new = NewFile(
                 fields=wanted,
                 length=length,
-                capacity=_plan_capacity(wanted, length, capacity, max_bytes),
+                capacity=slots,
                 key=key or "",
                 created=_creation_info(),
+                variable_size=variable_size,
+                extent_size=extent_size_for(variable_size) if variable_size else 0,
             )
         opened = open_or_create(target, Expected(wanted, length, key), new, readonly=readonly, timeout=float(timeout))
         self._attach(target, opened, readonly=readonly, verify=verify, timeout=float(timeout))
@@ -253,6 +292,13 @@ class Cache:
         if mapped is None:
             raise closed_error(self._path)
         if i < self._capacity and mapped.states[i] == READY:
+            if mapped.variables:
+                found = self._get_variable(mapped, i)
+                if found is not None:
+                    self._board.add(hits=1)
+                    return found
+                self._board.add(misses=1)
+                return default
             # A loop, not a dict comprehension: on Python < 3.12 the comprehension's
             # own frame costs ~0.2 µs a call (benchmarks/bench_read.py, "get overhead").
             sample: dict[str, np.ndarray[Any, Any]] = {}
@@ -263,6 +309,25 @@ class Cache:
                 return sample
         self._board.add(misses=1)
         return default
+
+    def _get_variable(self, mapped: _Mapped, i: int) -> dict[str, np.ndarray[Any, Any]] | None:
+        """A READY sample of a cache with variable fields (``None``: it fails its checks, a miss)."""
+        sample: dict[str, np.ndarray[Any, Any]] = {}
+        for entry in mapped.order:
+            if len(entry) == 3:
+                sample[entry[0]] = entry[1][i, ...].copy()
+                continue
+            value = entry[1].view(mapped.region, i)
+            if value is None:
+                self._report_damage(i)
+                return None
+            sample[entry[0]] = value.copy()
+        if self._verify:
+            parts = mapped.parts(i)
+            if parts is None or not intact_parts(mapped.slots, i, parts):
+                self._report_mismatch(i)
+                return None
+        return sample
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray[Any, Any]]:
         sample = self.get(index, _MISSING)
@@ -303,7 +368,12 @@ class Cache:
             for name, array in mapped.items:
                 # mode="clip": numpy buffers take(out=) in mode="raise" (see _gather.py).
                 np.take(array, idx, axis=0, out=out[name], mode="clip")
-        if self._verify:
+        if mapped.variables:
+            out, bad = self._with_variables(mapped, idx, out, np.arange(len(idx)))
+            if len(bad):
+                self._board.add(misses=len(bad))
+                raise _missing_error(self._path, idx[bad], len(idx), why="failed their checks")
+        elif self._verify:
             bad = failed_rows(mapped.slots, idx, list(out.values()))
             if len(bad):
                 for i in idx[bad].tolist():
@@ -341,7 +411,10 @@ class Cache:
             rows = np.flatnonzero(hits)
             for name, array in mapped.items:
                 out[name][rows] = array[idx[rows]]
-        if self._verify and hits.any():
+        if mapped.variables:
+            out, bad = self._with_variables(mapped, idx, out, np.flatnonzero(hits))
+            hits[bad] = False
+        elif self._verify and hits.any():
             rows = np.flatnonzero(hits)
             bad = rows[failed_rows(mapped.slots, idx[rows], [out[name][rows] for name in self._fields])]
             for i in idx[bad].tolist():
@@ -353,12 +426,15 @@ class Cache:
         return out, hits
 
     def _check_out(self, out: Any, count: int) -> None:
-        if not isinstance(out, Mapping) or out.keys() != self._fields.keys():
+        fixed = {name: field for name, field in self._fields.items() if not field.variable}
+        if not isinstance(out, Mapping) or out.keys() != fixed.keys():
             got = list(out) if isinstance(out, Mapping) else type(out).__name__
-            raise ValueError(f"out must map every field {list(self._fields)} to an array, got {got}")
-        for name, field in self._fields.items():
+            variable = [name for name in self._fields if name not in fixed]
+            also = f" (variable-shape fields {variable} always come back as lists)" if variable else ""
+            raise ValueError(f"out must map every fixed-shape field {list(fixed)} to an array{also}, got {got}")
+        for name, field in fixed.items():
             buffer = out[name]
-            shape = (count, *field.shape)
+            shape = (count, *field.fixed_shape)
             if not isinstance(buffer, np.ndarray):
                 raise ValueError(f"out[{name!r}] must be a numpy array, not {type(buffer).__name__}")
             if buffer.shape != shape or buffer.dtype != field.dtype:
@@ -397,6 +473,48 @@ class Cache:
         self._report_mismatch(index)
         return False
 
+    def _with_variables(
+        self,
+        mapped: _Mapped,
+        idx: np.ndarray[Any, Any],
+        out: dict[str, Any],
+        rows: np.ndarray[Any, Any],
+    ) -> tuple[dict[str, Any], np.ndarray[Any, Any]]:
+        """Add each variable field's values for ``rows`` of ``idx`` to ``out`` as lists; and the bad rows.
+
+        A row is bad when a descriptor is impossible or (with ``verify``) the
+        slot fails its checksum; its entries are ``None``.
+        """
+        region = mapped.region
+        lists: dict[str, list[Any]] = {column.name: [None] * len(idx) for column in mapped.variables}
+        bad = []
+        for row in rows.tolist():
+            i = int(idx[row])
+            values = [column.view(region, i) for column in mapped.variables]
+            if any(value is None for value in values):
+                self._report_damage(i)
+                bad.append(row)
+                continue
+            if self._verify:
+                parts = mapped.parts(i)
+                if parts is None or not intact_parts(mapped.slots, i, parts):
+                    self._report_mismatch(i)
+                    bad.append(row)
+                    continue
+            for column, value in zip(mapped.variables, values, strict=True):
+                assert value is not None
+                lists[column.name][row] = value.copy()
+        merged = {name: out[name] if name in out else lists[name] for name in self._fields}
+        return merged, np.asarray(bad, dtype=np.intp)
+
+    def _report_damage(self, index: int) -> None:
+        log.warning(
+            "slot %d of %s describes a variable value that cannot be in the file; treated as a miss "
+            "(cache.verify(fix=True) or `mmapcache verify --fix` resets it)",
+            index,
+            self._path,
+        )
+
     def _report_mismatch(self, index: int) -> None:
         log.warning(
             "slot %d of %s does not match its checksum; treated as a miss "
@@ -423,7 +541,9 @@ class Cache:
         handle = self._handle
         with handle.write_lock:
             handle.check_usable(writing=True)
-            stored = self._fill(mapped, i, arrays, None)
+            stored = (
+                self._fill(mapped, i, arrays, None) if not mapped.variables else self._fill_any(mapped, i, arrays, None)
+            )
         if stored:
             self._board.add(written=1)
         return stored
@@ -442,8 +562,9 @@ class Cache:
         handle = self._handle
         with handle.write_lock:
             handle.check_usable(writing=True)
+            fill = self._fill if not mapped.variables else self._fill_any
             for row in todo.tolist():
-                stored[row] = self._fill(mapped, int(idx[row]), arrays, row)
+                stored[row] = fill(mapped, int(idx[row]), arrays, row)
         self._board.add(written=int(np.count_nonzero(stored)))
         return stored
 
@@ -459,6 +580,49 @@ class Cache:
             return True
         finally:
             slots.release(index)
+
+    def _fill_any(self, mapped: _Mapped, index: int, arrays: list[Any], row: int | None) -> bool:
+        """``_fill`` for a cache with variable fields: values go to this writer's extent first."""
+        slots, heap = mapped.slots, mapped.heap
+        assert heap is not None
+        if not slots.claim(index):
+            return False
+        try:
+            values = [source if row is None else source[row] for source in arrays]
+            placed = self._place(mapped, heap, index, values)
+            if not placed:
+                slots.states[index] = EMPTY  # nothing was stored: the slot stays a miss
+                heap.warn_full(self._path)
+                return False
+            for entry, value in zip(mapped.order, values, strict=True):
+                if len(entry) == 3:
+                    entry[1][index] = value
+            parts = mapped.parts(index)
+            assert parts is not None  # just written within bounds
+            slots.publish(index, checksum(parts))
+            return True
+        finally:
+            slots.release(index)
+
+    @staticmethod
+    def _place(mapped: _Mapped, heap: Any, index: int, values: list[np.ndarray[Any, Any]]) -> bool:
+        """Write slot ``index``'s variable values into the region; False when it has no room."""
+        for entry, value in zip(mapped.order, values, strict=True):
+            if len(entry) == 3:
+                continue
+            offset = heap.allocate(value.nbytes) if value.nbytes else 0
+            if offset is None:
+                return False
+            entry[1].write(mapped.region, index, offset, value)
+        return True
+
+    @property
+    def variable_region(self) -> VariableRegion | None:
+        """How full the variable region is (``None`` without variable fields); see :class:`VariableRegion`."""
+        mapped = self._live()
+        if mapped.heap is None:
+            return None
+        return VariableRegion(mapped.heap.size, int(mapped.heap.claimed[0]), _bytes_used(mapped))
 
     def clear(self) -> None:
         """Mark every slot empty. Refuses with :class:`CacheInUseError` while any other handle is open."""
@@ -478,6 +642,8 @@ class Cache:
                     try:
                         mapped.slots.states[:] = EMPTY
                         mapped.slots.checksums[:] = 0
+                        if mapped.heap is not None:
+                            mapped.heap.reset()
                     finally:
                         fcntl.flock(fd, fcntl.LOCK_SH)
                     return
@@ -507,7 +673,8 @@ class Cache:
         with handle.write_lock:
             handle.check_usable(writing=fix)
             problems = self._header_problems(handle.fd)
-            problems += slot_problems(mapped.slots, mapped.raws, fix=fix)
+            ranges = (lambda ready: _value_ranges(mapped, ready)) if mapped.variables else None
+            problems += slot_problems(mapped.slots, mapped.parts, fix=fix, ranges=ranges)
         return problems
 
     def _header_problems(self, fd: int) -> list[Problem]:
@@ -668,6 +835,32 @@ def _plan_capacity(fields: dict[str, Field], length: int, capacity: int | None, 
     return slots
 
 
+def _plan_variable(
+    fields: dict[str, Field], length: int, capacity: int | None, max_bytes: int | str | None
+) -> tuple[int, int]:
+    """``(slots, variable region bytes)`` for a new file with variable fields: ``max_bytes`` covers both."""
+    variable = [name for name, field in fields.items() if field.variable]
+    if max_bytes is None:
+        raise ValueError(
+            f"fields {variable} have variable dimensions, so the cache needs a byte budget for their values: "
+            'pass max_bytes= (e.g. max_bytes="8GiB"); it covers the fixed parts of every slot and the values'
+        )
+    budget = parse_bytes(max_bytes, name="max_bytes")
+    slots = length if capacity is None else min(_check_count("capacity", capacity), length)
+    if slots > max_slots(fields):
+        raise ValueError(f"{slots} slots are more than a file can hold; cache fewer samples with capacity=")
+    fixed = slots * slot_nbytes(fields)
+    region = min((budget - fixed) // 4096 * 4096, (MAX_FILE_SIZE - fixed) // 2 // 4096 * 4096)
+    if region < 4096:
+        raise ValueError(
+            f"max_bytes={max_bytes!r} ({budget} bytes) leaves no room for the values of the variable fields "
+            f"{variable}: the fixed parts of {slots} slots already take {fixed} bytes "
+            f"({slot_nbytes(fields)} per slot). Give max_bytes of at least {fixed} bytes plus the total size "
+            "of the values you expect, or fewer slots with capacity="
+        )
+    return slots, region
+
+
 def _creation_info() -> dict[str, Any]:
     from . import __version__
 
@@ -678,3 +871,23 @@ def _creation_info() -> dict[str, Any]:
         "uid": os.geteuid(),
         "mmapcache": __version__,
     }
+
+
+def _bytes_used(mapped: _Mapped) -> int:
+    """Bytes of the variable region that READY slots' values hold."""
+    ready = np.flatnonzero(np.asarray(mapped.slots.states) == READY)
+    total = 0
+    for column in mapped.variables:
+        dims = column.dims[ready].astype(np.int64)
+        total += int(dims.prod(axis=1).sum()) * column.dtype.itemsize
+    return total
+
+
+def _value_ranges(mapped: _Mapped, ready: np.ndarray[Any, Any]) -> list[tuple[int, int, int]]:
+    """``(start, end, slot)`` in the variable region of every variable value of the ``ready`` slots."""
+    spans = []
+    for column in mapped.variables:
+        starts = column.offsets[ready].astype(np.int64)
+        ends = starts + column.dims[ready].astype(np.int64).prod(axis=1) * column.dtype.itemsize
+        spans += list(zip(starts.tolist(), ends.tolist(), ready.tolist(), strict=True))
+    return spans

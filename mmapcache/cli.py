@@ -89,8 +89,9 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return lines
 
 
-def _shape(shape: Sequence[int]) -> str:
-    return "x".join(map(str, shape)) if shape else "scalar"
+def _shape(shape: Sequence[int | None]) -> str:
+    """``3x224x224``; a variable dimension is ``*`` (``3x*x*``)."""
+    return "x".join("*" if d is None else str(d) for d in shape) if shape else "scalar"
 
 
 def _fields(item: CacheInfo) -> str:
@@ -193,8 +194,26 @@ def _capacity(item: CacheInfo) -> str:
         reach = "every index"
     else:
         reach = f"indices 0..{capacity - 1} of {length}" if capacity else "no index"
-    per_sample = format_bytes(sum(f.nbytes for f in item.fields))
+    fixed = [f.nbytes for f in item.fields if f.nbytes is not None]
+    per_sample = format_bytes(sum(fixed))
+    if len(fixed) < len(item.fields):
+        per_sample += " plus variable-shape values"
     return f"{capacity} slots ({reach} cacheable), {per_sample} per sample"
+
+
+def _per_sample(nbytes: int | None) -> str:
+    return "variable" if nbytes is None else format_bytes(nbytes)
+
+
+def _variable(item: CacheInfo) -> str:
+    region = item.variable
+    if region is None:
+        return ""
+    share = 100 * region.claimed / region.size if region.size else 100.0
+    return (
+        f"{format_bytes(region.claimed)} of {format_bytes(region.size)} claimed ({share:.1f}%), "
+        f"{format_bytes(region.used)} in cached values, {format_bytes(region.free)} free"
+    )
 
 
 def _created(created: dict[str, Any]) -> str:
@@ -215,7 +234,10 @@ def format_info(item: CacheInfo, now: float) -> str:
     """``info``: the header in full, the fill, who uses the file, and the space where it lives."""
     fields = _table(
         ["name", "shape", "dtype", "bytes/sample"],
-        [[f.name, _shape(f.shape), f.dtype, format_bytes(f.nbytes)] for f in item.fields],
+        [
+            [f.name, _shape(f.shape), f.dtype, "variable" if f.nbytes is None else format_bytes(f.nbytes)]
+            for f in item.fields
+        ],
     )
     in_use = (f"yes, by {_pids(item.pids)}" if item.pids else "yes") if item.in_use else "no"
     free = f"{format_bytes(item.free)} free" if item.free is not None else "free space unknown"
@@ -226,6 +248,7 @@ def format_info(item: CacheInfo, now: float) -> str:
         ("length", f"{item.length} samples"),
         ("capacity", _capacity(item)),
         ("filled", _filled(item)),
+        *([("variable region", _variable(item))] if item.variable is not None else []),
         ("reads", _reads(item)),
         ("fields", fields[0]),
         *(("", line) for line in fields[1:]),

@@ -127,7 +127,7 @@ def test_sizes_beyond_the_format_raise_value_error_naming_the_argument(cache_dir
         Cache.open(path, FIELDS, length=10, capacity=2**64)
     with pytest.raises(ValueError, match="more than a file can hold"):
         Cache.open(path, FIELDS, length=2**62)
-    with pytest.raises(ValueError, match="max_bytes gives .* more than a file can hold"):
+    with pytest.raises(ValueError, match=r"max_bytes gives .* more than a file can hold"):
         Cache.open(path, FIELDS, length=2**62, max_bytes="1" * 400)
     with pytest.raises(ValueError, match="max_bytes 'x1'"):
         Cache.open(path, FIELDS, length=10, max_bytes="x1")
@@ -298,8 +298,8 @@ def test_read_many_with_verify_treats_a_damaged_row_as_a_miss(cache_dir: Path) -
 @pytest.mark.parametrize(
     ("out", "words"),
     [
-        ({"image": np.zeros((2, 3, 8, 8), np.uint8)}, "every field"),
-        ([np.zeros(2)], "every field"),
+        ({"image": np.zeros((2, 3, 8, 8), np.uint8)}, "every fixed-shape field"),
+        ([np.zeros(2)], "every fixed-shape field"),
         ({"image": np.zeros((3, 3, 8, 8), np.uint8), "label": np.zeros(2, np.int64)}, r"shape \(2, 3, 8, 8\)"),
         ({"image": np.zeros((2, 3, 8, 8), np.int16), "label": np.zeros(2, np.int64)}, "dtype uint8"),
         ({"image": np.zeros((2, 3, 8, 8), np.uint8), "label": np.zeros(4, np.int64)[::2]}, "C-contiguous"),
@@ -630,3 +630,148 @@ def test_verify_finds_and_fixes_damaged_and_abandoned_slots(cache_dir: Path) -> 
         assert cache.put(7, sample(7))
         assert_sample(cache[3], 3)
         assert cache.filled == 6
+
+
+# -- variable-shape fields ------------------------------------------------------------------
+
+RAGGED = {"tokens": Field((None,), "int32"), "label": Field((), "int64"), "boxes": Field((None, 4), "float32")}
+
+
+def ragged(i: int) -> dict[str, Any]:
+    return {
+        "tokens": np.arange(i % 7 * 3, dtype=np.int32) + i,
+        "label": i,
+        "boxes": np.full((i % 3, 4), i / 2, np.float32),
+    }
+
+
+def assert_ragged(got: dict[str, Any], i: int) -> None:
+    want = ragged(i)
+    assert set(got) == set(RAGGED)
+    for name in ("tokens", "boxes"):
+        assert got[name].dtype == want[name].dtype
+        np.testing.assert_array_equal(got[name], want[name])
+    assert int(got["label"]) == i
+
+
+def test_variable_fields_round_trip(cache_dir: Path) -> None:
+    path = cache_dir / "r.mmc"
+    with Cache.open(path, RAGGED, length=50, max_bytes="1MiB") as cache:
+        assert all(cache.put(i, ragged(i)) for i in range(0, 50, 2))
+        assert cache.put_many([1, 3, 5], {name: [ragged(i)[name] for i in (1, 3, 5)] for name in RAGGED}).all()
+        assert_ragged(cache[4], 4)
+        batch = cache.get_many([3, 8, 0])
+        assert isinstance(batch["tokens"], list)
+        assert batch["label"].tolist() == [3, 8, 0]
+        for row, i in enumerate([3, 8, 0]):
+            assert_ragged({name: batch[name][row] for name in RAGGED}, i)
+        arrays, hits = cache.read_many([2, 7, 5])
+        assert hits.tolist() == [True, False, True]
+        assert arrays["tokens"][1] is None
+        assert_ragged({name: arrays[name][2] for name in RAGGED}, 5)
+        out = {"label": np.zeros(2, np.int64)}
+        assert cache.get_many([2, 4], out=out)["label"] is out["label"]
+        region = cache.variable_region
+        assert region is not None
+        assert region.used == sum(
+            ragged(i)["tokens"].nbytes + ragged(i)["boxes"].nbytes for i in [*range(0, 50, 2), 1, 3, 5]
+        )
+        assert region.used <= region.claimed <= region.size
+        assert cache.verify() == []
+    with Cache.open(path, verify=True) as again:  # another handle, checksums checked
+        assert again.fields == RAGGED
+        assert_ragged(again[3], 3)
+        assert_ragged({name: again.get_many([48])[name][0] for name in RAGGED}, 48)
+
+
+def test_variable_values_are_checked_like_fixed_ones(cache_dir: Path) -> None:
+    with Cache.open(cache_dir / "r.mmc", RAGGED, length=10, max_bytes="1MiB") as cache:
+        with pytest.raises(ValueError, match=r"field 'boxes'.*\(\*, 4\).*\(2, 3\)"):
+            cache.put(0, {**ragged(0), "boxes": np.zeros((2, 3), np.float32)})
+        with pytest.raises(ValueError, match=r"field 'tokens'.*\(\*,\)"):
+            cache.put(0, {**ragged(0), "tokens": np.zeros((2, 2), np.int32)})
+        with pytest.raises(TypeError, match="field 'tokens'"):
+            cache.put(0, {**ragged(0), "tokens": np.zeros(3)})  # float64 into int32
+        with pytest.raises(TypeError, match="one per row"):
+            cache.put_many([0], {"tokens": 5, "label": [0], "boxes": [np.zeros((0, 4))]})
+        with pytest.raises(ValueError, match="expected 1 values"):
+            cache.put_many([0], {"tokens": np.zeros(3, np.int32), "label": [0], "boxes": [np.zeros((0, 4))]})
+        with pytest.raises(ValueError, match="expected 1 values"):
+            cache.put_many([0], {"tokens": [], "label": [0], "boxes": [np.zeros((0, 4))]})
+        assert cache.filled == 0
+        region = cache.variable_region
+        assert region is not None
+        assert region.claimed == 0, "a refused value takes no space"
+
+
+def test_variable_fields_need_a_budget(cache_dir: Path) -> None:
+    with pytest.raises(ValueError, match="pass max_bytes="):
+        Cache.open(cache_dir / "r.mmc", RAGGED, length=10)
+    with pytest.raises(ValueError, match="leaves no room for the values"):
+        Cache.open(cache_dir / "r.mmc", RAGGED, length=10_000, max_bytes="64KiB")
+    assert not (cache_dir / "r.mmc").exists()
+    # capacity and max_bytes together: slots, and room for their values.
+    with Cache.open(cache_dir / "r.mmc", RAGGED, length=100, capacity=10, max_bytes="1MiB") as cache:
+        assert cache.capacity == 10
+
+
+def test_a_full_variable_region_leaves_samples_uncached(cache_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    big = {"x": Field((None,), "uint8")}
+    with Cache.open(cache_dir / "r.mmc", big, length=100, max_bytes=2 * 4096 + 100 * 24) as cache:
+        region = cache.variable_region
+        assert region is not None
+        stored = [cache.put(i, {"x": np.full(1000, i, np.uint8)}) for i in range(20)]
+        assert stored[0], "some fit"
+        assert not all(stored), "the rest stay misses"
+        assert stored == sorted(stored, reverse=True)
+        assert caplog.text.count("is full") == 1, "one warning per process"
+        assert cache.put_many([30, 31], {"x": [np.zeros(10, np.uint8)] * 2}).tolist() in ([True, True], [False, False])
+        assert cache.put(40, {"x": np.zeros(0, np.uint8)}), "an empty value needs no room"
+        for i in [i for i, ok in enumerate(stored) if ok]:
+            assert cache[i]["x"].tolist() == [i] * 1000
+        assert cache.verify() == []
+
+
+def test_verify_finds_damaged_variable_descriptors(cache_dir: Path) -> None:
+    with Cache.open(cache_dir / "r.mmc", RAGGED, length=10, max_bytes="1MiB") as cache:
+        for i in range(1, 6):
+            cache.put(i, ragged(i))
+        tokens = cache._mapped.variables[0]  # type: ignore[union-attr]
+        tokens.dims[2] = [10**9]  # a shape that cannot be in the file
+        tokens.offsets[4] = tokens.offsets[3]  # two slots claiming the same bytes
+        problems = {(p.kind, p.index) for p in cache.verify()}
+        assert ("variable", 2) in problems
+        assert ("checksum", 4) in problems
+        assert cache.get(2) is None, "an impossible descriptor is a miss, never an exception"
+        fixed = cache.verify(fix=True)
+        assert all(p.fixed for p in fixed)
+        assert cache.verify() == []
+        assert cache.put(2, ragged(2))
+        assert_ragged(cache[2], 2)
+
+
+def test_clear_empties_the_variable_region(cache_dir: Path) -> None:
+    with Cache.open(cache_dir / "r.mmc", RAGGED, length=10, max_bytes="1MiB") as cache:
+        cache.put(1, ragged(1))
+        cache.clear()
+        region = cache.variable_region
+        assert region is not None
+        assert (region.claimed, region.used, cache.filled) == (0, 0, 0)
+        assert cache.put(1, ragged(1))
+        assert_ragged(cache[1], 1)
+
+
+def test_a_forked_child_fills_its_own_extent(cache_dir: Path) -> None:
+    with Cache.open(cache_dir / "r.mmc", RAGGED, length=40, max_bytes="4MiB") as cache:
+        cache.put(0, ragged(0))  # the parent holds an extent now
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            ok = all(cache.put(i, ragged(i)) for i in range(1, 40, 2))
+            os._exit(0 if ok else 1)
+        for i in range(2, 40, 2):
+            cache.put(i, ragged(i))
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert cache.verify() == [], "no two slots share bytes"
+        for i in range(40):
+            assert_ragged(cache[i], i)

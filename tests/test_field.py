@@ -41,10 +41,29 @@ def test_negative_shape(shape: Any) -> None:
         Field(shape, "uint8")
 
 
-@pytest.mark.parametrize("shape", [(1.5,), "abc", None, True, (2, None)])
+@pytest.mark.parametrize("shape", [(1.5,), "abc", None, True, (2, "x")])
 def test_non_integer_shape(shape: Any) -> None:
     with pytest.raises(TypeError, match="tuple of ints"):
         Field(shape, "uint8")
+
+
+def test_variable_dimensions() -> None:
+    tokens, image = Field((None,), "int32"), Field((3, None, None), "uint8")
+    assert tokens.variable
+    assert image.variable
+    assert not Field((3,), "u1").variable
+    assert image.shape == (3, None, None)
+    assert image.fits((3, 5, 7))
+    assert image.fits((3, 0, 1))
+    assert not image.fits((4, 5, 7))
+    assert not image.fits((3, 5))
+    assert not tokens.fits(())
+    with pytest.raises(TypeError, match="variable"):
+        image.nbytes  # noqa: B018
+    with pytest.raises(TypeError, match="variable"):
+        image.fixed_shape  # noqa: B018
+    assert repr(tokens) == "Field((None,), 'int32')"
+    assert tokens == Field([None], np.int32)
 
 
 @pytest.mark.parametrize(

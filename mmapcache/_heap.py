@@ -1,0 +1,149 @@
+"""The variable region: where values of variable-shape fields live, handed out in extents.
+
+Many processes fill a cache in random order, so the region cannot be laid out
+by slot. Instead every writer *claims an extent* — a run of ``extent_size``
+bytes, about 1 MiB — by advancing one shared counter, the ``claimed`` word of
+the allocation page, while holding the kernel record lock on that page's
+first byte (``F_OFD_SETLKW``: a few microseconds, once per extent). It then
+places values in its extent with no lock at all, each at a multiple of 16
+bytes, and starts a new extent when the next value does not fit (a value
+larger than an extent gets a run of whole extents of its own).
+
+Why this is crash-safe, per record:
+
+* Space is handed out only by advancing ``claimed`` under the lock, so no two
+  writers ever get the same bytes, and a writer killed mid-claim either
+  advanced it (the extent is lost) or did not.
+* A value is written, then the slot's descriptor and checksum, and only then
+  is the slot published READY (the slot protocol in ``_slots.py``). A writer
+  killed before that leaves the slot WRITING, which the next writer reclaims
+  into space of its own; READY never points at bytes that were not written.
+* What a dead writer had claimed but not filled is lost until the cache is
+  cleared: at most one extent per writer that died. ``claimed`` minus the
+  bytes of READY values is that loss plus what live writers hold in reserve
+  (``mmapcache info`` shows both numbers).
+* After ``fork`` a child must not write into its parent's extent: it forgets
+  it and claims its own (see ``_handle.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._format import PAYLOAD_ALIGNMENT, Layout
+from ._locks import SlotLocks
+
+__all__ = ["Heap", "VariableRegion", "extent_size_for", "place"]
+
+log = logging.getLogger("mmapcache")
+
+MiB = 2**20
+
+
+def extent_size_for(region_size: int) -> int:
+    """The extent size for a region: 1 MiB, or a 64th of a small region (whole pages)."""
+    if region_size >= 64 * MiB:
+        return MiB
+    return max(4096, -(-(region_size // 64) // 4096) * 4096) if region_size >= 4096 else region_size
+
+
+def place(nbytes: int) -> int:
+    """``nbytes`` rounded up to the alignment of values in the region."""
+    return -(-nbytes // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
+
+
+@dataclass(frozen=True)
+class VariableRegion:
+    """How full a cache's variable region is.
+
+    ``size`` bytes in all; ``claimed`` handed out to writers in extents;
+    ``used`` held by READY values. ``claimed - used`` is what writers hold in
+    reserve, plus what writers that died or cleared slots left behind.
+    """
+
+    size: int
+    claimed: int
+    used: int
+
+    @property
+    def free(self) -> int:
+        return self.size - self.claimed
+
+    def to_dict(self) -> dict[str, int]:
+        return {"size": self.size, "claimed": self.claimed, "used": self.used, "free": self.free}
+
+
+class Heap:
+    """One handle's allocator in the variable region of a mapping."""
+
+    __slots__ = ("_end", "_full_warned", "_lock_offset", "_locks", "_pos", "claimed", "extent", "region", "size")
+
+    def __init__(self, buffer: Any, layout: Layout, locks: SlotLocks) -> None:
+        self.size, self.extent = layout.variable_size, layout.extent_size
+        self.region: np.ndarray[Any, np.dtype[np.uint8]] = np.ndarray(
+            (self.size,), np.uint8, buffer=buffer, offset=layout.variable_offset
+        )
+        self.claimed: np.ndarray[Any, np.dtype[np.uint64]] = np.ndarray(
+            (1,), np.dtype("<u8"), buffer=buffer, offset=layout.allocator_offset
+        )
+        self._locks, self._lock_offset = locks, layout.allocator_offset
+        self._pos = self._end = 0  # this process's current extent, [pos, end)
+        self._full_warned = False
+
+    def allocate(self, nbytes: int) -> int | None:
+        """An offset of ``nbytes`` free bytes in the region for this writer, or ``None`` when it is full.
+
+        The caller holds the handle's write lock (one allocator per handle).
+        """
+        need = place(nbytes)
+        if self._end - self._pos >= need:
+            offset = self._pos
+            self._pos += need
+            return offset
+        run = self.extent if need <= self.extent else -(-need // self.extent) * self.extent
+        start = self._claim(run, need)
+        if start is None:
+            return None
+        if run > self.extent:  # a value of its own: keep the current extent for small ones
+            return start
+        self._pos, self._end = start + need, start + run
+        return start
+
+    def _claim(self, run: int, need: int) -> int | None:
+        """Advance ``claimed`` by ``run`` bytes (or what is left, if at least ``need``) under the lock."""
+        self._locks.claim_wait(self._lock_offset)
+        try:
+            start = int(self.claimed[0])
+            left = self.size - start
+            if left < need:
+                return None
+            self.claimed[0] = start + min(run, left)
+            return start
+        finally:
+            self._locks.release(self._lock_offset)
+
+    def warn_full(self, path: Any) -> None:
+        """Say once per process that the region is full (the samples stay misses)."""
+        if not self._full_warned:
+            self._full_warned = True
+            log.warning(
+                "the variable region of %s is full (%d bytes): further samples with variable-shape "
+                "fields are not cached and are read from the dataset each time. Give a larger max_bytes "
+                "when creating the cache (remove it first: `mmapcache rm %s`)",
+                path,
+                self.size,
+                path,
+            )
+
+    def forget_extent(self) -> None:
+        """After fork, in the child: the current extent is the parent's."""
+        self._pos = self._end = 0
+
+    def reset(self) -> None:
+        """Everything was cleared (the caller holds the exclusive in-use lock): start from the beginning."""
+        self.claimed[0] = 0
+        self._pos = self._end = 0
