@@ -157,9 +157,10 @@ its start.
 
 - A writer takes space only by advancing `claimed`, and only while holding an
   exclusive `F_OFD_SETLKW` lock on the allocation page's first byte; it takes
-  an *extent* (`extent` bytes, or a run of whole extents for a larger value,
-  or what is left of the region) and places values in it without further
-  locking. No two writers ever hold the same bytes.
+  an *extent* (`extent` bytes, or what is left of the region) and places
+  values in it without further locking; a value larger than `extent / 16`
+  gets a run of exactly its size (rounded up to 16) instead. No two writers
+  ever hold the same bytes.
 - A writer writes the value and the descriptor before the checksum and the
   READY state (the slot rules below), so a READY slot never describes bytes
   that were not written. Space a writer claimed and did not fill before it

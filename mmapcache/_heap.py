@@ -6,11 +6,13 @@ bytes, about 1 MiB — by advancing one shared counter, the ``claimed`` word of
 the allocation page, while holding the kernel record lock on that page's
 first byte (``F_OFD_SETLKW``: a few microseconds, once per extent). It then
 places values in its extent with no lock at all, each at a multiple of 16
-bytes, and starts a new extent when the next value does not fit (a value
-larger than an extent gets a run of whole extents of its own).
+bytes, and starts a new extent when the next value does not fit.
 
 Why this is crash-safe, per record:
 
+* A value larger than a sixteenth of an extent gets a run of exactly its size
+  instead (its copy costs far more than the lock, and it would strand the
+  tail of an extent), so the region's waste stays within a few percent.
 * Space is handed out only by advancing ``claimed`` under the lock, so no two
   writers ever get the same bytes, and a writer killed mid-claim either
   advanced it (the extent is lost) or did not.
@@ -104,13 +106,14 @@ class Heap:
             offset = self._pos
             self._pos += need
             return offset
-        run = self.extent if need <= self.extent else -(-need // self.extent) * self.extent
-        start = self._claim(run, need)
+        if need > self.extent // 16:
+            # A large value gets a run of its own, exactly its size: its copy costs far more
+            # than the lock, and packing it into extents would strand their tails.
+            return self._claim(need, need)
+        start = self._claim(self.extent, need)
         if start is None:
             return None
-        if run > self.extent:  # a value of its own: keep the current extent for small ones
-            return start
-        self._pos, self._end = start + need, start + run
+        self._pos, self._end = start + need, start + min(self.extent, self.size - start)
         return start
 
     def _claim(self, run: int, need: int) -> int | None:

@@ -5,22 +5,29 @@ uint64 offset into the variable region, then one uint32 per dimension); the
 value itself lives in the variable region (``_heap``). The slot checksum
 chains, for such a field, the shape's uint32 bytes and then the value's bytes,
 so a descriptor or value that does not belong together fails verification.
+
+Reads are the hot path, so descriptors are read through ``memoryview`` casts
+(a Python int per index, no numpy scalar), a value is copied out of a typed
+view of the region (two numpy calls), and a batch is validated with array
+operations and copied into one buffer that its rows view.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import numpy as np
 
 from ._field import Field
-from ._format import descriptor_nbytes
+from ._format import PAYLOAD_ALIGNMENT, descriptor_nbytes
 
 __all__ = ["VariableColumn", "shape_bytes"]
 
 _DIM = np.dtype("<u4")
 _OFFSET = np.dtype("<u8")
+_LITTLE = sys.byteorder == "little"
 
 
 def shape_bytes(shape: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np.uint8]]:
@@ -31,46 +38,132 @@ def shape_bytes(shape: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np.uint8]]:
 class VariableColumn:
     """The descriptors of one variable field in a mapping, and reads and writes through them."""
 
-    __slots__ = ("dims", "dtype", "field", "name", "offsets")
+    __slots__ = (
+        "_dim_words",
+        "_dims_mv",
+        "_fixed_axes",
+        "_item",
+        "_ndim",
+        "_offset_words",
+        "_offsets_mv",
+        "_region",
+        "_size",
+        "_typed",
+        "dims",
+        "dtype",
+        "field",
+        "name",
+        "offsets",
+    )
 
-    def __init__(self, name: str, field: Field, buffer: Any, offset: int, capacity: int) -> None:
+    def __init__(
+        self, name: str, field: Field, buffer: Any, offset: int, capacity: int, region: np.ndarray[Any, Any]
+    ) -> None:
         self.name, self.field, self.dtype = name, field, field.dtype
-        ndim = len(field.shape)
-        table = np.ndarray((capacity, descriptor_nbytes(field)), np.uint8, buffer=buffer, offset=offset)
+        self._ndim = ndim = len(field.shape)
+        width = descriptor_nbytes(field)
+        table = np.ndarray((capacity, width), np.uint8, buffer=buffer, offset=offset)
         self.offsets: np.ndarray[Any, Any] = table[:, :8].view(_OFFSET)[:, 0]
         self.dims: np.ndarray[Any, Any] = table[:, 8 : 8 + 4 * ndim].view(_DIM)
+        # Fast scalar access: word k of slot i is at i * words_per_slot + k.
+        raw = memoryview(buffer)[offset : offset + capacity * width]
+        self._offsets_mv = raw.cast("Q") if _LITTLE and capacity else None
+        self._dims_mv = raw.cast("I") if _LITTLE and capacity else None
+        self._offset_words, self._dim_words = width // 8, width // 4
+        self._fixed_axes = tuple((axis, d) for axis, d in enumerate(field.shape) if d is not None)
+        self._region, self._size, self._item = region, len(region), field.dtype.itemsize
+        # A view of the region in the field's dtype, when every value's offset is a multiple of its itemsize.
+        usable = len(region) // self._item * self._item
+        self._typed = region[:usable].view(field.dtype) if PAYLOAD_ALIGNMENT % self._item == 0 else None
 
     def shape(self, index: int) -> tuple[int, ...]:
-        return tuple(self.dims[index].tolist())
+        if self._dims_mv is None:
+            return tuple(self.dims[index].tolist())
+        start = index * self._dim_words + 2
+        return tuple(self._dims_mv[start : start + self._ndim])
 
-    def locate(self, index: int, region_size: int) -> tuple[int, tuple[int, ...], int] | None:
+    def _offset(self, index: int) -> int:
+        if self._offsets_mv is None:
+            return int(self.offsets[index])
+        return int(self._offsets_mv[index * self._offset_words])
+
+    def locate(self, index: int) -> tuple[int, tuple[int, ...], int] | None:
         """``(offset, shape, nbytes)`` of slot ``index``'s value, or ``None`` if the descriptor is impossible."""
         shape = self.shape(index)
-        offset = int(self.offsets[index])
-        nbytes = math.prod(shape) * self.dtype.itemsize
-        if not self.field.fits(shape) or offset + nbytes > region_size:
+        offset = self._offset(index)
+        nbytes = math.prod(shape) * self._item
+        if offset + nbytes > self._size or any(shape[axis] != d for axis, d in self._fixed_axes):
             return None
         return offset, shape, nbytes
 
-    def view(self, region: np.ndarray[Any, Any], index: int) -> np.ndarray[Any, Any] | None:
-        """Slot ``index``'s value as a view of the region (``None`` if its descriptor is impossible)."""
-        where = self.locate(index, len(region))
+    def copy(self, index: int) -> np.ndarray[Any, Any] | None:
+        """A fresh copy of slot ``index``'s value (``None`` if its descriptor is impossible)."""
+        typed, dims = self._typed, self._dims_mv
+        if self._ndim == 1 and typed is not None and dims is not None and self._offsets_mv is not None:
+            # The common case (token sequences): two memoryview reads and one copy.
+            count = dims[index * self._dim_words + 2]
+            offset = self._offsets_mv[index * self._offset_words]
+            if offset + count * self._item > self._size:
+                return None
+            start = offset // self._item
+            fresh: np.ndarray[Any, Any] = typed[start : start + count].copy()
+            return fresh
+        where = self.locate(index)
         if where is None:
             return None
         offset, shape, nbytes = where
-        return region[offset : offset + nbytes].view(self.dtype).reshape(shape)
+        typed = self._typed
+        if typed is not None:
+            start = offset // self._item
+            value = typed[start : start + nbytes // self._item]
+            result: np.ndarray[Any, Any] = value.reshape(shape).copy()
+            return result
+        result = self._region[offset : offset + nbytes].view(self.dtype).reshape(shape).copy()
+        return result
 
-    def write(self, region: np.ndarray[Any, Any], index: int, offset: int, value: np.ndarray[Any, Any]) -> None:
+    def copy_many(self, indices: np.ndarray[Any, Any]) -> tuple[list[Any], np.ndarray[Any, Any]]:
+        """Fresh copies of the values of ``indices`` (rows of one new buffer), and which rows are impossible."""
+        shapes = self.dims[indices].astype(np.int64)
+        starts = self.offsets[indices].astype(np.int64)
+        counts = shapes.prod(axis=1) if self._ndim else np.ones(len(indices), np.int64)
+        ends = starts + counts * self._item
+        bad = (ends > self._size) | (starts < 0)
+        for axis, d in self._fixed_axes:
+            bad |= shapes[:, axis] != d
+        values: list[Any] = [None] * len(indices)
+        good = np.flatnonzero(~bad)
+        if not len(good):
+            return values, np.flatnonzero(bad)
+        if self._typed is not None and not (starts[good] % self._item).any():
+            firsts, lasts = (starts[good] // self._item).tolist(), (ends[good] // self._item).tolist()
+            source = self._typed
+        else:
+            firsts, lasts, source = starts[good].tolist(), ends[good].tolist(), self._region
+        flat = np.concatenate([source[a:b] for a, b in zip(firsts, lasts, strict=True)])
+        if source is self._region:
+            flat = flat.view(self.dtype)
+        bounds = np.zeros(len(good) + 1, np.int64)
+        np.cumsum(counts[good], out=bounds[1:])
+        edges = bounds.tolist()
+        if self._ndim == 1:
+            for k, row in enumerate(good.tolist()):
+                values[row] = flat[edges[k] : edges[k + 1]]
+        else:
+            for k, (row, shape) in enumerate(zip(good.tolist(), shapes[good].tolist(), strict=True)):
+                values[row] = flat[edges[k] : edges[k + 1]].reshape(shape)
+        return values, np.flatnonzero(bad)
+
+    def write(self, index: int, offset: int, value: np.ndarray[Any, Any]) -> None:
         """Store ``value`` at ``offset`` of the region and describe it in slot ``index``'s descriptor."""
         data = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
-        region[offset : offset + len(data)] = data
+        self._region[offset : offset + len(data)] = data
         self.dims[index] = value.shape
         self.offsets[index] = offset
 
-    def parts(self, region: np.ndarray[Any, Any], index: int) -> list[np.ndarray[Any, Any]] | None:
+    def parts(self, index: int) -> list[np.ndarray[Any, Any]] | None:
         """The checksum parts of slot ``index`` (shape bytes, value bytes), or ``None`` if impossible."""
-        where = self.locate(index, len(region))
+        where = self.locate(index)
         if where is None:
             return None
         offset, shape, nbytes = where
-        return [shape_bytes(shape), region[offset : offset + nbytes]]
+        return [shape_bytes(shape), self._region[offset : offset + nbytes]]

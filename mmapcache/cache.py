@@ -69,13 +69,13 @@ class _Mapped:
             for name, field in fixed.items()
         )
         # Variable fields: descriptors per slot, values in the variable region.
+        self.heap = handle.heap
+        self.region = self.heap.region if self.heap is not None else np.zeros(0, np.uint8)
         self.variables = tuple(
-            VariableColumn(name, field, mm, layout.field_offsets[name], capacity)
+            VariableColumn(name, field, mm, layout.field_offsets[name], capacity, self.region)
             for name, field in header.fields.items()
             if field.variable
         )
-        self.heap = handle.heap
-        self.region = self.heap.region if self.heap is not None else np.zeros(0, np.uint8)
         raws = dict(zip(fixed, self.raws, strict=True))
         columns = {column.name: column for column in self.variables}
         # Every field in file order: ("fixed", array, raw) or ("variable", column).
@@ -91,7 +91,7 @@ class _Mapped:
             if len(entry) == 3:
                 parts.append(entry[2][index])
                 continue
-            found = entry[1].parts(self.region, index)
+            found = entry[1].parts(index)
             if found is None:
                 return None
             parts.extend(found)
@@ -317,11 +317,11 @@ class Cache:
             if len(entry) == 3:
                 sample[entry[0]] = entry[1][i, ...].copy()
                 continue
-            value = entry[1].view(mapped.region, i)
+            value = entry[1].copy(i)
             if value is None:
                 self._report_damage(i)
                 return None
-            sample[entry[0]] = value.copy()
+            sample[entry[0]] = value
         if self._verify:
             parts = mapped.parts(i)
             if parts is None or not intact_parts(mapped.slots, i, parts):
@@ -485,27 +485,29 @@ class Cache:
         A row is bad when a descriptor is impossible or (with ``verify``) the
         slot fails its checksum; its entries are ``None``.
         """
-        region = mapped.region
-        lists: dict[str, list[Any]] = {column.name: [None] * len(idx) for column in mapped.variables}
-        bad = []
-        for row in rows.tolist():
-            i = int(idx[row])
-            values = [column.view(region, i) for column in mapped.variables]
-            if any(value is None for value in values):
-                self._report_damage(i)
-                bad.append(row)
-                continue
-            if self._verify:
+        lists: dict[str, list[Any]] = {}
+        bad = np.zeros(len(idx), bool)
+        for column in mapped.variables:
+            values, impossible = column.copy_many(idx[rows])
+            bad[rows[impossible]] = True
+            lists[column.name] = [None] * len(idx)
+            for row, value in zip(rows.tolist(), values, strict=True):
+                lists[column.name][row] = value
+        for row in np.flatnonzero(bad).tolist():
+            self._report_damage(int(idx[row]))
+        if self._verify:
+            for row in rows[~bad[rows]].tolist():
+                i = int(idx[row])
                 parts = mapped.parts(i)
                 if parts is None or not intact_parts(mapped.slots, i, parts):
                     self._report_mismatch(i)
-                    bad.append(row)
-                    continue
-            for column, value in zip(mapped.variables, values, strict=True):
-                assert value is not None
-                lists[column.name][row] = value.copy()
+                    bad[row] = True
+        failed = np.flatnonzero(bad)
+        for row in failed.tolist():
+            for values in lists.values():
+                values[row] = None
         merged = {name: out[name] if name in out else lists[name] for name in self._fields}
-        return merged, np.asarray(bad, dtype=np.intp)
+        return merged, failed
 
     def _report_damage(self, index: int) -> None:
         log.warning(
@@ -613,7 +615,7 @@ class Cache:
             offset = heap.allocate(value.nbytes) if value.nbytes else 0
             if offset is None:
                 return False
-            entry[1].write(mapped.region, index, offset, value)
+            entry[1].write(index, offset, value)
         return True
 
     @property
