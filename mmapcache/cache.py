@@ -143,22 +143,34 @@ class Cache:
         variable = wanted is not None and any(field.variable for field in wanted.values())
         if capacity is not None and max_bytes is not None and not variable:
             raise ValueError("give capacity= or max_bytes=, not both")
-        new = None
+        new, unplannable = None, None
         if not readonly and wanted is not None and length is not None:
-            if variable:
-                slots, variable_size = _plan_variable(wanted, length, capacity, max_bytes)
+            try:
+                if variable:
+                    slots, variable_size = _plan_variable(wanted, length, capacity, max_bytes)
+                else:
+                    slots, variable_size = _plan_capacity(wanted, length, capacity, max_bytes), 0
+            except ValueError as error:
+                # Only creating needs a plan: an existing file is opened (and checked) without one.
+                unplannable = error
             else:
-                slots, variable_size = _plan_capacity(wanted, length, capacity, max_bytes), 0
-            new = NewFile(
-                fields=wanted,
-                length=length,
-                capacity=slots,
-                key=key or "",
-                created=_creation_info(),
-                variable_size=variable_size,
-                extent_size=extent_size_for(variable_size) if variable_size else 0,
+                new = NewFile(
+                    fields=wanted,
+                    length=length,
+                    capacity=slots,
+                    key=key or "",
+                    created=_creation_info(),
+                    variable_size=variable_size,
+                    extent_size=extent_size_for(variable_size) if variable_size else 0,
+                )
+        try:
+            opened = open_or_create(
+                target, Expected(wanted, length, key), new, readonly=readonly, timeout=float(timeout)
             )
-        opened = open_or_create(target, Expected(wanted, length, key), new, readonly=readonly, timeout=float(timeout))
+        except FileNotFoundError:
+            if unplannable is not None:
+                raise unplannable from None
+            raise
         self._attach(target, opened, readonly=readonly, verify=verify, timeout=float(timeout))
 
     @staticmethod

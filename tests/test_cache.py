@@ -710,6 +710,11 @@ def test_variable_fields_need_a_budget(cache_dir: Path) -> None:
     with pytest.raises(ValueError, match="leaves no room for the values"):
         Cache.open(cache_dir / "r.mmc", RAGGED, length=10_000, max_bytes="64KiB")
     assert not (cache_dir / "r.mmc").exists()
+    # An existing file opens (and its schema is checked) without a budget: only creating needs one.
+    Cache.open(cache_dir / "r.mmc", RAGGED, length=10, max_bytes="1MiB").close()
+    with Cache.open(cache_dir / "r.mmc", RAGGED, length=10) as again:
+        assert again.fields == RAGGED
+    mmapcache.remove(cache_dir / "r.mmc")
     # capacity and max_bytes together: slots, and room for their values.
     with Cache.open(cache_dir / "r.mmc", RAGGED, length=100, capacity=10, max_bytes="1MiB") as cache:
         assert cache.capacity == 10

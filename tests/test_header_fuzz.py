@@ -61,10 +61,30 @@ def _sample(index: int) -> dict[str, Any]:
     }
 
 
-def _make_cache(path: Path) -> bytes:
-    with Cache.open(path, FIELDS, LENGTH, key=KEY, capacity=CAPACITY) as cache:
+# Variable-shape fields (format version 3): the fuzz covers their metadata and descriptors too.
+VARIABLE = {"tokens": Field((None,), "int32"), "label": Field((), "int64"), "boxes": Field((None, 4), "float32")}
+
+
+def _variable_sample(index: int) -> dict[str, Any]:
+    rng = np.random.default_rng(index)
+    return {
+        "tokens": rng.integers(0, 50_000, index % 9 + 1, dtype=np.int32),
+        "label": index * 1000 + 7,
+        "boxes": rng.standard_normal((index % 3, 4)).astype(np.float32),
+    }
+
+
+SCHEMAS: dict[str, tuple[dict[str, Field], Any, dict[str, Any]]] = {
+    "fixed": (FIELDS, _sample, {"capacity": CAPACITY}),
+    "variable": (VARIABLE, _variable_sample, {"capacity": CAPACITY, "max_bytes": "256KiB"}),
+}
+
+
+def _make_cache(path: Path, variant: str = "fixed") -> bytes:
+    fields, sample, options = SCHEMAS[variant]
+    with Cache.open(path, fields, LENGTH, key=KEY, **options) as cache:
         for i in FILLED:
-            assert cache.put(i, _sample(i))
+            assert cache.put(i, sample(i))
     return path.read_bytes()
 
 
@@ -102,23 +122,24 @@ def _write(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _try_open(path: Path) -> tuple[str, str]:
+def _try_open(path: Path, variant: str) -> tuple[str, str]:
     """Open the damaged file as a user would; ("refused", error) or ("opened", what was checked)."""
+    fields, make_sample, _ = SCHEMAS[variant]
     try:
-        cache = Cache.open(path, FIELDS, LENGTH, key=KEY)
+        cache = Cache.open(path, fields, LENGTH, key=KEY)
     except CacheError as error:
         return "refused", f"{type(error).__name__}: {error}"
     with cache:
         # The header still says exactly what the caller asked for, so the
         # samples must read back unchanged (a shorter capacity may hide some).
-        assert cache.fields == FIELDS
+        assert cache.fields == fields
         assert cache.length == LENGTH
         assert cache.key == KEY
         for i in range(cache.capacity):
             sample = cache.get(i)
             if i in FILLED:
                 assert sample is not None, f"slot {i} lost"
-                for name, value in _sample(i).items():
+                for name, value in make_sample(i).items():
                     assert np.array_equal(sample[name], value), f"slot {i} field {name} reads wrong data"
             else:
                 assert sample is None, f"slot {i} reads as filled"
@@ -126,7 +147,12 @@ def _try_open(path: Path) -> tuple[str, str]:
 
 
 def _run_cases(
-    path: str, original: bytes, cases: list[Case], progress: Any, conn: multiprocessing.connection.Connection
+    path: str,
+    original: bytes,
+    cases: list[Case],
+    progress: Any,
+    conn: multiprocessing.connection.Connection,
+    variant: str,
 ) -> None:
     """In the child: apply and open every case; send back ``{case: outcome}`` and the failures."""
     target = Path(path)
@@ -139,7 +165,7 @@ def _run_cases(
         damaged = _mutated(original, case)
         _write(target, damaged)
         try:
-            outcome, detail = _try_open(target)
+            outcome, detail = _try_open(target, variant)
         except Exception as error:  # anything but a CacheError (or wrong data) is a failure
             failures.append((case, f"{type(error).__name__}: {error}"))
             continue
@@ -154,11 +180,13 @@ def _run_cases(
     conn.send((outcomes, failures))
 
 
-def _fuzz(path: Path, original: bytes, cases: list[Case]) -> tuple[dict[str, int], list[tuple[Case, str]]]:
+def _fuzz(
+    path: Path, original: bytes, cases: list[Case], variant: str = "fixed"
+) -> tuple[dict[str, int], list[tuple[Case, str]]]:
     """Run ``cases`` in a spawned child; a crash of the child becomes a failure naming its case."""
     progress = SPAWN.Value("i", -1, lock=False)
     ours, theirs = SPAWN.Pipe()
-    child = SPAWN.Process(target=_run_cases, args=(str(path), original, cases, progress, theirs))
+    child = SPAWN.Process(target=_run_cases, args=(str(path), original, cases, progress, theirs, variant))
     child.start()
     theirs.close()
     try:
@@ -188,23 +216,25 @@ def _describe(failures: list[tuple[Case, str]]) -> str:
 
 
 @pytest.mark.timeout(240)
-def test_every_header_byte_flipped_is_refused(cache_dir: Path) -> None:
+@pytest.mark.parametrize("variant", list(SCHEMAS))
+def test_every_header_byte_flipped_is_refused(variant: str, cache_dir: Path) -> None:
     path = cache_dir / "flip.mmc"
-    original = _make_cache(path)
+    original = _make_cache(path, variant)
     header_size = _header_size(original)
     cases: list[Case] = [("none", 0, 0)]
     cases += [("xor", offset, 0xFF) for offset in range(header_size)]
     cases += [("xor", offset, 1 << (offset % 8)) for offset in range(header_size)]
-    outcomes, failures = _fuzz(path, original, cases)
+    outcomes, failures = _fuzz(path, original, cases, variant)
     assert not failures, _describe(failures)
     assert outcomes == {"none:opened": 1, "xor:refused": 2 * header_size}
 
 
 @pytest.mark.timeout(240)
-def test_header_bytes_changed_behind_a_valid_checksum(cache_dir: Path) -> None:
+@pytest.mark.parametrize("variant", list(SCHEMAS))
+def test_header_bytes_changed_behind_a_valid_checksum(variant: str, cache_dir: Path) -> None:
     """The checksum recomputed after each change: what the checksum cannot catch, validation must."""
     path = cache_dir / "evil.mmc"
-    original = _make_cache(path)
+    original = _make_cache(path, variant)
     (meta_size,) = struct.unpack_from("<I", original, 16)
     values = sorted({0x00, 0x01, 0x7F, 0x80, 0xFF, *b'09-+.e"[]{},: \\nA'})
     cases: list[Case] = [
@@ -214,15 +244,16 @@ def test_header_bytes_changed_behind_a_valid_checksum(cache_dir: Path) -> None:
         for value in values
         if value != original[offset]
     ]
-    outcomes, failures = _fuzz(path, original, cases)
+    outcomes, failures = _fuzz(path, original, cases, variant)
     assert not failures, _describe(failures)
     assert outcomes.get("set:refused", 0) > len(cases) // 2, outcomes
 
 
 @pytest.mark.timeout(240)
-def test_truncated_or_extended_file_is_refused(cache_dir: Path) -> None:
+@pytest.mark.parametrize("variant", list(SCHEMAS))
+def test_truncated_or_extended_file_is_refused(variant: str, cache_dir: Path) -> None:
     path = cache_dir / "cut.mmc"
-    original = _make_cache(path)
+    original = _make_cache(path, variant)
     size, header_size = len(original), _header_size(original)
     with Cache.open(path) as cache:
         boundaries = [header_size, cache._layout.table_offset, *cache._layout.field_offsets.values(), size]
@@ -231,7 +262,7 @@ def test_truncated_or_extended_file_is_refused(cache_dir: Path) -> None:
     points |= set(random.Random(0).sample(range(size), 200))
     cases: list[Case] = [("truncate", p, 0) for p in sorted(points) if 0 <= p < size]
     cases += [("extend", n, 0) for n in (1, 7, 4096, 65536)]
-    outcomes, failures = _fuzz(path, original, cases)
+    outcomes, failures = _fuzz(path, original, cases, variant)
     assert not failures, _describe(failures)
     assert outcomes == {"truncate:refused": len(cases) - 4, "extend:refused": 4}
 
