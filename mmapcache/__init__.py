@@ -5,6 +5,7 @@
 """
 
 from ._admin import CacheInfo, DiskUsage, GcReport, disk_usage, gc, info, list_caches
+from ._counters import Counts, Usage
 from ._errors import (
     CacheError,
     CacheFormatError,
@@ -18,6 +19,7 @@ from ._errors import (
 )
 from ._field import Field
 from ._file import in_use, remove
+from ._heap import VariableRegion
 from ._paths import default_dir
 from ._version import __version__
 from .cache import Cache, Problem
@@ -31,6 +33,7 @@ __all__ = [
     "CacheMissError",
     "CacheSpaceError",
     "CacheTimeoutError",
+    "Counts",
     "DiskUsage",
     "Field",
     "GcReport",
@@ -38,6 +41,8 @@ __all__ = [
     "ReadonlyCacheError",
     "SchemaMismatchError",
     "UnsafeCacheFileError",
+    "Usage",
+    "VariableRegion",
     "__version__",
     "default_dir",
     "disk_usage",

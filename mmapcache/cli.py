@@ -101,7 +101,11 @@ def _fields(item: CacheInfo) -> str:
 def _fill(item: CacheInfo) -> str:
     if item.filled is None or item.capacity is None:
         return "-"
-    return f"{item.filled}/{item.capacity} ({100 * (item.fill or 0):.0f}%)"
+    text = f"{item.filled}/{item.capacity} ({100 * (item.fill or 0):.0f}%)"
+    region = item.variable
+    if region is not None and region.size:
+        text += f", variable {100 * region.claimed / region.size:.0f}% claimed"
+    return text
 
 
 def _pids(pids: Sequence[int]) -> str:

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _caches import DAY, Holder, age, make_cache
 
@@ -535,3 +536,22 @@ def test_info_shows_reads_across_processes(cache_dir: Path) -> None:
     assert shown.returncode == 0, shown.stderr
     assert "1 hits, 1 misses (50.0% hits), 1 slots written, by all processes" in shown.stdout
     assert f"pid {os.getpid()}: 1 hits, 1 misses, 1 written" in shown.stdout
+
+
+def test_info_and_ls_show_how_full_the_variable_region_is(cache_dir: Path) -> None:
+    path = cache_dir / "tokens.mmc"
+    with Cache.open(path, {"tokens": Field((None,), "int32")}, length=64, max_bytes="1MiB") as cache:
+        for i in range(10):
+            cache.put(i, {"tokens": np.arange(100 + i, dtype=np.int32)})
+        region = cache.variable_region
+        assert region is not None
+        shown = run("info", str(path))
+        listed = run("ls", str(cache_dir))
+        as_json = json.loads(run("info", "--json", str(path)).stdout)
+    assert shown.returncode == 0, shown.stderr
+    assert "variable region" in shown.stdout
+    assert "tokens  *      int32  variable" in shown.stdout
+    assert f"claimed ({100 * region.claimed / region.size:.1f}%)" in shown.stdout
+    assert "% claimed" in listed.stdout
+    used = 4 * sum(range(100, 110))
+    assert as_json["variable"] == {"size": region.size, "claimed": region.claimed, "used": used, "free": region.free}
