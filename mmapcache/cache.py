@@ -499,9 +499,13 @@ class Cache:
         """
         lists: dict[str, list[Any]] = {}
         bad = np.zeros(len(idx), bool)
+        every = len(rows) == len(idx)  # rows are 0..n-1 in order (get_many, or read_many of all hits)
         for column in mapped.variables:
-            values, impossible = column.copy_many(idx[rows])
+            values, impossible = column.copy_many(idx if every else idx[rows])
             bad[rows[impossible]] = True
+            if every:
+                lists[column.name] = values
+                continue
             lists[column.name] = [None] * len(idx)
             for row, value in zip(rows.tolist(), values, strict=True):
                 lists[column.name][row] = value
