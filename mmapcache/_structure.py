@@ -32,7 +32,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["BARE", "Node", "Structure", "describe_where", "name_leaves", "parse_name"]
+__all__ = ["BARE", "Node", "Step", "Structure", "describe_where", "name_leaves", "name_of", "parse_name"]
 
 BARE = "."
 _SIMPLE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")

@@ -26,14 +26,19 @@ from ._field import Field
 
 __all__ = [
     "SUPPORTED",
+    "LeafShapeError",
     "as_tensor",
+    "check_declared",
     "check_leaf",
     "is_leaf",
     "is_raw_bits",
     "leaf_field",
+    "leaf_shape",
+    "shape_fits",
     "tensor_to_numpy",
     "torch_dtype",
     "value_to_numpy",
+    "variable_column",
     "write_column",
 ]
 
@@ -141,7 +146,7 @@ def leaf_field(value: Any, name: str) -> Field:
         dtype = value.dtype
         if dtype.kind not in "biufc" or not _torch_knows(dtype.newbyteorder("=")):
             raise TypeError(f"{where}: numpy dtype {dtype} has no torch equivalent; supported: {SUPPORTED}")
-        return Field(np.shape(value), dtype.newbyteorder("="))
+        return Field(np.shape(value), np.dtype(dtype.newbyteorder("=").str))  # the builtin dtype: named "int64"
     if isinstance(value, bool):
         return Field((), np.bool_)
     if isinstance(value, int):
@@ -160,11 +165,38 @@ def _torch_knows(dtype: np.dtype[Any]) -> bool:
     return True
 
 
-def check_leaf(leaf: torch.Tensor | np.ndarray[Any, Any] | np.generic, field: Field, name: str) -> Any:
-    """A tensor or array leaf, checked against ``field`` (the first sample's): ready for :func:`write_column`.
+def shape_fits(shape: tuple[int, ...], declared: tuple[int | None, ...]) -> bool:
+    """Whether ``shape`` matches a field's shape, where a ``None`` dimension takes any size."""
+    return len(shape) == len(declared) and all(d is None or d == s for s, d in zip(shape, declared, strict=True))
 
-    Tensors and arrays must keep the first sample's dtype exactly — a silent
-    cast would change the data — and its shape. (Python scalars are not
+
+def leaf_shape(leaf: Any) -> tuple[int, ...]:
+    """The shape of a leaf: a tensor's or array's own, ``()`` for a number."""
+    return tuple(leaf.shape) if isinstance(leaf, (torch.Tensor, np.ndarray, np.generic)) else ()
+
+
+class LeafShapeError(ValueError):
+    """A leaf whose shape does not fit its field: ``name``, the leaf's ``shape`` and the ``field``."""
+
+    def __init__(self, message: str, name: str, shape: tuple[int, ...], field: Field) -> None:
+        super().__init__(message)
+        self.name, self.shape, self.field = name, shape, field
+
+
+def check_declared(field: Field, name: str) -> None:
+    """TypeError unless a field declared for a CachedDataset holds values torch has a dtype for."""
+    if field.torch_dtype is None and (
+        field.dtype.kind not in "biufc" or not _torch_knows(field.dtype.newbyteorder("="))
+    ):
+        raise TypeError(f"field {name!r}: dtype {field.dtype_name} has no torch equivalent; supported: {SUPPORTED}")
+
+
+def check_leaf(leaf: torch.Tensor | np.ndarray[Any, Any] | np.generic, field: Field, name: str) -> Any:
+    """A tensor or array leaf, checked against ``field``: ready for :func:`write_column` / :func:`variable_column`.
+
+    Tensors and arrays must keep the field's dtype exactly — a silent cast
+    would change the data — and fit its shape (a ``None`` dimension takes any
+    size; a mismatch raises :class:`LeafShapeError`). (Python scalars are not
     checked here: they follow the core's casting rules, ``mmapcache._values``.)
     """
     if isinstance(leaf, torch.Tensor):
@@ -172,8 +204,8 @@ def check_leaf(leaf: torch.Tensor | np.ndarray[Any, Any] | np.generic, field: Fi
             _wrong_dtype(str(leaf.dtype).removeprefix("torch."), field.dtype_name, name)
         if leaf.layout != torch.strided or leaf.is_nested:
             raise TypeError(f"field {name!r}: {leaf.layout} tensors cannot be cached; use dense tensors")
-        if leaf.shape != field.shape:
-            raise ValueError(f"field {name!r}: expected a sample of shape {field.shape}, got shape {tuple(leaf.shape)}")
+        if leaf.shape != field.shape and not shape_fits(tuple(leaf.shape), field.shape):
+            _wrong_shape(tuple(leaf.shape), field, name)
         if leaf.requires_grad:
             leaf = leaf.detach()
         return leaf if leaf.is_cpu else leaf.cpu()
@@ -181,13 +213,18 @@ def check_leaf(leaf: torch.Tensor | np.ndarray[Any, Any] | np.generic, field: Fi
     if field.torch_dtype is not None or dtype.newbyteorder("=") != field.dtype.newbyteorder("="):
         want = field.dtype_name if field.torch_dtype is None else f"torch.{field.dtype_name}"
         _wrong_dtype(str(dtype.newbyteorder("=")), want, name)
-    if leaf.shape != field.shape:
-        raise ValueError(f"field {name!r}: expected a sample of shape {field.shape}, got shape {leaf.shape}")
+    if leaf.shape != field.shape and not shape_fits(leaf.shape, field.shape):
+        _wrong_shape(leaf.shape, field, name)
     return leaf
 
 
 def _wrong_dtype(got: str, want: str, name: str) -> None:
     raise TypeError(f"field {name!r}: the dataset gave {got} values, the cache holds {want}")
+
+
+def _wrong_shape(shape: tuple[int, ...], field: Field, name: str) -> None:
+    expected = f"of shape {field.shape}" if not field.variable else f"matching shape {field.shape} (None: any size)"
+    raise LeafShapeError(f"field {name!r}: expected a sample {expected}, got shape {shape}", name, shape, field)
 
 
 def write_column(leaves: list[Any], field: Field) -> np.ndarray[Any, Any]:
@@ -196,7 +233,7 @@ def write_column(leaves: list[Any], field: Field) -> np.ndarray[Any, Any]:
     Each leaf is copied once, straight into its row (the only conversion on a
     miss); ``put_many`` takes the result as is.
     """
-    out = np.empty((len(leaves), *field.shape), field.dtype)
+    out = np.empty((len(leaves), *field.fixed_shape), field.dtype)
     if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
         torch.stack(leaves, out=as_tensor(out, field))
         return out
@@ -204,6 +241,19 @@ def write_column(leaves: list[Any], field: Field) -> np.ndarray[Any, Any]:
     arrays = [_storage(leaf, bits) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     np.stack(arrays, out=out)
     return out
+
+
+def variable_column(leaves: list[Any], field: Field) -> list[np.ndarray[Any, Any]]:
+    """One variable field of a batch: each checked leaf copied once into a fresh array of ``field``'s storage dtype.
+
+    ``put_many`` takes the list as is (one array per row); the copies are
+    also what the miss hands back, so it never shares memory with the dataset.
+    """
+    bits = _BITS[field.dtype.itemsize] if field.torch_dtype is not None else None
+    return [
+        np.array(_storage(leaf, bits) if isinstance(leaf, torch.Tensor) else leaf, dtype=field.dtype, order="C")
+        for leaf in leaves
+    ]
 
 
 def _storage(tensor: torch.Tensor, bits: torch.dtype | None) -> np.ndarray[Any, Any]:

@@ -21,11 +21,18 @@ sample                 field names     note
 ``{"a b": x}``         ``"a b"``       other keys JSON-quoted
 ``(x, {"m": y})``      ``0``, ``1/m``  one level of nesting, joined by ``/``
 =====================  ==============  ======================================
+
+The same names declare the schema with ``fields=`` when samples vary in
+shape: ``(tokens, label)`` with ``fields={"0": Field((None,), "int64"),
+"1": Field((), "int64")}``. A variable leaf comes back as a tensor of its own
+shape; :func:`pad_collate` makes batches of them (a :class:`Padded` tensor
+plus lengths).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -41,17 +48,38 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from ._batches import Batched, Deferred, adopt, as_is, collate_tree, install_collate, new_batch
+from ._batches import (
+    Batched,
+    Deferred,
+    Padded,
+    adopt,
+    as_is,
+    collate_tree,
+    install_collate,
+    new_batch,
+    pad_collate,
+)
 from ._errors import SchemaMismatchError
-from ._field import Field
+from ._field import Field, FieldsLike, normalize_fields
 from ._paths import default_dir
 from ._slots import STRONGLY_ORDERED
 from ._structure import Structure, name_leaves
-from ._torch_values import SUPPORTED, check_leaf, is_leaf, leaf_field, torch_dtype, write_column
+from ._torch_values import (
+    SUPPORTED,
+    LeafShapeError,
+    check_declared,
+    check_leaf,
+    is_leaf,
+    leaf_field,
+    leaf_shape,
+    torch_dtype,
+    variable_column,
+    write_column,
+)
 from ._values import coerce_value
 from .cache import Cache
 
-__all__ = ["CachedDataset"]
+__all__ = ["CachedDataset", "Padded", "pad_collate"]
 
 log = logging.getLogger("mmapcache")
 
@@ -82,14 +110,20 @@ class _Schema:
         self.tree = self.structure.tree
         self.dtypes = tuple(torch_dtype(f) if f.torch_dtype is not None else None for f in fields.values())
         self.build = self.structure.build
+        # Variable fields are read as one array per sample; the batch tricks are for fixed ones only.
+        self.variable = tuple(field.variable for field in fields.values())
+        self.fixed = [name for name, field in fields.items() if not field.variable]
+        self.ragged = any(self.variable)
+
+    def to_tensor(self, array: np.ndarray[Any, Any], position: int) -> torch.Tensor:
+        """A storage array of the field at ``position`` as a tensor of its torch dtype, sharing memory."""
+        tensor = torch.from_numpy(array)
+        dtype = self.dtypes[position]
+        return tensor if dtype is None else tensor.view(dtype)
 
     def to_tensors(self, arrays: Iterable[np.ndarray[Any, Any]]) -> list[torch.Tensor]:
         """Storage arrays (one per field) as tensors of the fields' torch dtypes, sharing memory."""
-        tensors = []
-        for array, dtype in zip(arrays, self.dtypes, strict=True):
-            tensor = torch.from_numpy(array)
-            tensors.append(tensor if dtype is None else tensor.view(dtype))
-        return tensors
+        return [self.to_tensor(array, k) for k, array in enumerate(arrays)]
 
     def flatten(self, sample: Any) -> list[Any]:
         """``sample``'s leaves in field order; ValueError/TypeError naming the first part that does not fit."""
@@ -126,9 +160,16 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
 
     ``dataset`` is any map-style dataset (``__len__`` and ``__getitem__``)
     whose samples are tensors, numpy arrays, Python bool/int/float, or a
-    tuple/list/dict of those nested one level, each of a fixed shape and
-    dtype. ``ds[i]`` returns the structure ``dataset[i]`` has, with every leaf
-    a torch tensor (Python scalars become 0-d tensors; dtypes are kept).
+    tuple/list/dict of those nested one level. ``ds[i]`` returns the
+    structure ``dataset[i]`` has, with every leaf a torch tensor (Python
+    scalars become 0-d tensors; dtypes are kept).
+
+    Without ``fields`` every leaf keeps the shape and dtype of the first
+    sample. ``fields`` declares them instead, by the leaves' field names (see
+    the module docstring), and may give dimensions that vary from sample to
+    sample as ``None``: for ``(tokens, label)`` samples,
+    ``fields={"0": Field((None,), "int64"), "1": Field((), "int64")}``. Such
+    a cache needs ``max_bytes`` (it sizes the room for the variable values).
 
     ``key`` names the cached content: the dataset and its deterministic
     preprocessing. Change it whenever they change: a cache is reused whenever
@@ -161,6 +202,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         capacity: int | None = None,
         copy: bool = True,
         verify: bool = False,
+        fields: FieldsLike | None = None,
     ) -> None:
         if not isinstance(key, str):
             raise TypeError(f"key must be a string naming the cached content, not {type(key).__name__}")
@@ -168,11 +210,14 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             raise ValueError("key must not be empty: it names the cached content (dataset + preprocessing)")
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise TypeError(f"dataset must be map-style (define __len__ and __getitem__); got {type(dataset).__name__}")
-        if capacity is not None and max_bytes is not None:
+        declared = _declared_fields(fields) if fields is not None else None
+        variable = declared is not None and any(field.variable for field in declared.values())
+        if capacity is not None and max_bytes is not None and not variable:
             raise ValueError("give capacity= or max_bytes=, not both")
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, not {type(transform).__name__}")
         self.dataset = dataset
+        self.fields = declared
         self.key = key
         self.path = Path(os.path.abspath(os.fspath(path))) if path is not None else _default_path(key)
         self.transform = transform
@@ -188,7 +233,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         self._cache: Cache | None = None
         self._schema: _Schema | None = None
         self._checked = False  # a sample from `dataset` was compared with the cache's fields
-        self._views: list[torch.Tensor] | None = None  # copy=False: tensors over a read-only mapping
+        self._views: list[torch.Tensor | None] | None = None  # copy=False: tensors over a read-only mapping
         self._readonly: Cache | None = None
         self._lock = threading.Lock()
         self._reset_stats()
@@ -200,7 +245,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     # -- pickling: the path and the arguments, never the data -------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("dataset", "key", "path", "transform", "max_bytes", "capacity", "copy", "verify")
+        keep = ("dataset", "key", "path", "transform", "max_bytes", "capacity", "copy", "verify", "fields")
         return {name: self.__dict__[name] for name in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -234,12 +279,21 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
                     cache = Cache.open(self.path, length=len(self.dataset), key=self.key, verify=self.verify)
                 except FileNotFoundError:
                     return None
+                if self.fields is not None and cache.fields != self.fields:
+                    cache.close()
+                    raise SchemaMismatchError(
+                        f"the cache at {self.path} (key {self.key!r}) holds samples with fields "
+                        f"{_describe(cache.fields)}, but fields= declares {_describe(self.fields)}. If the data or "
+                        "its preprocessing changed, change the key; if the old cache is stale, remove it "
+                        f"(`mmapcache rm {self.path}`)",
+                        path=self.path,
+                        differences={"fields": (self.fields, cache.fields)},
+                    )
                 self._adopt(cache, checked=False)
             return self._cache
 
-    def _create(self, sample: Any) -> Cache:
-        """Open the file, creating it with the fields of ``sample`` if it is missing."""
-        fields = infer_fields(sample)
+    def _create(self, fields: dict[str, Field]) -> Cache:
+        """Open the file, creating it with ``fields`` if it is missing."""
         with self._lock:
             if self._cache is None:
                 cache = Cache.open(
@@ -260,27 +314,41 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         self._checked = checked
         if not self.copy:
             self._readonly = Cache.open(self.path, readonly=True)
+            views = self._readonly.views
             with warnings.catch_warnings():
                 # The mapping is PROT_READ: torch cannot make a tensor read-only,
                 # but the kernel refuses the write. That is the point of copy=False.
                 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
-                self._views = self._schema.to_tensors(self._readonly.views.values())
+                # Variable fields have no such view: they are read as copies (None here).
+                self._views = [
+                    None if self._schema.variable[k] else self._schema.to_tensor(views[name], k)
+                    for k, name in enumerate(self._schema.names)
+                ]
         self._cache = cache
 
     def _check_schema(self, sample: Any, index: int) -> None:
-        """The first sample this process fetches for an opened cache must fit its fields exactly."""
+        """The first sample this process fetches for an opened cache must fit its fields.
+
+        With ``fields=`` the file holds exactly the declared fields (checked
+        when it was opened) and the sample is checked against the declaration;
+        otherwise a sample that does not fit the file's fields means a stale
+        cache.
+        """
         assert self._cache is not None
-        fields = infer_fields(sample)
         found = self._cache.fields
-        if fields != found:
-            raise SchemaMismatchError(
-                f"the cache at {self.path} (key {self.key!r}) holds samples with fields "
-                f"{_describe(found)}, but dataset[{index}] has {_describe(fields)}. If the data or its "
-                "preprocessing changed, change the key; if the old cache is stale, remove it "
-                f"(`mmapcache rm {self.path}`)",
-                path=self.path,
-                differences={"fields": (fields, found)},
-            )
+        if self.fields is not None:
+            _check_declared_sample(sample, index, found)
+        else:
+            fields = infer_fields(sample)
+            if fields != found and _misfit(sample, found) is not None:
+                raise SchemaMismatchError(
+                    f"the cache at {self.path} (key {self.key!r}) holds samples with fields "
+                    f"{_describe(found)}, but dataset[{index}] has {_describe(fields)}. If the data or its "
+                    "preprocessing changed, change the key; if the old cache is stale, remove it "
+                    f"(`mmapcache rm {self.path}`)",
+                    path=self.path,
+                    differences={"fields": (fields, found)},
+                )
         self._checked = True
 
     def close(self) -> None:
@@ -306,17 +374,24 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         if cache is not None:
             schema = self._schema
             assert schema is not None
-            if self._views is None:
+            views = self._views
+            if views is None:
                 stored = cache.get(i)
                 if stored is not None:
-                    sample = schema.build([[t] for t in schema.to_tensors(stored.values())])[0]
+                    sample = schema.build([[t] for t in schema.to_tensors(stored[n] for n in schema.names)])[0]
                 counted = True
             elif i in cache:
-                if not self._check_reads:
+                if not self._check_reads and not schema.ragged:
                     cache.count(hits=1)
-                    sample = schema.build([[view[i]] for view in self._views])[0]
-                elif cache.get(i) is not None:
-                    sample = schema.build([[view[i]] for view in self._views])[0]
+                    sample = schema.build([[view[i]] for view in views if view is not None])[0]
+                else:
+                    stored = cache.get(i)  # verifies the slot; variable fields come from here
+                    if stored is not None:
+                        leaves = [
+                            schema.to_tensor(stored[name], k) if view is None else view[i]
+                            for k, (name, view) in enumerate(zip(schema.names, views, strict=True))
+                        ]
+                        sample = schema.build([[leaf] for leaf in leaves])[0]
                 counted = True
         if sample is None:
             sample = self._load([i], counted=counted)[0]
@@ -340,9 +415,10 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         elif self._views is None:
             schema = self._schema
             assert schema is not None
-            tensors = self._gather(cache, idx)
-            adopt(tensors)  # default_collate may return these rows as the batch (see mmapcache._batches)
-            samples = schema.build([tensor.unbind(0) for tensor in tensors])
+            columns = self._gather(cache, idx)
+            # default_collate may return these rows as the batch (see mmapcache._batches).
+            adopt([column for column in columns if isinstance(column, torch.Tensor)])
+            samples = schema.build([_rows(column) for column in columns])
         else:
             samples = self._read_views(cache, idx)
         if self.transform is not None:
@@ -358,50 +434,68 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         leaves: Sequence[list[Any]] = (),
         *,
         counted: bool = False,
-    ) -> list[torch.Tensor]:
-        """One batch tensor per field holding samples ``idx``: hits gathered from the file, misses loaded.
+    ) -> list[Any]:
+        """One column per field holding samples ``idx``: hits read from the file, misses loaded.
 
-        The tensors are fresh (in a DataLoader worker, in shared memory). ``rows``/``leaves``:
-        samples a worker already loaded and could not store; ``counted``: the reads were counted
-        in the file already (by that worker).
+        A fixed field's column is one fresh batch tensor (in a DataLoader worker, in shared
+        memory); a variable field's is a list of fresh tensors, one per sample, each of its own
+        shape. ``rows``/``leaves``: samples a worker already loaded and could not store;
+        ``counted``: the reads were counted in the file already (by that worker).
         """
         schema = self._schema
         assert schema is not None
-        fields = list(schema.fields.values())
+        fixed = [schema.fields[name] for name in schema.fixed]
         tensors, arrays = new_batch(
-            [(len(idx), *field.shape) for field in fields], [field.dtype for field in fields], schema.dtypes
+            [(len(idx), *field.fixed_shape) for field in fixed],
+            [field.dtype for field in fixed],
+            [schema.dtypes[schema.names.index(name)] for name in schema.fixed],
         )
-        _, hits = cache.read_many(idx, out=dict(zip(schema.names, arrays, strict=True)), count=not counted)
+        out = dict(zip(schema.fixed, arrays, strict=True))
+        read, hits = cache.read_many(idx, out=out if out or not schema.ragged else None, count=not counted)
         self._hits += int(np.count_nonzero(hits))
+        batch = iter(tensors)
+        columns: list[Any] = [
+            [None if a is None else schema.to_tensor(a, k) for a in read[name]] if schema.variable[k] else next(batch)
+            for k, name in enumerate(schema.names)
+        ]
         for row, given in zip(rows, leaves, strict=True):
             if not hits[row]:
-                for tensor, leaf in zip(tensors, given, strict=True):
-                    tensor[row] = leaf
+                _set_row(columns, row, given)
                 hits[row] = True
         if not hits.all():
             missing = np.flatnonzero(~hits)
             for row, sample in zip(missing.tolist(), self._load(idx[missing].tolist(), counted=True), strict=True):
-                for tensor, leaf in zip(tensors, schema.flatten(sample), strict=True):
-                    tensor[row] = leaf
-        return tensors
+                _set_row(columns, row, schema.flatten(sample))
+        return columns
 
     def _read_views(self, cache: Cache, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
-        """``copy=False``: hits as views of the read-only mapping, misses loaded; the order kept."""
+        """``copy=False``: hits as views of the read-only mapping, misses loaded; the order kept.
+
+        Variable fields have no such views: their values are read as fresh copies.
+        """
         schema, views = self._schema, self._views
         assert schema is not None
         assert views is not None
-        if self._check_reads:
-            _, hits = cache.read_many(idx)  # checks every slot's checksum; the copy is dropped
+        read: dict[str, Any] = {}
+        if self._check_reads or schema.ragged:
+            read, hits = cache.read_many(idx)  # checks every slot; the copies of fixed fields are dropped
         else:
             hits = cache.contains_many(idx)
             ready = int(np.count_nonzero(hits))
             cache.count(hits=ready, misses=len(idx) - ready)
         found_rows = np.flatnonzero(hits)
         self._hits += len(found_rows)
+        found = idx[found_rows].tolist()
+        columns = [
+            list(map(view.__getitem__, found))
+            if view is not None
+            else [schema.to_tensor(read[name][row], k) for row in found_rows.tolist()]
+            for k, (name, view) in enumerate(zip(schema.names, views, strict=True))
+        ]
+        cached = schema.build(columns)
         if len(found_rows) == len(idx):
-            return schema.build([list(map(view.__getitem__, idx.tolist())) for view in views])
+            return cached
         out: list[Any] = [None] * len(idx)
-        cached = schema.build([list(map(view.__getitem__, idx[found_rows].tolist())) for view in views])
         for row, sample in zip(found_rows.tolist(), cached, strict=True):
             out[row] = sample
         missing = np.flatnonzero(~hits)
@@ -435,14 +529,48 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     def _store(self, indices: list[int], raw: list[Any]) -> list[Any]:
         cache = self._opened()
         if cache is None:
-            cache = self._create(raw[0])
-        if not self._checked:
-            self._check_schema(raw[0], indices[0])
-        schema = self._schema
-        assert schema is not None
-        # Each leaf is checked against the first sample's field (one policy: tensors and
-        # arrays keep its dtype exactly, Python scalars cast as Cache.put casts them),
-        # then copied once, into its row of the batch arrays that put_many stores as is.
+            # Nobody created the file yet: the whole batch is checked against the schema first,
+            # so a batch whose shapes vary (without fields=) leaves no file behind.
+            fields = self._first_fields(raw[0], indices[0])
+            schema = _Schema(fields, self.path)
+            columns = self._columns(schema, indices, raw)
+            cache = self._create(fields)
+            assert self._schema is not None
+            if self._schema.names != schema.names:  # another process created it, its fields in another order
+                schema = self._schema
+                columns = self._columns(schema, indices, raw)
+        else:
+            if not self._checked:
+                self._check_schema(raw[0], indices[0])
+            assert self._schema is not None
+            schema = self._schema
+            columns = self._columns(schema, indices, raw)
+        stored = cache.put_many(indices, dict(zip(schema.names, columns, strict=True)))
+        self._written += int(np.count_nonzero(stored))
+        return schema.build(
+            [
+                [schema.to_tensor(a, k) for a in column]
+                if schema.variable[k]
+                else schema.to_tensor(column, k).unbind(0)
+                for k, column in enumerate(columns)
+            ]
+        )
+
+    def _first_fields(self, sample: Any, index: int) -> dict[str, Field]:
+        """The fields to create the file with: ``fields=`` (checked against ``sample``) or ``sample``'s own."""
+        if self.fields is None:
+            return infer_fields(sample)
+        _check_declared_sample(sample, index, self.fields)
+        order = name_leaves(sample, is_leaf, supported=SUPPORTED)  # the sample's order (dict keys keep theirs)
+        return {name: self.fields[name] for name in order}
+
+    def _columns(self, schema: _Schema, indices: list[int], raw: list[Any]) -> list[Any]:
+        """The batch ``put_many`` stores: per field, the rows stacked (fixed) or a list of arrays (variable).
+
+        Each leaf is checked against its field (one policy: tensors and arrays keep its
+        dtype exactly and fit its shape, Python scalars cast as Cache.put casts them), then
+        copied once: into its row of a fixed field's batch array, or into its own array.
+        """
         fields = list(schema.fields.items())
         columns: list[list[Any]] = [[] for _ in fields]
         for index, sample in zip(indices, raw, strict=True):
@@ -453,16 +581,44 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
                         column.append(check_leaf(leaf, field, name))
                     else:
                         column.append(coerce_value(leaf, field, name))
+            except LeafShapeError as error:
+                if self.fields is not None:
+                    raise ValueError(f"dataset[{index}]: {error}, which fields= declares") from None
+                raise ValueError(self._varying_shapes(schema, index, error, raw)) from None
             except (TypeError, ValueError) as error:
+                origin = "as fields= declares" if self.fields is not None else "from the first sample"
                 raise type(error)(
-                    f"dataset[{index}]: {error}. mmapcache caches samples of one fixed structure, shapes "
-                    f"and dtypes ({_describe(schema.fields)}, from the first sample); pad, crop or resize "
-                    "before the cache, or move variable parts into transform"
+                    f"dataset[{index}]: {error}. mmapcache caches samples of one structure and dtype per field "
+                    f"({_describe(schema.fields)}, {origin}); convert them before the cache, or in transform"
                 ) from None
-        arrays = [write_column(column, field) for column, (_, field) in zip(columns, fields, strict=True)]
-        stored = cache.put_many(indices, dict(zip(schema.names, arrays, strict=True)))
-        self._written += int(np.count_nonzero(stored))
-        return schema.build([t.unbind(0) for t in schema.to_tensors(arrays)])
+        return [
+            variable_column(column, field) if field.variable else write_column(column, field)
+            for column, (_, field) in zip(columns, fields, strict=True)
+        ]
+
+    def _varying_shapes(self, schema: _Schema, index: int, error: LeafShapeError, raw: list[Any]) -> str:
+        """The message for a sample whose shape differs from the first one's, when ``fields=`` was not given."""
+        name, shape, field = error.name, error.shape, error.field
+        exists = ""
+        if self._cache is not None:
+            exists = (
+                f" The cache at {self.path} exists already, with these fixed shapes: remove it first "
+                f"(`mmapcache rm {self.path}`)."
+            )
+        if len(shape) != len(field.shape):
+            return (
+                f"dataset[{index}]: field {name!r} has shape {shape}, but the cache's field has shape {field.shape} "
+                "(without fields=, the first sample's): a field has a fixed number of dimensions; only their sizes "
+                "may vary (declared as None with fields=). Reshape or pad before the cache, or move that part into "
+                f"transform.{exists}"
+            )
+        return (
+            f"dataset[{index}]: field {name!r} has shape {shape}, but the cache's field has the fixed shape "
+            f"{field.shape}: without fields=, every field keeps the shape of the first sample. To cache samples "
+            "whose shapes vary, declare the fields with None for each dimension that varies, and a max_bytes= "
+            f"budget for the values: CachedDataset(..., fields={_declaration(schema, raw)}, max_bytes=...), "
+            f"with Field from mmapcache. Or pad, crop or resize before the cache.{exists}"
+        )
 
     # -- whole batches -------------------------------------------------------------
 
@@ -526,6 +682,10 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         cache = self._opened()
         if cache is None:  # nobody created the file yet: this batch creates it
             return self._read_batch(idx)
+        if self._schema is not None and self._schema.ragged:
+            # Variable fields are collated by torch, which may refuse (shapes that differ):
+            # the batch is made here, and so is the error, as DataLoader(ds) makes them.
+            return self._read_batch(idx)
         ready = cache.contains_many(idx)
         cache.count(hits=int(np.count_nonzero(ready)))  # the main process gathers without counting
         rows: list[int] = []
@@ -558,7 +718,12 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             return torch.utils.data.default_collate(self._load(idx.tolist(), counted=False))
         schema = self._schema
         assert schema is not None
-        return collate_tree(schema.tree, self._gather(cache, idx, rows, leaves, counted=deferred))
+        columns = self._gather(cache, idx, rows, leaves, counted=deferred)
+        if schema.ragged:
+            # As default_collate does with the samples' tensors: stacked when their shapes agree, else its error.
+            collate = torch.utils.data.default_collate
+            columns = [collate(c) if variable else c for c, variable in zip(columns, schema.variable, strict=True)]
+        return collate_tree(schema.tree, columns)
 
     def _indices(self, indices: Any) -> np.ndarray[Any, np.dtype[np.intp]]:
         """``indices`` validated like ``ds[i]`` (negative ones count from the end), as one array."""
@@ -622,7 +787,11 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         before = self._written
-        missing = self._missing()  # may create the file, storing dataset[0]
+        if self._opened() is None and len(self):
+            # Create the file from a whole first chunk: samples whose shapes vary are found before it exists.
+            first = list(range(min(batch_size, len(self))))
+            self._store(first, self._fetch(first))
+        missing = self._missing()
         chunks = [missing[start : start + batch_size] for start in range(0, len(missing), batch_size)]
         bar = _progress(len(missing), f"filling {self.path.name}", enabled=progress)
         filled = self._written - before
@@ -718,3 +887,92 @@ def _progress(total: int, description: str, *, enabled: bool) -> Any:
 
 def _describe(fields: Mapping[str, Field]) -> str:
     return "{" + ", ".join(f"{name!r}: {field.shape} {field.dtype_name}" for name, field in fields.items()) + "}"
+
+
+def _rows(column: Any) -> Any:
+    """A column of :meth:`CachedDataset._gather` as one leaf per sample."""
+    return column.unbind(0) if isinstance(column, torch.Tensor) else column
+
+
+def _set_row(columns: list[Any], row: int, leaves: Sequence[Any]) -> None:
+    """Put one sample's leaves into ``row`` of the columns of :meth:`CachedDataset._gather`."""
+    for column, leaf in zip(columns, leaves, strict=True):
+        column[row] = leaf
+
+
+def _declared_fields(fields: FieldsLike) -> dict[str, Field]:
+    """``fields=`` of a CachedDataset, checked for what does not depend on the samples."""
+    declared = normalize_fields(fields)
+    try:
+        Structure(declared)
+    except ValueError as error:
+        raise ValueError(
+            f"fields= names {list(declared)} do not describe a sample ({error}). The names are the places of "
+            "the leaves in a sample: '.' for a bare leaf; '0', '1' for a tuple's elements; '[0]', '[1]' for a "
+            "list's; 'image' for a dict key; '1/m' one level down (see mmapcache.torch)"
+        ) from None
+    for name, field in declared.items():
+        check_declared(field, name)
+    return declared
+
+
+def _misfit(sample: Any, fields: Mapping[str, Field]) -> tuple[type[Exception], str] | None:
+    """Why ``sample`` does not fit ``fields`` (an error type and a message naming the field), or None."""
+    try:
+        leaves = name_leaves(sample, is_leaf, supported=SUPPORTED)
+    except (TypeError, ValueError) as error:
+        return type(error), str(error)
+    if list(leaves) != list(fields) and set(leaves) != set(fields):
+        missing = [name for name in fields if name not in leaves]
+        extra = [name for name in leaves if name not in fields]
+        parts = [f"no {', '.join(map(repr, missing))}" * bool(missing), f"no field for {extra}" * bool(extra)]
+        return ValueError, (
+            f"its fields are {list(leaves)} (named by their place in the sample), not {list(fields)}: "
+            + "; ".join(filter(None, parts))
+        )
+    for name, leaf in leaves.items():
+        field = fields[name]
+        if isinstance(leaf, (torch.Tensor, np.ndarray, np.generic)):
+            got = str(leaf.dtype).removeprefix("torch.")
+            if isinstance(leaf, torch.Tensor):
+                fits_dtype = leaf.dtype == torch_dtype(field)
+            else:
+                fits_dtype = field.torch_dtype is None and leaf.dtype.newbyteorder("=") == field.dtype
+            if not fits_dtype:
+                return TypeError, f"field {name!r} holds {field.dtype_name} values, the sample has {got} values"
+            if not field.fits(leaf_shape(leaf)):
+                shape = leaf_shape(leaf)
+                return ValueError, f"field {name!r} has shape {field.shape} (None: any size), the sample's is {shape}"
+        else:
+            try:
+                coerce_value(leaf, field, name)
+            except (TypeError, ValueError) as error:
+                return type(error), str(error)
+    return None
+
+
+def _check_declared_sample(sample: Any, index: int, fields: Mapping[str, Field]) -> None:
+    """TypeError/ValueError naming the field unless ``sample`` fits ``fields=``."""
+    problem = _misfit(sample, fields)
+    if problem is not None:
+        kind, message = problem
+        raise kind(f"dataset[{index}] does not fit fields=: {message}")
+
+
+def _declaration(schema: _Schema, samples: list[Any]) -> str:
+    """``fields=`` as Python source: the schema, with None where ``samples`` differ in size."""
+    shapes = {name: list(field.shape) for name, field in schema.fields.items()}
+    for sample in samples:
+        try:
+            leaves = schema.flatten(sample)
+        except (TypeError, ValueError):
+            continue
+        for name, leaf in zip(schema.names, leaves, strict=True):
+            shape, seen = leaf_shape(leaf), shapes[name]
+            if len(shape) == len(seen):
+                shapes[name] = [None if old != new else old for old, new in zip(seen, shape, strict=True)]
+    entries = [
+        f"{json.dumps(name)}: Field({tuple(shapes[name])!r}, {json.dumps(field.dtype_name)})"
+        for name, field in schema.fields.items()
+    ]
+    return "{" + ", ".join(entries) + "}"

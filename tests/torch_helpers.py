@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from mmapcache import Field
 from mmapcache.torch import CachedDataset
 
 
@@ -148,6 +149,66 @@ def run_job(argv: list[str] | None = None) -> dict[str, Any]:
             seen += check_batch(batch)
     assert sorted(seen) == sorted(list(range(args.length)) * 2)
     return {"path": str(ds.path), "pid": os.getpid(), **ds.stats()}
+
+
+# -- tokenized text: variable-length samples ------------------------------------------------
+
+TOKEN_FIELDS = {"0": Field((None,), "int64"), "1": Field((), "int64")}
+
+
+def tokens(index: int) -> tuple[torch.Tensor, int]:
+    """Sample ``index`` of a tokenized-text dataset: int64 token ids (0 to 11 of them) and a Python int label.
+
+    The label is the index itself, so that a batch tells which samples it holds.
+    """
+    g = torch.Generator().manual_seed(index)
+    length = int(torch.randint(0, 12, (), generator=g))
+    return torch.randint(0, 50_000, (length,), generator=g), index
+
+
+class Tokens(torch.utils.data.Dataset[Any]):
+    """``tokens(i)`` for ``i < length``, logging each access to ``log`` (if given), as ``Recorded`` does."""
+
+    def __init__(self, length: int, log: str | os.PathLike[str] | None = None) -> None:
+        self.inner = Recorded(length, log)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> Any:
+        self.inner[index]  # the bounds check and the log line
+        return tokens(index)
+
+
+def as_tokens(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens(index)`` as CachedDataset returns it: every leaf a tensor."""
+    ids, label = tokens(index)
+    return ids, torch.tensor(label)
+
+
+def pad_tokens(batch: Any) -> Any:
+    """The padding collate for ``Tokens`` batches (module level, so spawned workers can import it)."""
+    from mmapcache.torch import pad_collate
+
+    return pad_collate(batch, pad="0", padding_value=-1)
+
+
+def check_padded_batch(batch: Any) -> list[int]:
+    """Assert that a ``pad_tokens`` batch holds exactly the ``tokens`` samples it names; return their indices."""
+    from mmapcache.torch import Padded
+
+    padded, labels = batch
+    assert isinstance(padded, Padded)
+    assert padded.data.dtype == torch.int64
+    assert padded.lengths.dtype == torch.int64
+    assert padded.lengths.shape == labels.shape == (len(padded.data),)
+    indices: list[int] = labels.tolist()
+    longest = max(padded.lengths.tolist())
+    assert padded.data.shape[1] == longest, "padded to the longest sample of the batch"
+    for data, length, index in zip(padded.data, padded.lengths.tolist(), indices, strict=True):
+        assert torch.equal(data[:length], tokens(index)[0]), f"sample {index} differs from the dataset"
+        assert torch.all(data[length:] == -1), "the padding"
+    return indices
 
 
 if __name__ == "__main__":
