@@ -92,8 +92,11 @@ class VariableColumn:
         shape = self.shape(index)
         offset = self._offset(index)
         nbytes = math.prod(shape) * self._item
-        if offset + nbytes > self._size or any(shape[axis] != d for axis, d in self._fixed_axes):
+        if offset + nbytes > self._size:
             return None
+        for axis, d in self._fixed_axes:
+            if shape[axis] != d:
+                return None
         return offset, shape, nbytes
 
     def copy(self, index: int) -> np.ndarray[Any, Any] | None:
@@ -139,7 +142,9 @@ class VariableColumn:
             source = self._typed
         else:
             firsts, lasts, source = starts[good].tolist(), ends[good].tolist(), self._region
-        flat = np.concatenate([source[a:b] for a, b in zip(firsts, lasts, strict=True)])
+        # Into a buffer of the right dtype (concatenate alone would pick a native byte order).
+        flat = np.empty(sum(lasts) - sum(firsts), source.dtype)
+        np.concatenate([source[a:b] for a, b in zip(firsts, lasts, strict=True)], out=flat)
         if source is self._region:
             flat = flat.view(self.dtype)
         bounds = np.zeros(len(good) + 1, np.int64)

@@ -106,7 +106,7 @@ class _Server:
         return self.cache
 
     def nbytes(self) -> int:
-        return self.open_cache.fields["data"].shape[0]
+        return self.open_cache.fields["data"].fixed_shape[0]
 
     # Operations: op_<name>(*args) -> picklable result.
 
