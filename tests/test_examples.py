@@ -17,6 +17,8 @@ CASES = {
     "imagefolder.py": ["--count", "300", "--side", "96", "--size", "32", "--epochs", "2"],
     "lightning_ddp.py": ["--length", "256"],
     "property_test_concurrent.py": ["--examples", "3", "--steps", "10"],
+    "text_tokens.py": ["--count", "300", "--batch-size", "16", "--workers", "1"],
+    "detection_boxes.py": ["--count", "60", "--max-side", "48", "--batch-size", "8", "--workers", "1"],
 }
 
 
