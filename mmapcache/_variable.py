@@ -47,7 +47,10 @@ class VariableColumn:
         "_offset_words",
         "_offsets_mv",
         "_region",
+        "_row_bytes",
+        "_rows",
         "_size",
+        "_tail",
         "_typed",
         "dims",
         "dtype",
@@ -75,12 +78,33 @@ class VariableColumn:
         # A view of the region in the field's dtype, when every value's offset is a multiple of its itemsize.
         usable = len(region) // self._item * self._item
         self._typed = region[:usable].view(field.dtype) if PAYLOAD_ALIGNMENT % self._item == 0 else None
+        # Only the first dimension varies ((None, 4): boxes; (None, 80): spectrogram frames): a view of
+        # the region as rows of the fixed tail reads a value with one slice and one copy.
+        self._rows: np.ndarray[Any, Any] | None = None
+        self._tail: tuple[int, ...] = ()
+        self._row_bytes = 0
+        tail = field.shape[1:]
+        if ndim >= 2 and field.shape[0] is None and None not in tail and self._typed is not None:
+            self._tail = tuple(d for d in tail if d is not None)
+            row_items = math.prod(self._tail)
+            if row_items:
+                self._rows = self._typed[: len(self._typed) // row_items * row_items].reshape(-1, *self._tail)
+                self._row_bytes = row_items * self._item
 
     def shape(self, index: int) -> tuple[int, ...]:
-        if self._dims_mv is None:
+        mv = self._dims_mv
+        if mv is None:
             return tuple(self.dims[index].tolist())
         start = index * self._dim_words + 2
-        return tuple(self._dims_mv[start : start + self._ndim])
+        ndim = self._ndim
+        # Spelled out for the common ranks: slicing a memoryview and building a tuple costs more.
+        if ndim == 1:
+            return (mv[start],)
+        if ndim == 2:
+            return (mv[start], mv[start + 1])
+        if ndim == 3:
+            return (mv[start], mv[start + 1], mv[start + 2])
+        return tuple(mv[start : start + ndim])
 
     def _offset(self, index: int) -> int:
         if self._offsets_mv is None:
@@ -94,9 +118,10 @@ class VariableColumn:
         nbytes = math.prod(shape) * self._item
         if offset + nbytes > self._size:
             return None
-        for axis, d in self._fixed_axes:
-            if shape[axis] != d:
-                return None
+        if self._fixed_axes:
+            for axis, d in self._fixed_axes:
+                if shape[axis] != d:
+                    return None
         return offset, shape, nbytes
 
     def copy(self, index: int) -> np.ndarray[Any, Any] | None:
@@ -111,11 +136,22 @@ class VariableColumn:
             start = offset // self._item
             fresh: np.ndarray[Any, Any] = typed[start : start + count].copy()
             return fresh
+        rows = self._rows
+        if rows is not None and dims is not None and self._offsets_mv is not None:
+            start = index * self._dim_words + 2
+            count = dims[start]
+            offset = self._offsets_mv[index * self._offset_words]
+            first, remainder = divmod(offset, self._row_bytes)
+            fits = dims[start + 1] == self._tail[0] if self._ndim == 2 else self.shape(index)[1:] == self._tail
+            if not remainder and fits:
+                if offset + count * self._row_bytes > self._size:
+                    return None
+                fresh_rows: np.ndarray[Any, Any] = rows[first : first + count].copy()
+                return fresh_rows
         where = self.locate(index)
         if where is None:
             return None
         offset, shape, nbytes = where
-        typed = self._typed
         if typed is not None:
             start = offset // self._item
             value = typed[start : start + nbytes // self._item]
