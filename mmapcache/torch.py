@@ -451,7 +451,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             [schema.dtypes[schema.names.index(name)] for name in schema.fixed],
         )
         out = dict(zip(schema.fixed, arrays, strict=True))
-        read, hits = cache.read_many(idx, out=out if out or not schema.ragged else None, count=not counted)
+        read, hits = cache.read_many(idx, out=out, count=not counted)  # variable fields: lists
         self._hits += int(np.count_nonzero(hits))
         batch = iter(tensors)
         columns: list[Any] = [

@@ -196,6 +196,30 @@ def test_default_collate_stacks_variable_leaves_that_agree_and_raises_as_torch_d
     assert errors[0] == errors[1] == errors[2], "the cache changes nothing about torch's own error"
 
 
+class Ramps(torch.utils.data.Dataset[Any]):
+    """Bare leaves: float32 ramps of length 0 to 9."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.arange(i, dtype=torch.float32) * 1.5
+
+
+def test_a_sample_that_is_one_variable_leaf(cache_dir: Path) -> None:
+    ds = CachedDataset(
+        Ramps(), cache_dir / "c.mmc", key="ramps", fields={".": Field((None,), "float32")}, max_bytes=BUDGET
+    )
+    for _ in range(2):  # cold, then warm
+        plain = batches(DataLoader(ds, batch_size=4, collate_fn=pad_collate))
+        fast = batches(ds.loader(batch_size=4, collate_fn=pad_collate))
+        assert same(plain, fast)
+        assert same(plain, batches(DataLoader(Ramps(), batch_size=4, collate_fn=pad_collate)))
+    assert torch.equal(plain[0].lengths, torch.tensor([0, 1, 2, 3]))
+    assert all(same(sample, Ramps()[i]) for i, sample in zip([9, 0, 4], ds.__getitems__([9, 0, 4]), strict=True))
+    assert ds.stats()["misses"] == 10
+
+
 def _lists(batch: list[Any]) -> Any:
     """A collate that keeps the variable leaves as lists and stacks the rest (the detection idiom)."""
     keep = {"image", "boxes", "labels", "embedding"}
