@@ -599,25 +599,26 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     def _varying_shapes(self, schema: _Schema, index: int, error: LeafShapeError, raw: list[Any]) -> str:
         """The message for a sample whose shape differs from the first one's, when ``fields=`` was not given."""
         name, shape, field = error.name, error.shape, error.field
-        exists = ""
-        if self._cache is not None:
+        if self._cache is None:  # nothing was created: the schema is the first sample's of this batch
+            where, exists = f"the first sample's is {field.shape}", ""
+        else:
+            where = f"the cache's field has the fixed shape {field.shape}"
             exists = (
-                f" The cache at {self.path} exists already, with these fixed shapes: remove it first "
+                f" The cache at {self.path} exists already, with fixed shapes: remove it first "
                 f"(`mmapcache rm {self.path}`)."
             )
         if len(shape) != len(field.shape):
             return (
-                f"dataset[{index}]: field {name!r} has shape {shape}, but the cache's field has shape {field.shape} "
-                "(without fields=, the first sample's): a field has a fixed number of dimensions; only their sizes "
-                "may vary (declared as None with fields=). Reshape or pad before the cache, or move that part into "
-                f"transform.{exists}"
+                f"dataset[{index}]: field {name!r} has shape {shape}, but {where}: a field has a fixed number of "
+                "dimensions; only their sizes may vary (declared as None with fields=). Reshape or pad before the "
+                f"cache, or move that part into transform.{exists}"
             )
         return (
-            f"dataset[{index}]: field {name!r} has shape {shape}, but the cache's field has the fixed shape "
-            f"{field.shape}: without fields=, every field keeps the shape of the first sample. To cache samples "
-            "whose shapes vary, declare the fields with None for each dimension that varies, and a max_bytes= "
-            f"budget for the values: CachedDataset(..., fields={_declaration(schema, raw)}, max_bytes=...), "
-            f"with Field from mmapcache. Or pad, crop or resize before the cache.{exists}"
+            f"dataset[{index}]: field {name!r} has shape {shape}, but {where}: without fields=, every field keeps "
+            "the fixed shape of the first sample. To cache samples whose shapes vary, declare the fields with None "
+            "for each dimension that varies, and a max_bytes= budget for the values: "
+            f"CachedDataset(..., fields={_declaration(schema, raw)}, max_bytes=...), with Field from mmapcache. "
+            f"Or pad, crop or resize before the cache.{exists}"
         )
 
     # -- whole batches -------------------------------------------------------------
@@ -925,10 +926,14 @@ def _misfit(sample: Any, fields: Mapping[str, Field]) -> tuple[type[Exception], 
     if list(leaves) != list(fields) and set(leaves) != set(fields):
         missing = [name for name in fields if name not in leaves]
         extra = [name for name in leaves if name not in fields]
-        parts = [f"no {', '.join(map(repr, missing))}" * bool(missing), f"no field for {extra}" * bool(extra)]
+        parts = []
+        if missing:
+            parts.append(f"the sample has no {', '.join(map(repr, missing))}")
+        if extra:
+            parts.append(f"no field is given for {', '.join(map(repr, extra))}")
         return ValueError, (
-            f"its fields are {list(leaves)} (named by their place in the sample), not {list(fields)}: "
-            + "; ".join(filter(None, parts))
+            f"the sample's leaves are {list(leaves)} (named by their place in it, see mmapcache.torch), "
+            f"the fields {list(fields)}: {'; '.join(parts)}"
         )
     for name, leaf in leaves.items():
         field = fields[name]
