@@ -34,7 +34,6 @@ __all__ = [
     "is_raw_bits",
     "leaf_field",
     "leaf_shape",
-    "shape_fits",
     "tensor_to_numpy",
     "torch_dtype",
     "value_to_numpy",
@@ -165,11 +164,6 @@ def _torch_knows(dtype: np.dtype[Any]) -> bool:
     return True
 
 
-def shape_fits(shape: tuple[int, ...], declared: tuple[int | None, ...]) -> bool:
-    """Whether ``shape`` matches a field's shape, where a ``None`` dimension takes any size."""
-    return len(shape) == len(declared) and all(d is None or d == s for s, d in zip(shape, declared, strict=True))
-
-
 def leaf_shape(leaf: Any) -> tuple[int, ...]:
     """The shape of a leaf: a tensor's or array's own, ``()`` for a number."""
     return tuple(leaf.shape) if isinstance(leaf, (torch.Tensor, np.ndarray, np.generic)) else ()
@@ -204,7 +198,7 @@ def check_leaf(leaf: torch.Tensor | np.ndarray[Any, Any] | np.generic, field: Fi
             _wrong_dtype(str(leaf.dtype).removeprefix("torch."), field.dtype_name, name)
         if leaf.layout != torch.strided or leaf.is_nested:
             raise TypeError(f"field {name!r}: {leaf.layout} tensors cannot be cached; use dense tensors")
-        if leaf.shape != field.shape and not shape_fits(tuple(leaf.shape), field.shape):
+        if leaf.shape != field.shape and not field.fits(tuple(leaf.shape)):
             _wrong_shape(tuple(leaf.shape), field, name)
         if leaf.requires_grad:
             leaf = leaf.detach()
@@ -213,7 +207,7 @@ def check_leaf(leaf: torch.Tensor | np.ndarray[Any, Any] | np.generic, field: Fi
     if field.torch_dtype is not None or dtype.newbyteorder("=") != field.dtype.newbyteorder("="):
         want = field.dtype_name if field.torch_dtype is None else f"torch.{field.dtype_name}"
         _wrong_dtype(str(dtype.newbyteorder("=")), want, name)
-    if leaf.shape != field.shape and not shape_fits(leaf.shape, field.shape):
+    if leaf.shape != field.shape and not field.fits(leaf.shape):
         _wrong_shape(leaf.shape, field, name)
     return leaf
 
