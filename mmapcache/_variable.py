@@ -14,6 +14,7 @@ operations and copied into one buffer that its rows view.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from typing import Any
@@ -178,20 +179,26 @@ class VariableColumn:
             source = self._typed
         else:
             firsts, lasts, source = starts[good].tolist(), ends[good].tolist(), self._region
-        # Into a buffer of the right dtype (concatenate alone would pick a native byte order).
-        flat = np.empty(sum(lasts) - sum(firsts), source.dtype)
+        # Into one buffer of the right dtype (concatenate alone would pick a native byte order),
+        # which every row then views: one allocation, one C copy loop, one Python slice per row.
+        bounds = np.zeros(len(good) + 1, np.int64)
+        np.cumsum(counts[good], out=bounds[1:])
+        flat = np.empty(int(bounds[-1]) * (self._item if source is self._region else 1), source.dtype)
         np.concatenate([source[a:b] for a, b in zip(firsts, lasts, strict=True)], out=flat)
         if source is self._region:
             flat = flat.view(self.dtype)
-        bounds = np.zeros(len(good) + 1, np.int64)
-        np.cumsum(counts[good], out=bounds[1:])
         edges = bounds.tolist()
         if self._ndim == 1:
-            for k, row in enumerate(good.tolist()):
-                values[row] = flat[edges[k] : edges[k + 1]]
+            rows = [flat[a:b] for a, b in itertools.pairwise(edges)]
         else:
-            for k, (row, shape) in enumerate(zip(good.tolist(), shapes[good].tolist(), strict=True)):
-                values[row] = flat[edges[k] : edges[k + 1]].reshape(shape)
+            rows = [
+                flat[a:b].reshape(shape)
+                for a, b, shape in zip(edges[:-1], edges[1:], shapes[good].tolist(), strict=True)
+            ]
+        if len(good) == len(indices):
+            return rows, np.flatnonzero(bad)
+        for row, value in zip(good.tolist(), rows, strict=True):
+            values[row] = value
         return values, np.flatnonzero(bad)
 
     def write(self, index: int, offset: int, value: np.ndarray[Any, Any]) -> None:
