@@ -174,6 +174,36 @@ class VariableColumn:
         good = np.flatnonzero(~bad)
         if not len(good):
             return values, np.flatnonzero(bad)
+        if self._rows is not None and not (starts[good] % self._row_bytes).any():
+            rows = self._copy_rows(starts[good] // self._row_bytes, shapes[good, 0])
+        else:
+            rows = self._copy_flat(good, starts, ends, counts, shapes)
+        if len(good) == len(indices):
+            return rows, np.flatnonzero(bad)
+        for row, value in zip(good.tolist(), rows, strict=True):
+            values[row] = value
+        return values, np.flatnonzero(bad)
+
+    def _copy_rows(self, firsts: np.ndarray[Any, Any], counts: np.ndarray[Any, Any]) -> list[Any]:
+        """Values whose first dimension alone varies: slices of the region's row view, into one buffer."""
+        rows = self._rows
+        assert rows is not None
+        bounds = np.zeros(len(firsts) + 1, np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        flat = np.empty((int(bounds[-1]), *self._tail), self.dtype)
+        starts = firsts.tolist()
+        np.concatenate([rows[a : a + n] for a, n in zip(starts, counts.tolist(), strict=True)], out=flat)
+        return [flat[a:b] for a, b in itertools.pairwise(bounds.tolist())]
+
+    def _copy_flat(
+        self,
+        good: np.ndarray[Any, Any],
+        starts: np.ndarray[Any, Any],
+        ends: np.ndarray[Any, Any],
+        counts: np.ndarray[Any, Any],
+        shapes: np.ndarray[Any, Any],
+    ) -> list[Any]:
+        """Values of any shape: their elements copied into one flat buffer, viewed row by row."""
         if self._typed is not None and not (starts[good] % self._item).any():
             firsts, lasts = (starts[good] // self._item).tolist(), (ends[good] // self._item).tolist()
             source = self._typed
@@ -189,17 +219,10 @@ class VariableColumn:
             flat = flat.view(self.dtype)
         edges = bounds.tolist()
         if self._ndim == 1:
-            rows = [flat[a:b] for a, b in itertools.pairwise(edges)]
-        else:
-            rows = [
-                flat[a:b].reshape(shape)
-                for a, b, shape in zip(edges[:-1], edges[1:], shapes[good].tolist(), strict=True)
-            ]
-        if len(good) == len(indices):
-            return rows, np.flatnonzero(bad)
-        for row, value in zip(good.tolist(), rows, strict=True):
-            values[row] = value
-        return values, np.flatnonzero(bad)
+            return [flat[a:b] for a, b in itertools.pairwise(edges)]
+        return [
+            flat[a:b].reshape(shape) for a, b, shape in zip(edges[:-1], edges[1:], shapes[good].tolist(), strict=True)
+        ]
 
     def write(self, index: int, offset: int, value: np.ndarray[Any, Any]) -> None:
         """Store ``value`` at ``offset`` of the region and describe it in slot ``index``'s descriptor."""
