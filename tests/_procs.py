@@ -134,17 +134,25 @@ class _Server:
             self.cache.close()
             self.cache = None
 
+    # The samples this server writes; a server for another schema overrides these two.
+
+    def sample(self, index: int, tag: int) -> dict[str, Any]:
+        return make_sample(index, tag, self.nbytes())
+
+    def batch(self, indices: Sequence[int], tag: int) -> dict[str, Any]:
+        return make_batch(indices, tag, self.nbytes())
+
     def op_put(self, indices: list[int], tag: int) -> list[bool]:
-        cache, nbytes = self.open_cache, self.nbytes()
-        return [cache.put(i, make_sample(i, tag, nbytes)) for i in indices]
+        cache = self.open_cache
+        return [cache.put(i, self.sample(i, tag)) for i in indices]
 
     def op_put_many(self, indices: list[int], tag: int) -> list[bool]:
-        stored = self.open_cache.put_many(indices, make_batch(indices, tag, self.nbytes()))
+        stored = self.open_cache.put_many(indices, self.batch(indices, tag))
         return [bool(s) for s in stored]
 
     def op_kill_me_in_put_many(self, indices: list[int], tag: int) -> None:
         """Say "started" once the batch is made, then write it: the test kills us during the put."""
-        batch = make_batch(indices, tag, self.nbytes())
+        batch = self.batch(indices, tag)
         self.conn.send(("started", None))
         self.open_cache.put_many(indices, batch)
 
@@ -153,7 +161,7 @@ class _Server:
 
         Says "started" first; returns the indices whose put returned True.
         """
-        cache, nbytes = self.open_cache, self.nbytes()
+        cache = self.open_cache
         self.conn.send(("started", None))
         stored: list[int] = []
         for start in range(0, len(indices), batch):
@@ -163,10 +171,10 @@ class _Server:
             if not chunk:
                 continue
             if batch == 1:
-                if cache.put(chunk[0], make_sample(chunk[0], tag, nbytes)):
+                if cache.put(chunk[0], self.sample(chunk[0], tag)):
                     stored.append(chunk[0])
             else:
-                won = cache.put_many(chunk, make_batch(chunk, tag, nbytes))
+                won = cache.put_many(chunk, self.batch(chunk, tag))
                 stored.extend(i for i, w in zip(chunk, won.tolist(), strict=True) if w)
         return stored
 

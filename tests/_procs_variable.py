@@ -182,13 +182,11 @@ class _VariableServer(_Server):
         self.cache = Cache.open(path)
         return self.cache.fields
 
-    def op_put(self, indices: list[int], tag: int) -> list[bool]:
-        cache = self.open_cache
-        return [cache.put(i, make_sample(i, tag, self.scale)) for i in indices]
+    def sample(self, index: int, tag: int) -> dict[str, Any]:
+        return make_sample(index, tag, self.scale)
 
-    def op_put_many(self, indices: list[int], tag: int) -> list[bool]:
-        stored = self.open_cache.put_many(indices, make_batch(indices, tag, self.scale))
-        return [bool(s) for s in stored]
+    def batch(self, indices: Sequence[int], tag: int) -> dict[str, Any]:
+        return make_batch(indices, tag, self.scale)
 
     def op_put_samples(self, samples: list[tuple[int, dict[str, Encoded]]]) -> list[bool]:
         """``put`` samples the test made (any schema; arrays as :func:`encode` gives them)."""
@@ -203,32 +201,6 @@ class _VariableServer(_Server):
             sample = cache.get(i)
             out.append(None if sample is None else {name: encode(v) for name, v in sample.items()})
         return out
-
-    def op_fill(self, indices: list[int], tag: int, batch: int) -> list[int]:
-        """Fill ``indices`` in order (``put``, or ``put_many`` in chunks of ``batch``); the indices stored.
-
-        Says "started" first. Misses are computed (and put) only if not cached yet.
-        """
-        cache, scale = self.open_cache, self.scale
-        self.conn.send(("started", None))
-        stored: list[int] = []
-        for start in range(0, len(indices), batch):
-            chunk = indices[start : start + batch]
-            chunk = [i for i, cached in zip(chunk, cache.contains_many(chunk), strict=True) if not cached]
-            if not chunk:
-                continue
-            if batch == 1:
-                if cache.put(chunk[0], make_sample(chunk[0], tag, scale)):
-                    stored.append(chunk[0])
-            else:
-                won = cache.put_many(chunk, make_batch(chunk, tag, scale))
-                stored.extend(i for i, w in zip(chunk, won.tolist(), strict=True) if w)
-        return stored
-
-    def op_kill_me_in_put_many(self, indices: list[int], tag: int) -> None:
-        batch = make_batch(indices, tag, self.scale)
-        self.conn.send(("started", None))
-        self.open_cache.put_many(indices, batch)
 
     def op_read_random(self, length: int, seed: int) -> dict[str, Any]:
         """Read at random (get, get_many, read_many) until the test sends anything; check every hit.
