@@ -93,7 +93,7 @@ def load(cache: Cache, indices: list[int]) -> dict[str, np.ndarray[Any, Any]]:
     yet and ``get_many`` raises ``KeyError``. Return what you decoded instead.
     """
     hit = cache.contains_many(indices)
-    out = {name: np.empty((len(indices), *field.shape), field.dtype) for name, field in FIELDS.items()}
+    out = {name: np.empty((len(indices), *field.fixed_shape), field.dtype) for name, field in FIELDS.items()}
     if hit.any():
         # Slots never go from READY back to not READY while processes fill,
         # so what contains_many saw READY is still READY here.

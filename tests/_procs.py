@@ -24,7 +24,7 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from mmapcache import Cache, Field
 
 __all__ = [
     "Worker",
+    "WorkerPool",
     "check_sample",
     "make_batch",
     "make_fields",
@@ -399,6 +400,26 @@ class Worker:
         elif self.alive:
             os.kill(self.pid, signal.SIGKILL)
             self.process.join(10)
+
+
+_W = TypeVar("_W", bound="Worker")
+
+
+class WorkerPool(Generic[_W]):
+    """Spawned workers started one round ahead, so spawning overlaps the previous round."""
+
+    def __init__(self, make: Callable[[], _W]) -> None:
+        self.make = make
+        self.ready: list[_W] = []
+
+    def take(self, n: int) -> list[_W]:
+        while len(self.ready) < 2 * n:
+            self.ready.append(self.make())
+        taken, self.ready = self.ready[:n], self.ready[n:]
+        return taken
+
+    def close(self) -> None:
+        stop_all(self.ready)
 
 
 def stop_all(workers: Sequence[Worker]) -> None:

@@ -248,7 +248,7 @@ def test_get_many_stacks_in_order(cache: Cache) -> None:
 
 def test_get_many_into_caller_buffers(cache: Cache) -> None:
     cache.put_many([4, 5, 6], {"image": np.stack([sample(i)["image"] for i in (4, 5, 6)]), "label": [40, 50, 60]})
-    out = {"image": np.zeros((2, 3, 8, 8), np.uint8), "label": np.zeros(2, np.int64)}
+    out: dict[str, np.ndarray[Any, Any]] = {"image": np.zeros((2, 3, 8, 8), np.uint8), "label": np.zeros(2, np.int64)}
     image = out["image"]
     assert cache.get_many([6, 4], out=out) is out
     assert out["image"] is image, "written in place, nothing allocated"
@@ -268,7 +268,10 @@ def test_read_many_reports_hits_and_misses_without_raising(cache_dir: Path) -> N
         assert hits.tolist() == [True, False, True, False]
         assert arrays["label"][hits].tolist() == [30, 20]
         assert arrays["image"].shape == (4, 3, 8, 8)
-        out = {"image": np.full((2, 3, 8, 8), 9, np.uint8), "label": np.full(2, -1, np.int64)}
+        out: dict[str, np.ndarray[Any, Any]] = {
+            "image": np.full((2, 3, 8, 8), 9, np.uint8),
+            "label": np.full(2, -1, np.int64),
+        }
         arrays, hits = cache.read_many([5, 2], out=out)
         assert arrays is out
         assert hits.tolist() == [False, True]
@@ -498,7 +501,7 @@ def test_repr_shows_path_fields_and_fill(cache: Cache) -> None:
 
 def test_not_iterable(cache: Cache) -> None:
     with pytest.raises(TypeError):
-        iter(cache)  # type: ignore[call-overload]
+        iter(cache)
 
 
 # -- pickling and other processes ----------------------------------------------------

@@ -513,7 +513,7 @@ def test_guide_examples_run(cache_dir: Path, tmp_path: Path) -> None:
         else:
             assert language == "yaml", f"a {language!r} block in the guide is neither run nor checked"
             try:
-                import yaml
+                import yaml  # type: ignore[import-untyped]  # optional: checked when installed
             except ImportError:
                 continue
             assert isinstance(yaml.safe_load(body), dict)

@@ -24,7 +24,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch.utils.data as torch_data
-from _procs import SPAWN, Worker, check_sample, make_batch, make_fields, sample_data, sleep_until, stop_all
+from _procs import (
+    SPAWN,
+    Worker,
+    WorkerPool,
+    check_sample,
+    make_batch,
+    make_fields,
+    sample_data,
+    sleep_until,
+    stop_all,
+)
 
 import mmapcache
 from mmapcache import Cache, CacheInUseError
@@ -169,7 +179,7 @@ def test_dataloader_fork_workers_write_through_the_inherited_handle(cache_dir: P
 
 
 def _fork_child_puts(cache: Cache, indices: list[int], tag: int, conn: multiprocessing.connection.Connection) -> None:
-    nbytes = cache.fields["data"].shape[0]
+    nbytes = cache.fields["data"].fixed_shape[0]
     conn.send([i for i in indices if cache.put(i, {"data": sample_data(i, tag, nbytes), "tag": tag})])
 
 
@@ -205,7 +215,7 @@ def test_forked_children_and_parent_race_for_the_same_slots(cache_dir: Path) -> 
 
 
 def _fork_child_fills_forever(cache: Cache, conn: multiprocessing.connection.Connection) -> None:
-    nbytes = cache.fields["data"].shape[0]
+    nbytes = cache.fields["data"].fixed_shape[0]
     conn.send("started")
     for i in range(cache.capacity):
         cache.put(i, {"data": sample_data(i, 1, nbytes), "tag": 1})
@@ -288,22 +298,6 @@ def test_verify_while_writers_fill_finds_nothing_and_loses_nothing(cache_dir: Pa
 # -- crash fuzz -------------------------------------------------------------------
 
 
-class _Pool:
-    """Spawned workers started one round ahead, so spawning overlaps the previous round."""
-
-    def __init__(self) -> None:
-        self.ready: list[Worker] = []
-
-    def take(self, n: int) -> list[Worker]:
-        while len(self.ready) < 2 * n:
-            self.ready.append(Worker())
-        taken, self.ready = self.ready[:n], self.ready[n:]
-        return taken
-
-    def close(self) -> None:
-        stop_all(self.ready)
-
-
 @dataclass
 class _CrashStats:
     rounds: int = 0
@@ -315,7 +309,7 @@ class _CrashStats:
     seconds: float = 0.0
 
 
-def _crash_round(directory: Path, pool: _Pool, rng: random.Random, stats: _CrashStats) -> None:
+def _crash_round(directory: Path, pool: WorkerPool[Worker], rng: random.Random, stats: _CrashStats) -> None:
     """One round: a fresh cache, 3 writers filling it, each SIGKILLed at a random instant mid-fill."""
     nbytes, length, writers = 256 * 1024, 96, 3
     path = directory / f"crash-{stats.rounds}.mmc"
@@ -376,7 +370,7 @@ def _crash_round(directory: Path, pool: _Pool, rng: random.Random, stats: _Crash
 
 
 def _crash_fuzz(directory: Path, min_kills: int, seed: int) -> _CrashStats:
-    rng, stats, pool = random.Random(seed), _CrashStats(), _Pool()
+    rng, stats, pool = random.Random(seed), _CrashStats(), WorkerPool(Worker)
     start = time.monotonic()
     try:
         while stats.kills < min_kills:
@@ -525,7 +519,7 @@ def test_creators_killed_at_random_instants(cache_dir: Path) -> None:
     """Creators of a 64 MiB file killed at random points of creation: the name is missing or complete."""
     rng = random.Random(3)
     outcomes = {"missing": 0, "complete": 0}
-    pool = _Pool()
+    pool = WorkerPool(Worker)
     try:
         for attempt in range(12):
             path = cache_dir / f"k{attempt}.mmc"

@@ -329,7 +329,11 @@ def test_a_directory_you_cannot_enter_says_so(user_dir: Path) -> None:
 def test_a_file_where_a_directory_should_be_says_so(cache_dir: Path) -> None:
     (cache_dir / "notes").write_text("a file, not a directory")
     path = cache_dir / "notes" / "sub" / "c.mmc"
-    for attempt in (lambda: Cache.open(path, FIELDS, length=4), lambda: Cache.open(path, readonly=True)):
+    attempts: list[Callable[[], Cache]] = [
+        lambda: Cache.open(path, FIELDS, length=4),
+        lambda: Cache.open(path, readonly=True),
+    ]
+    for attempt in attempts:
         with pytest.raises(NotADirectoryError, match=f"cannot use {path}: {cache_dir / 'notes'} is not a directory"):
             attempt()
     assert sorted(os.listdir(cache_dir)) == ["notes"]

@@ -36,7 +36,7 @@ FIELDS = {
 
 def header(**changes: object) -> Header:
     base = new_header(FIELDS, length=1000, capacity=600, key="ключ/v1", created={"time": "x"})
-    return Header(**{**base.__dict__, **changes})  # type: ignore[arg-type]
+    return Header(**{**base.__dict__, **changes})
 
 
 def test_align() -> None:

@@ -148,12 +148,13 @@ def test_samplers_and_dataloader_options_pass_through(cache_dir: Path) -> None:
     ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="options")
     ds.fill(progress=False)
     for rank in (0, 1):
-        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=3)
+        sampler: DistributedSampler[Any] = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=3)
         sampler.set_epoch(4)
         plain = batches(DataLoader(ds, batch_size=7, sampler=sampler))
         assert_same_batches(plain, batches(ds.loader(batch_size=7, sampler=sampler)))
-    options = {"pin_memory": True, "persistent_workers": True, "prefetch_factor": 3, "num_workers": 2}
-    loader = ds.loader(batch_size=5, shuffle=False, **options)
+    loader = ds.loader(
+        batch_size=5, shuffle=False, pin_memory=True, persistent_workers=True, prefetch_factor=3, num_workers=2
+    )
     assert loader.persistent_workers
     assert loader.prefetch_factor == 3
     for _ in range(2):  # the persistent workers serve both epochs
@@ -193,7 +194,7 @@ def test_negative_and_numpy_indices_read_like_ds_getitem(cache_dir: Path) -> Non
     with pytest.raises(IndexError):
         ds._read_batch([N])
     with pytest.raises(TypeError):
-        ds._read_batch([1.5])  # type: ignore[list-item]
+        ds._read_batch([1.5])
 
 
 # -- the default path: DataLoader(ds) with default_collate ------------------------------------

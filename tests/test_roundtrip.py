@@ -116,7 +116,7 @@ SIMPLE_DTYPES = st.sampled_from(
 )
 SHAPES = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4)
 SCHEMAS = st.dictionaries(
-    st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=8),
+    st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=8),
     st.tuples(SHAPES, SIMPLE_DTYPES).map(lambda pair: Field(pair[0], pair[1])),
     min_size=1,
     max_size=4,
@@ -128,7 +128,9 @@ def schema_and_samples(draw: st.DrawFn) -> tuple[dict[str, Field], int, dict[int
     fields = draw(SCHEMAS)
     length = draw(st.integers(1, 12))
     indices = draw(st.lists(st.integers(0, length - 1), max_size=length, unique=True))
-    samples = {i: {name: draw(hnp.arrays(field.dtype, field.shape)) for name, field in fields.items()} for i in indices}
+    samples = {
+        i: {name: draw(hnp.arrays(field.dtype, field.fixed_shape)) for name, field in fields.items()} for i in indices
+    }
     return fields, length, samples
 
 

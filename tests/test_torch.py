@@ -462,7 +462,7 @@ def test_verify_treats_a_damaged_slot_as_a_miss(copy: bool, cache_dir: Path, cap
     path = cache_dir / "c.mmc"
     CachedDataset(Recorded(N), path, key="damaged").fill(progress=False)
     with Cache(path) as cache:
-        cache._mapped.arrays["0"][3, 0, 0, 0] ^= 0xFF  # flip bits behind the slot protocol's back
+        cache._mapped.arrays["0"][3, 0, 0, 0] ^= 0xFF  # type: ignore[union-attr]  # flip bits behind the protocol's back
     log = cache_dir / "accesses"
     ds = CachedDataset(Recorded(N, log), path, key="damaged", copy=copy, verify=True)
     samples = ds.__getitems__([2, 3, 4])

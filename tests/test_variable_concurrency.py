@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _procs import sleep_until, stop_all
+from _procs import WorkerPool, sleep_until, stop_all
 from _procs_variable import (
     MAX_SIDE,
     MAX_TOKENS,
@@ -231,22 +231,6 @@ def test_writers_racing_into_a_full_region_store_what_fits_and_nothing_else(cach
 # -- crash fuzz -------------------------------------------------------------------
 
 
-class _Pool:
-    """Spawned workers started one round ahead, so spawning overlaps the previous round."""
-
-    def __init__(self) -> None:
-        self.ready: list[VariableWorker] = []
-
-    def take(self, n: int) -> list[VariableWorker]:
-        while len(self.ready) < 2 * n:
-            self.ready.append(VariableWorker())
-        taken, self.ready = self.ready[:n], self.ready[n:]
-        return taken
-
-    def close(self) -> None:
-        stop_all(self.ready)
-
-
 @dataclass
 class _CrashStats:
     rounds: int = 0
@@ -261,7 +245,7 @@ class _CrashStats:
     seconds: float = 0.0
 
 
-def _crash_round(directory: Path, pool: _Pool, rng: random.Random, stats: _CrashStats) -> None:
+def _crash_round(directory: Path, pool: WorkerPool[VariableWorker], rng: random.Random, stats: _CrashStats) -> None:
     """A fresh ragged cache, 3 writers filling it in random orders, each SIGKILLed at a random instant."""
     length, writers = 64, 3
     path = directory / f"crash-{stats.rounds}.mmc"
@@ -333,7 +317,7 @@ def _crash_round(directory: Path, pool: _Pool, rng: random.Random, stats: _Crash
 
 
 def _crash_fuzz(directory: Path, min_kills: int, seed: int) -> _CrashStats:
-    rng, stats, pool = random.Random(seed), _CrashStats(), _Pool()
+    rng, stats, pool = random.Random(seed), _CrashStats(), WorkerPool(VariableWorker)
     start = time.monotonic()
     try:
         while stats.kills < min_kills:
