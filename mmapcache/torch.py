@@ -62,6 +62,7 @@ from ._batches import (
 from ._errors import SchemaMismatchError
 from ._field import Field, FieldsLike, normalize_fields
 from ._paths import default_dir
+from ._sampler import NodeShardSampler
 from ._slots import STRONGLY_ORDERED
 from ._structure import Structure, name_leaves
 from ._torch_values import (
@@ -79,7 +80,7 @@ from ._torch_values import (
 from ._values import coerce_value
 from .cache import Cache
 
-__all__ = ["CachedDataset", "Padded", "pad_collate"]
+__all__ = ["CachedDataset", "NodeShardSampler", "Padded", "pad_collate"]
 
 log = logging.getLogger("mmapcache")
 
