@@ -380,18 +380,11 @@ class Cache:
             for name, array in mapped.items:
                 # mode="clip": numpy buffers take(out=) in mode="raise" (see _gather.py).
                 np.take(array, idx, axis=0, out=out[name], mode="clip")
-        if mapped.variables:
-            out, bad = self._with_variables(mapped, idx, out, np.arange(len(idx)))
-            if len(bad):
-                self._board.add(misses=len(bad))
-                raise _missing_error(self._path, idx[bad], len(idx), why="failed their checks")
-        elif self._verify:
-            bad = failed_rows(mapped.slots, idx, list(out.values()))
-            if len(bad):
-                for i in idx[bad].tolist():
-                    self._report_mismatch(i)
-                self._board.add(misses=len(bad))
-                raise _missing_error(self._path, idx[bad], len(idx), why="failed their checksum")
+        out, bad = self._checked(mapped, idx, out, np.arange(len(idx)))
+        if len(bad):
+            self._board.add(misses=len(bad))
+            why = "failed their checks" if mapped.variables else "failed their checksum"
+            raise _missing_error(self._path, idx[bad], len(idx), why=why)
         self._board.add(hits=len(idx))
         return out
 
@@ -423,19 +416,32 @@ class Cache:
             rows = np.flatnonzero(hits)
             for name, array in mapped.items:
                 out[name][rows] = array[idx[rows]]
-        if mapped.variables:
-            out, bad = self._with_variables(mapped, idx, out, np.flatnonzero(hits))
-            hits[bad] = False
-        elif self._verify and hits.any():
-            rows = np.flatnonzero(hits)
-            bad = rows[failed_rows(mapped.slots, idx[rows], [out[name][rows] for name in self._fields])]
-            for i in idx[bad].tolist():
-                self._report_mismatch(i)
-            hits[bad] = False
+        out, bad = self._checked(mapped, idx, out, np.flatnonzero(hits))
+        hits[bad] = False
         if count:
             found = int(np.count_nonzero(hits))
             self._board.add(hits=found, misses=len(idx) - found)
         return out, hits
+
+    def _checked(
+        self, mapped: _Mapped, idx: np.ndarray[Any, Any], out: dict[str, Any], rows: np.ndarray[Any, Any]
+    ) -> tuple[dict[str, Any], np.ndarray[Any, Any]]:
+        """Finish a batch read of ``rows`` (gathered into ``out``): variable fields added, checks made.
+
+        Returns ``out`` with every field and the rows that failed (a damaged
+        variable descriptor, or with ``verify`` a checksum mismatch).
+        """
+        if mapped.variables:
+            return self._with_variables(mapped, idx, out, rows)
+        if not self._verify or not len(rows):
+            return out, np.zeros(0, np.intp)
+        if len(rows) == len(idx):  # every row: check the gathered arrays as they are
+            bad = failed_rows(mapped.slots, idx, list(out.values()))
+        else:
+            bad = rows[failed_rows(mapped.slots, idx[rows], [out[name][rows] for name in self._fields])]
+        for i in idx[bad].tolist():
+            self._report_mismatch(i)
+        return out, bad
 
     def _check_out(self, out: Any, count: int) -> None:
         fixed = {name: field for name, field in self._fields.items() if not field.variable}
