@@ -143,6 +143,12 @@ class Cache:
         variable = wanted is not None and any(field.variable for field in wanted.values())
         if capacity is not None and max_bytes is not None and not variable:
             raise ValueError("give capacity= or max_bytes=, not both")
+        # Malformed arguments are refused whether or not the file exists; only a plan that does
+        # not fit (no budget, too small, too large) waits to see whether creating is needed.
+        if capacity is not None:
+            _check_count("capacity", capacity)
+        if max_bytes is not None:
+            parse_bytes(max_bytes, name="max_bytes")
         new, unplannable = None, None
         if not readonly and wanted is not None and length is not None:
             try:

@@ -717,6 +717,11 @@ def test_variable_fields_need_a_budget(cache_dir: Path) -> None:
     Cache.open(cache_dir / "r.mmc", RAGGED, length=10, max_bytes="1MiB").close()
     with Cache.open(cache_dir / "r.mmc", RAGGED, length=10) as again:
         assert again.fields == RAGGED
+    # Malformed arguments are refused all the same.
+    with pytest.raises(ValueError, match="capacity must not be negative"):
+        Cache.open(cache_dir / "r.mmc", RAGGED, length=10, capacity=-1)
+    with pytest.raises(ValueError, match="max_bytes 'lots'"):
+        Cache.open(cache_dir / "r.mmc", RAGGED, length=10, max_bytes="lots")
     mmapcache.remove(cache_dir / "r.mmc")
     # capacity and max_bytes together: slots, and room for their values.
     with Cache.open(cache_dir / "r.mmc", RAGGED, length=100, capacity=10, max_bytes="1MiB") as cache:
