@@ -55,6 +55,7 @@ from ._locks import SlotLocks, flock_holders, try_lock_exclusive
 from ._paths import SUFFIX, check_file_stat, default_dir, filesystem_type, free_bytes, is_network_filesystem
 from ._sizes import format_bytes, parse_duration
 from ._slots import READY, WRITING
+from ._variable import value_bytes
 
 __all__ = [
     "CacheInfo",
@@ -455,7 +456,7 @@ def _read_variable_region(fd: int, header: Header, layout: Layout) -> VariableRe
         size = descriptor_nbytes(spec)
         raw = np.frombuffer(os.pread(fd, header.capacity * size, layout.field_offsets[name]), np.uint8)
         dims = raw.reshape(header.capacity, size)[:, 8 : 8 + 4 * len(spec.shape)].copy().view("<u4")
-        used += int(dims[ready].astype(np.int64).prod(axis=1).sum()) * spec.dtype.itemsize
+        used += value_bytes(dims[ready], spec.dtype.itemsize)
     return VariableRegion(layout.variable_size, int(claimed), used)
 
 

@@ -24,11 +24,16 @@ import numpy as np
 from ._field import Field
 from ._format import PAYLOAD_ALIGNMENT, descriptor_nbytes
 
-__all__ = ["VariableColumn", "shape_bytes"]
+__all__ = ["VariableColumn", "shape_bytes", "value_bytes"]
 
 _DIM = np.dtype("<u4")
 _OFFSET = np.dtype("<u8")
 _LITTLE = sys.byteorder == "little"
+
+
+def value_bytes(dims: np.ndarray[Any, Any], itemsize: int) -> int:
+    """Bytes of the values whose descriptors' shapes are the rows of ``dims`` (one uint32 per dimension)."""
+    return int(dims.astype(np.int64).prod(axis=1).sum()) * itemsize
 
 
 def shape_bytes(shape: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np.uint8]]:

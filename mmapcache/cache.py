@@ -29,7 +29,7 @@ from ._locks import flock_holders, lock_exclusive_soon
 from ._sizes import parse_bytes
 from ._slots import EMPTY, READY, STRONGLY_ORDERED, SlotTable
 from ._values import coerce_batch, coerce_sample
-from ._variable import VariableColumn
+from ._variable import VariableColumn, value_bytes
 from ._verify import Problem, failed_rows, intact, intact_parts, slot_problems
 
 __all__ = ["Cache", "Problem"]
@@ -906,11 +906,7 @@ def _creation_info() -> dict[str, Any]:
 def _bytes_used(mapped: _Mapped) -> int:
     """Bytes of the variable region that READY slots' values hold."""
     ready = np.flatnonzero(np.asarray(mapped.slots.states) == READY)
-    total = 0
-    for column in mapped.variables:
-        dims = column.dims[ready].astype(np.int64)
-        total += int(dims.prod(axis=1).sum()) * column.dtype.itemsize
-    return total
+    return sum(value_bytes(column.dims[ready], column.dtype.itemsize) for column in mapped.variables)
 
 
 def _value_ranges(mapped: _Mapped, ready: np.ndarray[Any, Any]) -> list[tuple[int, int, int]]:
