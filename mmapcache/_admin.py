@@ -152,6 +152,7 @@ class CacheInfo:
     free: int | None = None
     usage: Usage | None = None
     variable: VariableRegion | None = None
+    indices_digest: str | None = None  # the digest of the dataset index table (a shard's cache), if any
 
     @property
     def ok(self) -> bool:
@@ -189,6 +190,7 @@ class CacheInfo:
             "free": self.free,
             "usage": self.usage.to_dict() if self.usage is not None else None,
             "variable": self.variable.to_dict() if self.variable is not None else None,
+            "indices_digest": self.indices_digest,
         }
 
 
@@ -536,6 +538,7 @@ def _healthy(
         writing=writing,
         filesystem=location.filesystem,
         free=location.free,
+        indices_digest=header.indices_digest or None,
     )
 
 

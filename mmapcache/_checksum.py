@@ -17,7 +17,7 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["NAME", "checksum"]
+__all__ = ["NAME", "checksum", "digest64"]
 
 NAME = "xxh3-64"
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -29,3 +29,8 @@ def checksum(parts: Iterable[Any]) -> int:
     for part in parts:
         h = _xxh3(part, h)
     return h & 0xFFFFFFFF
+
+
+def digest64(data: Any) -> int:
+    """The full 64-bit XXH3 (seed 0) of one contiguous buffer."""
+    return _xxh3(data, 0)

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import filelock
+import numpy as np
 
 from ._errors import (
     CacheError,
@@ -80,6 +81,7 @@ from ._format import (
     Header,
     Layout,
     compute_layout,
+    indices_digest,
     new_header,
     pack_header,
     unpack_header,
@@ -124,6 +126,7 @@ class Expected:
     fields: dict[str, Field] | None = None
     length: int | None = None
     key: str | None = None
+    indices_digest: str | None = None  # the dataset index table's digest ("": the file must have none)
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,7 @@ class NewFile:
     created: dict[str, Any]
     variable_size: int = 0
     extent_size: int = 0
+    dataset_indices: np.ndarray[Any, np.dtype[np.uint64]] | None = None  # the index table to write (version 4)
 
 
 @dataclass
@@ -249,6 +253,7 @@ def open_or_create(
                 new.created,
                 variable_size=new.variable_size,
                 extent_size=new.extent_size,
+                indices_digest="" if new.dataset_indices is None else indices_digest(new.dataset_indices),
             )
             planned = header, compute_layout(header)
             _check_space(path, planned[1].file_size)
@@ -258,7 +263,7 @@ def open_or_create(
                 with creation_lock(path, timeout):
                     if not os.path.lexists(path):
                         _remove_leftovers(path)
-                        _create(path, *planned)
+                        _create(path, *planned, new.dataset_indices)
                         created_now = True
         except FileNotFoundError:
             # The directory was deleted under us (a job-end cleanup of /dev/shm,
@@ -466,12 +471,16 @@ def _check_expected(header: Header, expected: Expected, path: str) -> None:
         differences["length"] = (expected.length, header.length)
     if expected.key is not None and expected.key != header.key:
         differences["key"] = (expected.key, header.key)
+    if expected.indices_digest is not None and expected.indices_digest != header.indices_digest:
+        differences["dataset_indices"] = (expected.indices_digest, header.indices_digest)
     if not differences:
         return
     lines = []
     for name, (want, found) in differences.items():
         if name == "fields":
             lines.extend(_field_differences(want, found))
+        elif name == "dataset_indices":
+            lines.append(f"dataset indices: {_index_set(want)} was asked for, the file caches {_index_set(found)}")
         else:
             lines.append(f"{name}: expected {_short(want)}, found {_short(found)}")
     raise SchemaMismatchError(
@@ -482,6 +491,10 @@ def _check_expected(header: Header, expected: Expected, path: str) -> None:
         path=path,
         differences=differences,
     )
+
+
+def _index_set(digest: str) -> str:
+    return f"the index set with digest {digest}" if digest else "the whole dataset (no index table)"
 
 
 def _short(value: Any, limit: int = 200) -> str:
@@ -578,7 +591,9 @@ def _remove_leftovers(path: Path) -> None:
             pass
 
 
-def _create(path: Path, header: Header, layout: Layout) -> None:
+def _create(
+    path: Path, header: Header, layout: Layout, dataset_indices: np.ndarray[Any, np.dtype[np.uint64]] | None = None
+) -> None:
     _warn_if_network(path)
     _check_space(path, layout.file_size)
     temp = new_temp_path(path)
@@ -591,6 +606,8 @@ def _create(path: Path, header: Header, layout: Layout) -> None:
         data = pack_header(header)
         if os.pwrite(fd, data, 0) != len(data):
             raise OSError(errno.EIO, f"short write of the header of {temp}")
+        if dataset_indices is not None:
+            _write_all(fd, np.ascontiguousarray(dataset_indices, dtype="<u8").tobytes(), layout.indices_offset, temp)
         os.fsync(fd)
         _check_written(fd, path, header)
         try:
@@ -607,10 +624,19 @@ def _create(path: Path, header: Header, layout: Layout) -> None:
     log.info("created %s (%d bytes, capacity %d of %d)", path, layout.file_size, header.capacity, header.length)
 
 
+def _write_all(fd: int, data: bytes, offset: int, path: Path) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, f"short write at offset {offset} of {path}")
+        view, offset = view[written:], offset + written
+
+
 def _check_written(fd: int, path: Path, header: Header) -> None:
     """Read the new file back with the reader every opener uses: never publish what cannot be opened."""
     try:
-        found, _ = read_header(fd, str(path), Expected(header.fields, header.length, header.key))
+        found, _ = read_header(fd, str(path), Expected(header.fields, header.length, header.key, header.indices_digest))
         if (found.capacity, found.uuid, found.header_size) != (header.capacity, header.uuid, header.header_size):
             raise CacheFormatError(
                 f"it reads back capacity {found.capacity}, header size {found.header_size} instead of "

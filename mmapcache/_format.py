@@ -1,4 +1,4 @@
-r"""The mmapcache file format, versions 1, 2 and 3.
+r"""The mmapcache file format, versions 1 to 4.
 
 This docstring is the specification, written so that a stranger could
 implement a reader or a writer from it; `docs/format.md` carries the same
@@ -12,10 +12,11 @@ NOT, SHOULD and MAY are used as in RFC 2119.
 | 1 | header, slot table, fixed-shape field data | mmapcache 0.1 |
 | 2 | the process counter region between the slot table and the data | mmapcache 0.2 and later |
 | 3 | variable-shape fields: per-slot descriptors, and the variable region after the data | mmapcache 0.2 and later |
+| 4 | the dataset index table: the file caches a chosen set of a dataset's indices (one node's shard) | mmapcache 0.3 and later |
 
-A writer writes the lowest version that holds its schema (3 when a field
-has a variable dimension, else 2), so that older readers keep reading what
-they can; a reader MUST read every version it knows and MUST reject the
+A writer writes the lowest version that holds its schema (4 when the file
+has a dataset index table, else 3 when a field has a variable dimension,
+else 2), so that older readers keep reading what they can; a reader MUST read every version it knows and MUST reject the
 others. Everything below holds for every version unless a section names one.
 
 ## Overview
@@ -29,6 +30,8 @@ A cache file has these regions, each starting on a multiple of 4096 bytes:
 | slot table         |  capacity * record_size bytes, padded to 4096
 +--------------------+
 | process counters   |  version 2: 256 * 32 bytes, padded to 4096
++--------------------+
+| dataset indices    |  version 4 with an index table: length * 8 bytes, padded to 4096
 +--------------------+
 | field 0 data       |  capacity * nbytes(field 0) bytes, padded to 4096
 | field 1 data       |  ...
@@ -47,7 +50,7 @@ uses the byte order its dtype descriptor names.
 | offset | size | content |
 |-------:|-----:|---------|
 | 0 | 8 | magic: the bytes `89 4D 4D 43 0D 0A 1A 0A` (`\x89MMC\r\n\x1a\n`) |
-| 8 | 4 | format version, uint32: 1 or 2 (see Versions) |
+| 8 | 4 | format version, uint32: 1 to 4 (see Versions) |
 | 12 | 4 | header_size, uint32: bytes in the header region, a non-zero multiple of 4096, at most 64 MiB |
 | 16 | 4 | meta_size, uint32: bytes of the metadata document |
 | 20 | 4 | header checksum, uint32: CRC-32 (the zlib/PNG polynomial) of the whole header region `[0, header_size)` with these four bytes taken as zero |
@@ -81,6 +84,10 @@ without raising the format version.
   `{"size": int, "extent": int}`: the bytes of the variable region (a
   positive multiple of 4096) and of the extents writers claim from it (a
   positive multiple of 16, at most `size`).
+- `indices` (version 4, present exactly when the file has a dataset index
+  table): `{"digest": str}`, the XXH3-64 (seed 0) of the table's
+  `length * 8` bytes as 16 lowercase hexadecimal digits. Two files cache the
+  same index set exactly when their digests are equal.
 
 ## Slot table
 
@@ -129,7 +136,8 @@ order (`align(x)` rounds `x` up to a multiple of 4096):
 
 ```
 pos = align(header_size + capacity * record_size)
-pos = align(pos + counter_records * 32)   # counter_records: 0 in version 1, 256 in versions 2 and 3
+pos = align(pos + counter_records * 32)   # counter_records: 0 in version 1, 256 in versions 2 to 4
+if indices:        indices_offset = pos;  pos = align(pos + length * 8)
 for each field k:  offset_k = pos;  pos = align(pos + capacity * nbytes_k)
 if variable_size:  allocation_offset = pos;  variable_offset = pos + 4096;  pos = align(variable_offset + variable_size)
 file_size = pos
@@ -167,6 +175,18 @@ its start.
   died is not reused until the cache is cleared, which sets `claimed` to 0.
 - When the region has no room for a value, the sample is not stored (the
   slot goes back to EMPTY).
+
+## Dataset index table (version 4)
+
+A file MAY cache a chosen subset of a larger dataset — one node's shard of
+it in a job spanning many nodes. Its `length` is then the number of chosen
+indices, and the table at `indices_offset` lists them: `length` uint64
+values, strictly increasing. Position `i` (slot `i`, when `i < capacity`)
+caches the dataset's sample `table[i]`; a dataset index not in the table is
+not cached by this file. The table is written with the header, before the
+file is published, and never changes; its digest is in the metadata
+(`indices`). A reader that is asked for a given index set SHOULD compare
+digests and refuse a file that holds another set.
 
 ## Rules for writers and readers
 
@@ -208,6 +228,7 @@ from ._field import Field
 __all__ = [
     "ALIGNMENT",
     "FORMAT_VERSION",
+    "INDEX_ITEMSIZE",
     "MAGIC",
     "PREFIX_SIZE",
     "RECORD_SIZE",
@@ -215,6 +236,7 @@ __all__ = [
     "Layout",
     "align",
     "compute_layout",
+    "indices_digest",
     "max_slots",
     "pack_header",
     "slot_nbytes",
@@ -223,7 +245,7 @@ __all__ = [
 ]
 
 MAGIC = b"\x89MMC\r\n\x1a\n"
-FORMAT_VERSION = 3  # the newest; a writer writes the lowest version that holds its schema
+FORMAT_VERSION = 4  # the newest; a writer writes the lowest version that holds its schema
 ALIGNMENT = 4096
 RECORD_SIZE = 8
 MAX_HEADER_SIZE = 64 * 2**20
@@ -244,19 +266,24 @@ class Version:
     record_size: int  # bytes per slot record
     counter_records: int  # process counter records after the slot table (0: no such region)
     variable: bool = False  # fields may have variable dimensions, stored in a variable region
+    indexed: bool = False  # the file may hold a dataset index table (the indices it caches)
 
 
 VERSIONS = {
     1: Version(record_size=RECORD_SIZE, counter_records=0),
     2: Version(record_size=RECORD_SIZE, counter_records=256),
     3: Version(record_size=RECORD_SIZE, counter_records=256, variable=True),
+    4: Version(record_size=RECORD_SIZE, counter_records=256, variable=True, indexed=True),
 }
+INDEX_ITEMSIZE = 8  # bytes per entry of the dataset index table (uint64, little-endian)
 COUNTER_RECORD_SIZE = 32
 PAYLOAD_ALIGNMENT = 16  # a variable value starts on a multiple of this in the variable region
 
 
-def version_for(fields: dict[str, Field]) -> int:
-    """The lowest format version that holds ``fields`` (older readers can read the file)."""
+def version_for(fields: dict[str, Field], *, indexed: bool = False) -> int:
+    """The lowest format version that holds ``fields`` (and an index table): older readers can read the file."""
+    if indexed:
+        return 4
     return 3 if any(field.variable for field in fields.values()) else 2
 
 
@@ -291,6 +318,7 @@ class Header:
     version: int = FORMAT_VERSION
     variable_size: int = 0  # bytes of the variable region (version 3 with variable fields)
     extent_size: int = 0  # bytes a writer claims from it at a time
+    indices_digest: str = ""  # version 4: the dataset index table's digest ("" when the file has none)
 
 
 @dataclass(frozen=True)
@@ -306,6 +334,7 @@ class Layout:
     variable_offset: int = 0
     variable_size: int = 0
     extent_size: int = 0
+    indices_offset: int = 0  # the dataset index table (0: the file has none)
 
 
 MAX_FILE_SIZE = 2**63 - 1  # off_t, and the most bytes a numpy array can span
@@ -328,6 +357,10 @@ def compute_layout(header: Header) -> Layout:
     pos = align(table_offset + header.capacity * header.record_size)
     counters_offset, counter_records = pos, VERSIONS[header.version].counter_records
     pos = align(pos + counter_records * COUNTER_RECORD_SIZE)
+    indices_offset = 0
+    if header.indices_digest:
+        indices_offset = pos
+        pos = align(pos + header.length * INDEX_ITEMSIZE)
     offsets: dict[str, int] = {}
     for name, field in header.fields.items():
         offsets[name] = pos
@@ -346,6 +379,7 @@ def compute_layout(header: Header) -> Layout:
         variable_offset=variable_offset,
         variable_size=header.variable_size,
         extent_size=header.extent_size,
+        indices_offset=indices_offset,
     )
 
 
@@ -358,13 +392,14 @@ def new_header(
     *,
     variable_size: int = 0,
     extent_size: int = 0,
+    indices_digest: str = "",
 ) -> Header:
     """A header for a new file, with a fresh uuid and the smallest header size that fits.
 
     Raises ``ValueError`` naming what is too big when the header would exceed
     :data:`MAX_HEADER_SIZE` (a reader would refuse the file).
     """
-    version = version_for(fields)
+    version = version_for(fields, indexed=bool(indices_digest))
     draft = Header(
         fields,
         length,
@@ -376,6 +411,7 @@ def new_header(
         version=version,
         variable_size=variable_size,
         extent_size=extent_size,
+        indices_digest=indices_digest,
     )
     meta = _metadata_bytes(draft)
     header_size = align(PREFIX_SIZE + len(meta))
@@ -411,6 +447,8 @@ def _metadata_bytes(header: Header) -> bytes:
     }
     if header.variable_size:
         meta["variable"] = {"size": header.variable_size, "extent": header.extent_size}
+    if header.indices_digest:
+        meta["indices"] = {"digest": header.indices_digest}
     return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
@@ -523,6 +561,7 @@ def unpack_header(region: bytes, *, path: str) -> Header:
         if not isinstance(key, str) or not isinstance(created, dict):
             raise TypeError("key must be a string and created an object")
         variable_size, extent_size = _variable_metadata(meta.get("variable"))
+        indices_digest = _indices_metadata(meta.get("indices"))
     # numpy parses comma-string dtypes ("(2,)u1,") with ast.literal_eval, so a
     # damaged descriptor can also raise SyntaxError; deeply nested JSON raises
     # RecursionError. Found by tests/test_header_fuzz.py.
@@ -540,6 +579,8 @@ def unpack_header(region: bytes, *, path: str) -> Header:
     if capacity > length:
         problems.append(f"capacity {capacity} larger than length {length}")
     problems += _variable_problems(fields, version, variable_size, extent_size)
+    if indices_digest and not VERSIONS[version].indexed:
+        problems.append(f"a dataset index table, which format version {version} cannot hold")
     if problems:
         raise CacheFormatError(f"{path} has an unsupported or corrupt header: {'; '.join(problems)}", path=path)
     return Header(
@@ -555,7 +596,23 @@ def unpack_header(region: bytes, *, path: str) -> Header:
         version=version,
         variable_size=variable_size,
         extent_size=extent_size,
+        indices_digest=indices_digest,
     )
+
+
+def indices_digest(table: np.ndarray[Any, Any]) -> str:
+    """The digest the metadata records for a dataset index table (uint64 little-endian entries)."""
+    return f"{_checksum.digest64(np.ascontiguousarray(table, dtype='<u8')):016x}"
+
+
+def _indices_metadata(entry: Any) -> str:
+    """The digest in the metadata's ``indices`` member (``""`` when it is absent)."""
+    if entry is None:
+        return ""
+    digest = entry["digest"]
+    if not isinstance(digest, str) or len(digest) != 16 or digest.strip("0123456789abcdef"):
+        raise ValueError(f"indices digest {digest!r} is not 16 lowercase hexadecimal digits")
+    return digest
 
 
 def _variable_metadata(entry: Any) -> tuple[int, int]:

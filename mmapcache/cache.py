@@ -10,7 +10,7 @@ import os
 import socket
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec
 
@@ -21,7 +21,7 @@ from ._counters import Usage
 from ._errors import CacheError, CacheInUseError, CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike, normalize_fields
 from ._file import Expected, NewFile, OpenedFile, creation_lock, open_or_create, read_header
-from ._format import MAX_FILE_SIZE, Header, Layout, max_slots, slot_nbytes
+from ._format import MAX_FILE_SIZE, Header, Layout, indices_digest, max_slots, slot_nbytes
 from ._gather import empty_aligned, gather
 from ._handle import Handle, closed_error
 from ._heap import VariableRegion, extent_size_for
@@ -49,7 +49,7 @@ class _Mapped:
     — it never reads unmapped memory.
     """
 
-    __slots__ = ("arrays", "heap", "items", "order", "raws", "region", "slots", "states", "variables")
+    __slots__ = ("arrays", "heap", "indices", "items", "order", "raws", "region", "slots", "states", "variables")
 
     def __init__(self, handle: Handle, header: Header, layout: Layout) -> None:
         mm = handle.mm
@@ -78,6 +78,10 @@ class _Mapped:
         )
         raws = dict(zip(fixed, self.raws, strict=True))
         columns = {column.name: column for column in self.variables}
+        self.indices: np.ndarray[Any, np.dtype[np.uint64]] | None = None
+        if layout.indices_offset:
+            self.indices = np.ndarray((header.length,), "<u8", buffer=mm, offset=layout.indices_offset)
+            self.indices.flags.writeable = False
         # Every field in file order: ("fixed", array, raw) or ("variable", column).
         self.order: tuple[tuple[Any, ...], ...] = tuple(
             (name, columns[name]) if name in columns else (name, self.arrays[name], raws[name])
@@ -132,12 +136,18 @@ class Cache:
         readonly: bool = False,
         timeout: float = 60.0,
         verify: bool = False,
+        dataset_indices: Sequence[int] | np.ndarray[Any, Any] | None = None,
     ) -> None:
         self._closed = True
         target = Path(os.path.abspath(os.fspath(path)))
         wanted = normalize_fields(fields) if fields is not None else None
         if length is not None:
             length = _check_count("length", length)
+        table = None if dataset_indices is None else index_table(dataset_indices)
+        if table is not None:
+            if length is not None and length != len(table):
+                raise ValueError(f"length is {length} but dataset_indices holds {len(table)} indices: they must agree")
+            length = len(table)
         if key is not None and not isinstance(key, str):
             raise TypeError(f"key must be a string, not {type(key).__name__}")
         variable = wanted is not None and any(field.variable for field in wanted.values())
@@ -168,10 +178,12 @@ class Cache:
                     created=_creation_info(),
                     variable_size=variable_size,
                     extent_size=extent_size_for(variable_size) if variable_size else 0,
+                    dataset_indices=table,
                 )
+        digest = None if table is None else indices_digest(table)
         try:
             opened = open_or_create(
-                target, Expected(wanted, length, key), new, readonly=readonly, timeout=float(timeout)
+                target, Expected(wanted, length, key, digest), new, readonly=readonly, timeout=float(timeout)
             )
         except FileNotFoundError:
             if unplannable is not None:
@@ -201,6 +213,13 @@ class Cache:
         is created. ``timeout`` bounds the wait for another creator.
         ``verify=True`` checks every read against the slot's checksum and
         treats a mismatch as a miss.
+
+        ``dataset_indices`` (strictly increasing, non-negative integers) makes
+        a cache of a chosen part of a larger dataset — one node's shard:
+        position ``i`` holds the dataset's sample ``dataset_indices[i]``,
+        ``length`` is their number, and the file keeps the list (see
+        :attr:`dataset_indices`). An existing file must hold the same list,
+        else :class:`SchemaMismatchError`.
         """
         return Cache(*args, **kwargs)
 
@@ -254,6 +273,16 @@ class Cache:
     @property
     def key(self) -> str:
         return self._header.key
+
+    @property
+    def dataset_indices(self) -> np.ndarray[Any, np.dtype[np.uint64]] | None:
+        """The dataset index each position caches (read-only, increasing), or ``None`` for a whole dataset.
+
+        Set when the file was created with ``dataset_indices=``: position ``i``
+        holds the dataset's sample ``dataset_indices[i]``. A zero-copy view of
+        the file's index table.
+        """
+        return self._live().indices
 
     @property
     def readonly(self) -> bool:
@@ -692,7 +721,8 @@ class Cache:
         """Check the header and every slot; return the problems found.
 
         Finds READY slots whose bytes do not match their checksum, WRITING
-        slots whose writer is gone, and invalid state bytes. With ``fix=True``
+        slots whose writer is gone, invalid state bytes, and a dataset index
+        table that does not match its digest. With ``fix=True``
         each bad slot is reset to EMPTY (so it is filled again); slots a live
         writer holds are left alone. Header problems are reported, never fixed.
         """
@@ -714,6 +744,9 @@ class Cache:
             return [Problem("header", None, str(error))]
         if header != self._header:
             return [Problem("header", None, f"the header of {self._path} changed after it was opened")]
+        table = self._live().indices
+        if table is not None and indices_digest(table) != header.indices_digest:
+            return [Problem("header", None, f"the dataset index table of {self._path} does not match its digest")]
         return []
 
     # -- lifecycle ------------------------------------------------------------
@@ -824,6 +857,30 @@ def _missing_error(
 
 
 _MAX_COUNT = 2**64 - 1  # length and capacity are uint64 in the header
+
+
+def index_table(indices: Any) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """``dataset_indices`` checked (integers, non-negative, strictly increasing, some) as the file's table."""
+    given = np.asarray(indices)
+    if given.ndim != 1:
+        raise TypeError(f"dataset_indices must be a sequence of integers, not an array of shape {given.shape}")
+    if given.size == 0:
+        raise ValueError("dataset_indices is empty: a cache needs at least one index to hold")
+    if given.dtype.kind not in "iu":
+        raise TypeError(f"dataset_indices must be integers, not {given.dtype}")
+    if int(given.min()) < 0:
+        raise ValueError(f"dataset_indices holds the negative index {int(given.min())}")
+    table = given.astype("<u8")
+    steps = np.diff(table.astype(np.int64)) if int(given.max()) < 2**63 else None
+    if steps is None:
+        raise ValueError(f"dataset_indices holds {int(given.max())}, beyond the largest index 2**63 - 1")
+    if steps.size and int(steps.min()) <= 0:
+        at = int(np.flatnonzero(steps <= 0)[0])
+        raise ValueError(
+            f"dataset_indices must be strictly increasing (sorted, no repeats): {int(table[at])} is followed by "
+            f"{int(table[at + 1])} at position {at + 1}; pass sorted(set(indices))"
+        )
+    return table
 
 
 def _check_count(name: str, value: Any) -> int:

@@ -250,6 +250,11 @@ def format_info(item: CacheInfo, now: float) -> str:
         ("format", f"version {item.version}"),
         ("key", repr(item.key)),
         ("length", f"{item.length} samples"),
+        *(
+            [("indices", f"a chosen set of dataset indices (index table digest {item.indices_digest})")]
+            if item.indices_digest
+            else []
+        ),
         ("capacity", _capacity(item)),
         ("filled", _filled(item)),
         *([("variable region", _variable(item))] if item.variable is not None else []),
