@@ -10,6 +10,7 @@ results too.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -17,6 +18,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,11 +30,14 @@ RESULTS = HERE / "results"
 __all__ = [
     "HERE",
     "RESULTS",
+    "add_json_arg",
     "fmt_bytes",
     "machine_info",
     "ratio",
     "ratio_of_mins",
     "run_interleaved",
+    "run_rounds",
+    "spread",
     "table",
     "write_results",
 ]
@@ -55,28 +60,75 @@ def run_interleaved(
     (the number of operations one call performs, default 1). The garbage
     collector is off while timing.
     """
-    names = list(variants)
-    per_op = {name: (ops or {}).get(name, 1) for name in names}
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(-warmup, rounds):
-        batch = inputs(r)
-        shift = r % len(names)
-        order = names[shift:] + names[:shift]
-        for name in order:
-            fn = variants[name]
-            calls: list[float] = []
-            gc.collect()
-            gc.disable()
-            try:
-                for item in batch:
-                    start = time.perf_counter()
-                    fn(item)
-                    calls.append(time.perf_counter() - start)
-            finally:
-                gc.enable()
-            if r >= 0:
-                times[name].append(statistics.median(calls) / per_op[name])
+        measured = time_round(variants, inputs(r), r, ops=ops)
+        if r >= 0:
+            for name, t in measured.items():
+                times[name].append(t)
     return times
+
+
+def rotated(names: Sequence[str], r: int) -> list[str]:
+    """``names`` rotated by ``r``: round ``r``'s order."""
+    shift = r % len(names)
+    return [*names[shift:], *names[:shift]]
+
+
+def time_round(
+    variants: dict[str, Callable[[Any], object]], batch: Sequence[Any], r: int, *, ops: dict[str, int] | None = None
+) -> dict[str, float]:
+    """Round ``r`` of :func:`run_interleaved`: each variant's median call time over ``batch`` / its ops."""
+    _freeze()
+    out: dict[str, float] = {}
+    for name in rotated(list(variants), r):
+        fn = variants[name]
+        calls: list[float] = []
+        gc.collect()
+        gc.disable()
+        try:
+            for item in batch:
+                start = time.perf_counter()
+                fn(item)
+                calls.append(time.perf_counter() - start)
+        finally:
+            gc.enable()
+        out[name] = statistics.median(calls) / (ops or {}).get(name, 1)
+    return out
+
+
+def _freeze() -> None:
+    """Move every object alive now out of the collector's sight (``gc.freeze``).
+
+    With torch imported a full ``gc.collect()`` takes ~0.15 s; the collections
+    between timed calls then only look at what the benchmark made since.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def run_rounds(variants: dict[str, Callable[[int], float]], *, rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Like :func:`run_interleaved` for variants that time themselves: ``fn(r)`` returns its own seconds.
+
+    For work whose setup or teardown must stay out of the figure (creating a
+    file, starting processes): one call per variant per round, rotated order.
+    """
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    _freeze()
+    for r in range(-warmup, rounds):
+        for name in rotated(list(variants), r):
+            gc.collect()
+            seconds = variants[name](r)
+            if r >= 0:
+                times[name].append(seconds)
+    return times
+
+
+def spread(xs: Sequence[float]) -> dict[str, Any]:
+    """Median, quartiles and range of per-round values (ratios, times), and the values themselves."""
+    values = list(xs)
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else (values[0],) * 3
+    return {"median": q2, "q1": q1, "q3": q3, "min": min(values), "max": max(values), "rounds": values}
 
 
 def index_sets(n: int, reps: int, size: int) -> Callable[[int], list[tuple[Any, list[int]]]]:
@@ -138,6 +190,11 @@ def _read(path: str) -> str:
         return "?"
 
 
+def _meminfo(key: str) -> int:
+    """A /proc/meminfo figure in KiB (0 if absent)."""
+    return next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines() if line.startswith(key + ":")), 0)
+
+
 def machine_info() -> dict[str, Any]:
     """What the figures were measured on (kept beside them in every results file)."""
     cpu = "?"
@@ -145,20 +202,20 @@ def machine_info() -> dict[str, Any]:
         if line.startswith("model name"):
             cpu = line.split(":", 1)[1].strip()
             break
-    mem_kib = next(
-        (int(line.split()[1]) for line in _read("/proc/meminfo").splitlines() if line.startswith("MemTotal")), 0
-    )
+    mem_kib = _meminfo("MemTotal")
     info: dict[str, Any] = {
         "cpu": cpu,
         "cores": os.cpu_count(),
         "memory_gib": round(mem_kib / 2**20, 1),
+        "memory_available_gib": round(_meminfo("MemAvailable") / 2**20, 1),
         "kernel": platform.release(),
         "thp_enabled": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
         "thp_shmem_enabled": _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
         "python": platform.python_version(),
         "loadavg_start": _read("/proc/loadavg"),
     }
-    for module in ("numpy", "torch", "PIL"):
+    info["filesystems"] = filesystems(["/dev/shm", tempfile.gettempdir(), "/var/tmp", str(HERE)])
+    for module in ("numpy", "torch", "PIL", "tensordict", "matplotlib"):
         mod = sys.modules.get(module)
         if mod is not None:
             info[module] = getattr(mod, "__version__", "?")
@@ -171,11 +228,43 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def write_results(name: str, payload: dict[str, Any], *, quick: bool) -> Path:
-    """Write ``results/<name>.json`` (``<name>-quick.json`` for ``--quick`` runs) and return its path."""
-    RESULTS.mkdir(exist_ok=True)
+def add_json_arg(parser: argparse.ArgumentParser) -> None:
+    """The ``--json PATH`` option every benchmark takes (where ``benchmarks/run.py`` wants its results)."""
+    parser.add_argument("--json", type=Path, help="write the results here (default results/<name>[-quick].json)")
+
+
+def filesystems(paths: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """For each path: the mount it is on (device, type), its size and free bytes (from /proc/mounts, statvfs)."""
+    mounts = []
+    for line in _read("/proc/mounts").splitlines():
+        parts = line.split()
+        if len(parts) >= 3:
+            mounts.append((parts[1], parts[0], parts[2]))
+    found: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        real = os.path.realpath(path)
+        mount = max(
+            (m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")), key=lambda m: len(m[0])
+        )
+        try:
+            st = os.statvfs(real)
+        except OSError:
+            continue
+        found[path] = {
+            "mount": mount[0],
+            "device": mount[1],
+            "type": mount[2],
+            "size_gib": round(st.f_blocks * st.f_frsize / 2**30, 1),
+            "free_gib": round(st.f_bavail * st.f_frsize / 2**30, 1),
+        }
+    return found
+
+
+def write_results(name: str, payload: dict[str, Any], *, quick: bool, path: Path | None = None) -> Path:
+    """Write ``path`` (default ``results/<name>.json``, ``<name>-quick.json`` for ``--quick``); return it."""
     payload = {**payload, "loadavg_end": _read("/proc/loadavg")}
-    path = RESULTS / f"{name}{'-quick' if quick else ''}.json"
+    path = path or RESULTS / f"{name}{'-quick' if quick else ''}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
     tmp.replace(path)

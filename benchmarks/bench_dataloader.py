@@ -58,7 +58,6 @@ import shutil
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,13 +68,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from _child import Child, reply
+from _common import add_json_arg, fmt_bytes, machine_info, spread, table, write_results
+from _peers import VENV, setup_stocaching, stocaching_ready
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-HERE = Path(__file__).resolve().parent
-VENV = HERE / ".venv-stocaching"
-READY = "mmapcache-bench-ready"  # written into VENV once its setup has completed
-MARK = "@@"  # prefix of protocol lines on a child's stdout (stocaching prints to stdout too)
+SCRIPT = Path(__file__).resolve()
+
 KEY = "bench-dataloader/jpeg256-to-112/v1"
 BATCH = 64
 
@@ -241,10 +241,6 @@ def compare_loaders(ds: Any, n: int, workers: int) -> dict[str, Any]:
 # -- child processes -----------------------------------------------------------------
 
 
-def reply(obj: dict[str, Any]) -> None:
-    print(MARK + json.dumps(obj), flush=True)
-
-
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
@@ -365,48 +361,6 @@ def breakdown(datasets: dict[str, Any], n: int, rounds: int, reps: int) -> dict[
         "views + collate (the floor)": views,
     }
     return run_interleaved(variants, inputs, rounds=rounds)
-
-
-class Child:
-    """The parent's end of a child process speaking the JSON-lines protocol."""
-
-    def __init__(self, python: str, argv: list[str], *, handshake: bool = True) -> None:
-        self.proc: subprocess.Popen[str] = subprocess.Popen(
-            [python, str(Path(__file__).resolve()), *argv],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.hello: dict[str, Any] = self.read() if handshake else {}
-
-    def read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"child {self.proc.args!r} exited with {self.proc.wait()}")
-            if line.startswith(MARK):
-                message: dict[str, Any] = json.loads(line[len(MARK) :])
-                return message
-            sys.stderr.write(f"  [child {self.proc.pid}] {line}")
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def call(self, **cmd: Any) -> dict[str, Any]:
-        self.send(json.dumps(cmd))
-        return self.read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call(cmd="quit")
-                self.proc.wait(timeout=60)
-            except (RuntimeError, OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
 
 
 # -- DDP ranks -----------------------------------------------------------------------
@@ -537,6 +491,7 @@ def ddp_memory(lib: str, python: str, common: list[str], workers: int) -> dict[s
     ranks = [
         Child(
             python,
+            SCRIPT,
             [*common, "--rank", lib, "--rank-id", str(r), "--world", "2", "--port", str(port), *extra],
             handshake=False,  # both ranks must run before either can report
         )
@@ -562,51 +517,8 @@ def ddp_memory(lib: str, python: str, common: list[str], workers: int) -> dict[s
 # -- the parent ----------------------------------------------------------------------
 
 
-def setup_stocaching(venv: Path) -> Path:
-    """Create ``venv`` afresh with stocaching, numpy<2, Pillow, psutil and exactly this machine's torch.
-
-    torch is pinned to this interpreter's full version, local label included
-    (``2.13.0+cpu``), in the same ``pip install`` as stocaching, so the
-    resolver can neither pick another build (a CUDA wheel of the same
-    version, gigabytes) nor upgrade it for a dependency. The venv counts as
-    set up only once its interpreter has imported everything and matched the
-    torch build: ``READY`` is written last, and a half-made venv (an
-    interrupted or failed setup) is removed and made again.
-    """
-    if venv.exists():
-        shutil.rmtree(venv)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    pin = f"torch=={torch.__version__}"
-    print(f"installing stocaching, numpy<2, Pillow, psutil and {pin} into {venv}", flush=True)
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", pin, "stocaching", "numpy<2", "Pillow", "psutil"], check=True
-    )
-    probe = "import numpy, PIL, psutil, stocaching, torch as t; print(t.__version__, t.version.cuda, numpy.__version__)"
-    got = subprocess.run([str(python), "-c", probe], check=True, capture_output=True, text=True).stdout.split()
-    if got[:2] != [torch.__version__, str(torch.version.cuda)] or not got[2].startswith("1."):
-        want = f"torch {torch.__version__} (cuda {torch.version.cuda}), numpy 1.x"
-        raise RuntimeError(f"{venv} has the wrong builds: expected {want}, got {got}")
-    (venv / READY).write_text(" ".join(got) + "\n")
-    return python
-
-
-def stocaching_ready(python: str) -> bool:
-    """Whether ``python`` can serve stocaching: any given interpreter, or the default venv once fully set up."""
-    path = Path(python)
-    if path.parent.parent == VENV:
-        return (VENV / READY).exists() and path.exists()
-    return path.exists()
-
-
 def med(xs: list[float]) -> float:
     return float(statistics.median(xs))
-
-
-def spread(xs: list[float]) -> dict[str, Any]:
-    """Median, quartiles and range of per-round ratios, and the ratios themselves."""
-    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0],) * 3
-    return {"median": q2, "q1": q1, "q3": q3, "min": min(xs), "max": max(xs), "rounds": xs}
 
 
 def fmt_spread(s: dict[str, Any] | None) -> str:
@@ -616,10 +528,10 @@ def fmt_spread(s: dict[str, Any] | None) -> str:
 
 
 def main() -> None:
-    from _common import fmt_bytes, machine_info, table, write_results
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="768 images, 5 rounds (< 1 minute)")
+    add_json_arg(parser)
     parser.add_argument("--n", type=int, help="number of images (default 2000, issue 9's figure; quick 768)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds of warm epochs (default 15, quick 5)")
     parser.add_argument("--uncached-rounds", type=int, help="rounds with an uncached epoch (default 3, quick 2)")
@@ -695,7 +607,7 @@ def main() -> None:
         if have_mmc:
             plan.append(("mmapcache", sys.executable))
         for mode, python in plan:
-            children[mode] = Child(python, [*common, "--serve", mode, "--cache-path", str(shm / "epochs.mmc")])
+            children[mode] = Child(python, SCRIPT, [*common, "--serve", mode, "--cache-path", str(shm / "epochs.mmc")])
         variants = {v: mode for mode, child in children.items() for v in child.hello["variants"]}
         results["child_versions"] = {
             m: {"numpy": c.hello["numpy"], "torch": c.hello["torch"]} for m, c in children.items()
@@ -823,7 +735,9 @@ def main() -> None:
 
         if have_mmc:
             # The next run: a new process whose first epoch reads the file the previous one filled.
-            fresh = Child(sys.executable, [*common, "--serve", "mmapcache", "--cache-path", str(shm / "epochs.mmc")])
+            fresh = Child(
+                sys.executable, SCRIPT, [*common, "--serve", "mmapcache", "--cache-path", str(shm / "epochs.mmc")]
+            )
             try:
                 out = fresh.call(cmd="epoch", variant="mmapcache", workers=0, count=2)
             finally:
@@ -905,7 +819,7 @@ def main() -> None:
                     mmapcache.remove(shm / name, force=True)
         shutil.rmtree(shm, ignore_errors=True)
     print_targets(results)
-    print(f"\nresults: {write_results('bench_dataloader', results, quick=quick)}")
+    print(f"\nresults: {write_results('bench_dataloader', results, quick=quick, path=args.json)}")
 
 
 # Issue 9: minimum CPU speed of a warm epoch vs stocaching's (its CPU time / ours), by variant and workers.
@@ -913,8 +827,6 @@ SPEED_TARGETS = {(LOADER, 0): 1.5, (LOADER, 2): 1.2, ("mmapcache", 0): 1.0, ("mm
 
 
 def print_targets(results: dict[str, Any]) -> None:
-    from _common import table
-
     rows = []
     for r in results.get("epochs", []):
         if r["variant"].startswith("mmapcache"):

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import index_sets, machine_info, ratio, ratio_of_mins, run_interleaved, table, write_results
+from _common import add_json_arg, index_sets, machine_info, ratio, ratio_of_mins, run_interleaved, table, write_results
 
 import mmapcache
 from mmapcache import Cache, Field
@@ -110,7 +110,7 @@ def bench_put(cache: Cache, pool: np.ndarray[Any, Any], rounds: int, reps: int) 
     def fill(x: Any) -> None:
         for k, i in enumerate(blocks.take("protocol only (Cache._fill)").tolist()):
             with write_lock:
-                cache._fill(i, arrays[k % POOL], None)
+                cache._fill(cache._mapped, i, arrays[k % POOL], None)
 
     def copy_checksum_state(x: Any) -> None:
         for k, i in enumerate(blocks.take("raw copy+checksum+state (no lock)").tolist()):
@@ -283,6 +283,7 @@ def print_rows(title: str, rows: list[dict[str, Any]], baselines: list[str]) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few rounds (< 1 minute)")
+    add_json_arg(parser)
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 15, quick 5)")
     parser.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="where the temporary cache goes")
     args = parser.parse_args()
@@ -330,7 +331,7 @@ def main() -> None:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     print_summary(results)
-    print(f"\nresults: {write_results('bench_protocol', results, quick=quick)}")
+    print(f"\nresults: {write_results('bench_protocol', results, quick=quick, path=args.json)}")
 
 
 def print_summary(results: dict[str, Any]) -> None:

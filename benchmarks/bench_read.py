@@ -36,7 +36,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import fmt_bytes, index_sets, machine_info, ratio, ratio_of_mins, run_interleaved, table, write_results
+from _common import (
+    add_json_arg,
+    fmt_bytes,
+    index_sets,
+    machine_info,
+    ratio,
+    ratio_of_mins,
+    run_interleaved,
+    table,
+    write_results,
+)
 
 import mmapcache
 from mmapcache import Cache, Field
@@ -338,6 +348,7 @@ def print_rows(title: str, rows: list[dict[str, Any]], baseline: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small data, few rounds (< 1 minute)")
+    add_json_arg(parser)
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 21, quick 5)")
     parser.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="where the temporary files go")
     args = parser.parse_args()
@@ -411,7 +422,7 @@ def main() -> None:
         results["get_overhead"] = overhead
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    path = write_results("bench_read", results, quick=quick)
+    path = write_results("bench_read", results, quick=quick, path=args.json)
     print_targets(results)
     print(f"\nresults: {path}")
 
