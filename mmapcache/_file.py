@@ -94,6 +94,7 @@ from ._paths import (
     file_kind,
     filesystem_type,
     free_bytes,
+    is_memory_filesystem,
     is_network_filesystem,
     statvfs_near,
 )
@@ -254,6 +255,7 @@ def open_or_create(
                 variable_size=new.variable_size,
                 extent_size=new.extent_size,
                 indices_digest="" if new.dataset_indices is None else indices_digest(new.dataset_indices),
+                on_disk=not is_memory_filesystem(filesystem_type(path.parent)),
             )
             planned = header, compute_layout(header)
             _check_space(path, planned[1].file_size)
@@ -480,7 +482,10 @@ def _check_expected(header: Header, expected: Expected, path: str) -> None:
         if name == "fields":
             lines.extend(_field_differences(want, found))
         elif name == "dataset_indices":
-            lines.append(f"dataset indices: {_index_set(want)} was asked for, the file caches {_index_set(found)}")
+            lines.append(
+                f"dataset indices: {_index_set(want)} was asked for, the file caches {_index_set(found)} (another "
+                "node's shard, or a job with another node count: each shard is a cache of its own)"
+            )
         else:
             lines.append(f"{name}: expected {_short(want)}, found {_short(found)}")
     raise SchemaMismatchError(
@@ -608,6 +613,8 @@ def _create(
             raise OSError(errno.EIO, f"short write of the header of {temp}")
         if dataset_indices is not None:
             _write_all(fd, np.ascontiguousarray(dataset_indices, dtype="<u8").tobytes(), layout.indices_offset, temp)
+        if layout.boot_offset:
+            _write_all(fd, boot_page(), layout.boot_offset, temp)
         os.fsync(fd)
         _check_written(fd, path, header)
         try:

@@ -61,6 +61,7 @@ from ._batches import (
 )
 from ._errors import SchemaMismatchError
 from ._field import Field, FieldsLike, normalize_fields
+from ._format import indices_digest
 from ._paths import default_dir
 from ._sampler import NodeShardSampler
 from ._slots import STRONGLY_ORDERED
@@ -134,10 +135,13 @@ class _Schema:
 # -- the dataset -----------------------------------------------------------------
 
 
-def _default_path(key: str) -> Path:
+def _default_path(key: str, shard: np.ndarray[Any, Any] | None = None) -> Path:
+    """``default_dir()/<key>-<hash>.mmc``; a shard's hash covers its index set too, so each shard has its own file."""
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._-")[:80] or "cache"
-    digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
-    return default_dir() / f"{safe}-{digest}.mmc"
+    named = hashlib.sha256(key.encode("utf-8"))
+    if shard is not None:
+        named.update(b"\0" + indices_digest(shard).encode("ascii"))
+    return default_dir() / f"{safe}-{named.hexdigest()[:12]}.mmc"
 
 
 _LIVE: weakref.WeakSet[CachedDataset] = weakref.WeakSet()
@@ -174,7 +178,8 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
 
     ``key`` names the cached content: the dataset and its deterministic
     preprocessing. Change it whenever they change: a cache is reused whenever
-    the key matches. ``path`` defaults to ``default_dir()/<key>-<hash>.mmc``.
+    the key matches. ``path`` defaults to ``default_dir()/<key>-<hash>.mmc``
+    (with ``cached_indices``, the hash covers the index set too).
     The file is opened, or created with the schema of the first sample
     fetched, on first use, in whichever process gets there first: no rank
     detection. ``max_bytes``/``capacity`` cache only the first indices
@@ -186,6 +191,14 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     file (an in-place write to one crashes the process with SIGSEGV rather
     than corrupting the shared cache); the default returns fresh tensors.
     ``verify=True`` checks each read against its slot checksum.
+
+    ``cached_indices`` caches only those indices of ``dataset`` — one node's
+    shard in a job spanning many nodes (see :class:`NodeShardSampler` and
+    its ``node_indices``): the file holds ``len(cached_indices)`` slots and
+    keeps the index set, ``ds[i]`` for any other ``i`` is read from
+    ``dataset`` every time, uncached, and ``len(ds)`` stays
+    ``len(dataset)``. Opening a file made for another index set (another
+    node's shard, another node count) raises :class:`SchemaMismatchError`.
 
     It pickles as its path and arguments (plus ``dataset`` and ``transform``),
     never the cached data, so spawn/forkserver workers and ``ddp_spawn``
@@ -204,6 +217,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         copy: bool = True,
         verify: bool = False,
         fields: FieldsLike | None = None,
+        cached_indices: Sequence[int] | np.ndarray[Any, Any] | None = None,
     ) -> None:
         if not isinstance(key, str):
             raise TypeError(f"key must be a string naming the cached content, not {type(key).__name__}")
@@ -220,7 +234,10 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         self.dataset = dataset
         self.fields = declared
         self.key = key
-        self.path = Path(os.path.abspath(os.fspath(path))) if path is not None else _default_path(key)
+        self.cached_indices = None if cached_indices is None else _index_set(cached_indices, len(dataset))
+        self.path = (
+            Path(os.path.abspath(os.fspath(path))) if path is not None else _default_path(key, self.cached_indices)
+        )
         self.transform = transform
         self.max_bytes = max_bytes
         self.capacity = capacity
@@ -246,7 +263,18 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     # -- pickling: the path and the arguments, never the data -------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("dataset", "key", "path", "transform", "max_bytes", "capacity", "copy", "verify", "fields")
+        keep = (
+            "dataset",
+            "key",
+            "path",
+            "transform",
+            "max_bytes",
+            "capacity",
+            "copy",
+            "verify",
+            "fields",
+            "cached_indices",
+        )
         return {name: self.__dict__[name] for name in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -262,8 +290,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         if cache is None:
             if len(self) == 0:
                 raise ValueError("cannot create a cache for an empty dataset")
-            sample = self._fetch([0])
-            self._store([0], sample)
+            self._load([0], counted=False)
             cache = self._cache
             assert cache is not None
         return cache
@@ -277,9 +304,24 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         with self._lock:
             if self._cache is None:
                 try:
-                    cache = Cache.open(self.path, length=len(self.dataset), key=self.key, verify=self.verify)
+                    cache = Cache.open(
+                        self.path,
+                        length=self._cache_length(),
+                        key=self.key,
+                        verify=self.verify,
+                        dataset_indices=self.cached_indices,
+                    )
                 except FileNotFoundError:
                     return None
+                if self.cached_indices is None and cache.dataset_indices is not None:
+                    cache.close()
+                    raise SchemaMismatchError(
+                        f"the cache at {self.path} (key {self.key!r}) holds {cache.length} chosen indices of a "
+                        "dataset (one node's shard), but this CachedDataset caches the whole dataset. Pass the "
+                        "same cached_indices= as its creator, or use another path or key for the whole dataset",
+                        path=self.path,
+                        differences={"dataset_indices": (None, "an index table")},
+                    )
                 if self.fields is not None and cache.fields != self.fields:
                     cache.close()
                     raise SchemaMismatchError(
@@ -300,15 +342,35 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
                 cache = Cache.open(
                     self.path,
                     fields,
-                    len(self.dataset),
+                    self._cache_length(),
                     key=self.key,
                     capacity=self.capacity,
                     max_bytes=self.max_bytes,
                     verify=self.verify,
+                    dataset_indices=self.cached_indices,
                 )
                 self._adopt(cache, checked=True)
             assert self._cache is not None
             return self._cache
+
+    def _cache_length(self) -> int:
+        """Positions in the file: the dataset's length, or the number of ``cached_indices``."""
+        return len(self.dataset) if self.cached_indices is None else len(self.cached_indices)
+
+    def _positions(self, idx: np.ndarray[Any, np.dtype[np.intp]]) -> np.ndarray[Any, np.dtype[np.intp]] | None:
+        """Where dataset indices ``idx`` sit in the file; ``None`` when one of them is not cached there."""
+        shard = self.cached_indices
+        if shard is None:
+            return idx
+        at = np.searchsorted(shard, idx)
+        if at.size and (int(at.max()) >= len(shard) or not np.array_equal(shard[at], idx)):
+            return None
+        return at.astype(np.intp)
+
+    def _sources(self, positions: list[int]) -> list[int]:
+        """The dataset indices that file positions cache."""
+        shard = self.cached_indices
+        return positions if shard is None else shard[positions].tolist()
 
     def _adopt(self, cache: Cache, *, checked: bool) -> None:
         self._schema = _Schema(cache.fields, self.path)
@@ -368,7 +430,10 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Any:
-        i = self._index(index)
+        at = self._positions(np.array([self._index(index)], np.intp))
+        if at is None:  # not one of cached_indices: read from the dataset every time
+            return self._uncached(self._indices([index]))[0]
+        i = int(at[0])
         cache = self._opened()
         sample: Any = None
         counted = False  # whether Cache.get counted a miss already
@@ -409,7 +474,9 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         """
         if len(indices) == 0:
             return []
-        idx = self._indices(indices)
+        idx = self._positions(self._indices(indices))
+        if idx is None:  # some are not among cached_indices: read those from the dataset
+            return self._partly_cached(self._indices(indices))
         cache = self._opened()
         if cache is None:  # nobody created the file yet: this batch creates it
             samples = self._load(idx.tolist(), counted=False)
@@ -426,6 +493,30 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             transform = self.transform
             samples = [transform(sample) for sample in samples]
         return samples
+
+    def _uncached(self, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
+        """Samples of indices outside ``cached_indices``: from the dataset, as a cached read returns them."""
+        self._misses += len(idx)
+        raw = self._fetch_indices(idx.tolist())
+        cache = self.cache  # its schema converts them (creating it from the first cached index if needed)
+        cache.count(misses=len(idx))
+        assert self._schema is not None
+        samples = self._build(self._schema, self._columns(self._schema, idx.tolist(), raw, positions=False))
+        return samples if self.transform is None else [self.transform(sample) for sample in samples]
+
+    def _partly_cached(self, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
+        """``__getitems__`` for indices of which some are outside ``cached_indices``; the order kept."""
+        assert self.cached_indices is not None
+        member = np.isin(idx, self.cached_indices)
+        out: list[Any] = [None] * len(idx)
+        rows = np.flatnonzero(member)
+        if rows.size:
+            for row, sample in zip(rows.tolist(), self.__getitems__(idx[rows].tolist()), strict=True):
+                out[row] = sample
+        others = np.flatnonzero(~member)
+        for row, sample in zip(others.tolist(), self._uncached(idx[others]), strict=True):
+            out[row] = sample
+        return out
 
     def _gather(
         self,
@@ -506,7 +597,11 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
 
     # -- misses ----------------------------------------------------------------------
 
-    def _fetch(self, indices: list[int]) -> list[Any]:
+    def _fetch(self, positions: list[int]) -> list[Any]:
+        """Raw samples for file positions, from the wrapped dataset."""
+        return self._fetch_indices(self._sources(positions))
+
+    def _fetch_indices(self, indices: list[int]) -> list[Any]:
         """Raw samples from the wrapped dataset (through its ``__getitems__`` when it has one)."""
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems is not None and len(indices) > 1:
@@ -532,7 +627,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         if cache is None:
             # Nobody created the file yet: the whole batch is checked against the schema first,
             # so a batch whose shapes vary (without fields=) leaves no file behind.
-            fields = self._first_fields(raw[0], indices[0])
+            fields = self._first_fields(raw[0], self._sources(indices[:1])[0])
             schema = _Schema(fields, self.path)
             columns = self._columns(schema, indices, raw)
             cache = self._create(fields)
@@ -542,12 +637,17 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
                 columns = self._columns(schema, indices, raw)
         else:
             if not self._checked:
-                self._check_schema(raw[0], indices[0])
+                self._check_schema(raw[0], self._sources(indices[:1])[0])
             assert self._schema is not None
             schema = self._schema
             columns = self._columns(schema, indices, raw)
         stored = cache.put_many(indices, dict(zip(schema.names, columns, strict=True)))
         self._written += int(np.count_nonzero(stored))
+        return self._build(schema, columns)
+
+    @staticmethod
+    def _build(schema: _Schema, columns: list[Any]) -> list[Any]:
+        """Samples, as a read returns them, from the columns :meth:`_columns` made."""
         return schema.build(
             [
                 [schema.to_tensor(a, k) for a in column]
@@ -565,8 +665,10 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         order = name_leaves(sample, is_leaf, supported=SUPPORTED)  # the sample's order (dict keys keep theirs)
         return {name: self.fields[name] for name in order}
 
-    def _columns(self, schema: _Schema, indices: list[int], raw: list[Any]) -> list[Any]:
+    def _columns(self, schema: _Schema, indices: list[int], raw: list[Any], *, positions: bool = True) -> list[Any]:
         """The batch ``put_many`` stores: per field, the rows stacked (fixed) or a list of arrays (variable).
+
+        ``indices`` (file positions, or dataset indices when not ``positions``) name samples in errors.
 
         Each leaf is checked against its field (one policy: tensors and arrays keep its
         dtype exactly and fit its shape, Python scalars cast as Cache.put casts them), then
@@ -574,7 +676,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         """
         fields = list(schema.fields.items())
         columns: list[list[Any]] = [[] for _ in fields]
-        for index, sample in zip(indices, raw, strict=True):
+        for index, sample in zip(self._sources(indices) if positions else indices, raw, strict=True):
             try:
                 leaves = schema.flatten(sample)
                 for column, leaf, (name, field) in zip(columns, leaves, fields, strict=True):
@@ -680,16 +782,17 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         """
         if self.transform is not None or len(indices) == 0:
             return self._read_batch(indices)
-        idx = self._indices(indices)
+        idx = self._positions(self._indices(indices))
         cache = self._opened()
-        if cache is None:  # nobody created the file yet: this batch creates it
-            return self._read_batch(idx)
-        if self._schema is not None and self._schema.ragged:
-            # Variable fields are collated by torch, which may refuse (shapes that differ):
-            # the batch is made here, and so is the error, as DataLoader(ds) makes them.
-            return self._read_batch(idx)
+        if idx is None or cache is None or (self._schema is not None and self._schema.ragged):
+            # Indices outside cached_indices, or nobody created the file yet (this batch creates
+            # it), or variable fields — collated by torch, which may refuse shapes that differ:
+            # the batch is made here, and so is any error, as DataLoader(ds) makes them.
+            return self._read_batch(indices)
         ready = cache.contains_many(idx)
         cache.count(hits=int(np.count_nonzero(ready)))  # the main process gathers without counting
+        # On a disk, the reads of this batch start now, while the main process gathers earlier ones.
+        cache.prefetch(idx[ready], background=False)
         rows: list[int] = []
         leaves: list[list[Any]] = []
         if not ready.all():
@@ -710,11 +813,14 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         """The batch ``default_collate(self.__getitems__(indices))`` is, with one copy for the hits.
 
         ``deferred``: a worker prepared this batch (see :meth:`_batch_in_worker`) and counted its
-        reads; ``rows``/``leaves`` are samples it loaded but could not store.
+        reads; ``rows``/``leaves`` are samples it loaded but could not store; ``indices`` are then
+        file positions (they are dataset indices otherwise).
         """
         if self.transform is not None or len(indices) == 0:
             return torch.utils.data.default_collate(self.__getitems__(indices))
-        idx = self._indices(indices)
+        idx = self._indices(indices) if deferred else self._positions(self._indices(indices))
+        if idx is None:  # some are not among cached_indices
+            return torch.utils.data.default_collate(self.__getitems__(indices))
         cache = self._opened()
         if cache is None:  # nobody created the file yet: this batch creates it
             return torch.utils.data.default_collate(self._load(idx.tolist(), counted=False))
@@ -791,7 +897,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         before = self._written
         if self._opened() is None and len(self):
             # Create the file from a whole first chunk: samples whose shapes vary are found before it exists.
-            first = list(range(min(batch_size, len(self))))
+            first = list(range(min(batch_size, self._cache_length())))
             self._store(first, self._fetch(first))
         missing = self._missing()
         chunks = [missing[start : start + batch_size] for start in range(0, len(missing), batch_size)]
@@ -846,6 +952,25 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
 
 # The datasets whose loader() may send Deferred batches, by the token their workers carry.
 _LOADING: weakref.WeakValueDictionary[str, CachedDataset] = weakref.WeakValueDictionary()
+
+
+def _index_set(indices: Any, length: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """``cached_indices`` checked against the dataset's length: sorted, without repeats."""
+    given = np.asarray(indices)
+    if given.ndim != 1 or (given.size and given.dtype.kind not in "iu"):
+        raise TypeError(
+            "cached_indices must be a sequence of integer indices (e.g. NodeShardSampler(...).node_indices), "
+            f"not {type(indices).__name__} of {given.dtype} with shape {given.shape}"
+        )
+    if given.size == 0:
+        raise ValueError("cached_indices is empty: give the indices this cache holds, or None for all of them")
+    bad = given[(given < 0) | (given >= length)]
+    if bad.size:
+        raise IndexError(
+            f"cached_indices holds {int(bad[0])}, out of range for a dataset of length {length} "
+            "(indices from 0 to len(dataset) - 1)"
+        )
+    return np.unique(given.astype(np.int64))
 
 
 def _gather_deferred(token: str, path: str, indices: Any, rows: list[int], leaves: list[list[Any]]) -> Any:
