@@ -8,6 +8,7 @@ deals the dataset into node shards and each node's CachedDataset caches only its
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -87,7 +88,7 @@ def _check_job(out: Path, node_dirs: list[Path]) -> None:
     # Epochs are reshuffled: a rank's order differs from one epoch to the next.
     for rank in range(NODES * 2):
         orders = [line["indices"] for line in sorted(lines, key=lambda x: x["epoch"]) if line["rank"] == rank]
-        assert all(a != b for a, b in zip(orders, orders[1:])), f"rank {rank} got the same order twice"
+        assert all(a != b for a, b in itertools.pairwise(orders)), f"rank {rank} got the same order twice"
     # Each sample was loaded from the wrapped dataset exactly once, in the whole job: none after the first epoch.
     loads = Counter(index for _, _, index in accesses(out / "accesses"))
     assert loads == Counter(range(LENGTH))

@@ -113,11 +113,13 @@ def test_only_the_chosen_indices_are_cached(tmp_path: Path) -> None:
         assert same(ds[4], as_collated(4))
     loads = [index for _, _, index in accesses(log)]
     assert sorted(set(loads)) == list(range(20))
-    assert loads.count(4) == 3 and all(loads.count(i) == 1 for i in (3, 7, 11, 15))
+    assert loads.count(4) == 3
+    assert all(loads.count(i) == 1 for i in (3, 7, 11, 15))
     mixed = ds.__getitems__([11, 0, 3, -1])
     assert all(same(got, as_collated(i)) for got, i in zip(mixed, [11, 0, 3, 19], strict=True))
     stats = ds.stats()
-    assert stats["filled"] == 4 and stats["misses"] == 20 + 2 + 2
+    assert stats["filled"] == 4
+    assert stats["misses"] == 20 + 2 + 2
 
 
 def test_fill_and_loader_read_the_shard(tmp_path: Path) -> None:
@@ -161,7 +163,7 @@ def test_bad_cached_indices_are_refused(tmp_path: Path) -> None:
 
 
 def test_pickled_shards_reopen_in_spawn_workers(tmp_path: Path) -> None:
-    ds, log = shard_dataset(tmp_path, [2, 4, 6, 8])
+    ds, _ = shard_dataset(tmp_path, [2, 4, 6, 8])
     loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context="spawn")
     assert [i for batch in loader for i in check_batch(batch)] == list(range(20))
     assert ds.cache.filled == 4
@@ -184,7 +186,7 @@ def test_an_elastic_restart_with_another_node_count_gets_new_caches(tmp_path: Pa
         "    for i in s: check_batch(__import__('torch').utils.data.default_collate([ds[i]]))\n"
         "print(ds.path)\n"
     )
-    paths = []
+    paths: list[Path] = []
     for nodes in (2, 3, 2):
         log = tmp_path / f"log{nodes}-{len(paths)}"
         run = subprocess.run(
@@ -194,7 +196,8 @@ def test_an_elastic_restart_with_another_node_count_gets_new_caches(tmp_path: Pa
         paths.append(Path(run.stdout.split()[-1]))
         loads = [index for _, _, index in accesses(log)]
         assert len(loads) == (len(set(loads)) if len(paths) < 3 else 0), "a new shard loads once; a reuse loads none"
-    assert paths[0] != paths[1] and paths[0] == paths[2]
+    assert paths[0] != paths[1]
+    assert paths[0] == paths[2]
     for path, nodes in zip(paths[:2], (2, 3), strict=True):
         with Cache(path) as cache:
             assert cache.filled == cache.length == len(range(0, 30, nodes))
