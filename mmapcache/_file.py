@@ -65,6 +65,7 @@ from typing import Any
 import filelock
 import numpy as np
 
+from ._boot import boot_page
 from ._errors import (
     CacheError,
     CacheFormatError,

@@ -1,4 +1,4 @@
-r"""The mmapcache file format, versions 1 to 4.
+r"""The mmapcache file format, versions 1 to 5.
 
 This docstring is the specification, written so that a stranger could
 implement a reader or a writer from it; `docs/format.md` carries the same
@@ -13,10 +13,12 @@ NOT, SHOULD and MAY are used as in RFC 2119.
 | 2 | the process counter region between the slot table and the data | mmapcache 0.2 and later |
 | 3 | variable-shape fields: per-slot descriptors, and the variable region after the data | mmapcache 0.2 and later |
 | 4 | the dataset index table: the file caches a chosen set of a dataset's indices (one node's shard) | mmapcache 0.3 and later |
+| 5 | the boot page and each slot's synced byte: a file on a disk checks what a crash may have torn | mmapcache 0.3 and later |
 
-A writer writes the lowest version that holds its schema (4 when the file
-has a dataset index table, else 3 when a field has a variable dimension,
-else 2), so that older readers keep reading what they can; a reader MUST read every version it knows and MUST reject the
+A writer writes the lowest version that holds its schema (5 when the file
+lives on a disk, that is on any file system but a memory one such as tmpfs;
+else 4 when the file has a dataset index table, else 3 when a field has a
+variable dimension, else 2), so that older readers keep reading what they can; a reader MUST read every version it knows and MUST reject the
 others. Everything below holds for every version unless a section names one.
 
 ## Overview
@@ -39,6 +41,8 @@ A cache file has these regions, each starting on a multiple of 4096 bytes:
 +--------------------+
 | allocation page    |  version 3 with variable fields: 4096 bytes
 | variable region    |  variable_size bytes, padded to 4096
++--------------------+
+| boot page          |  version 5: 4096 bytes
 +--------------------+  file_size
 ```
 
@@ -50,7 +54,7 @@ uses the byte order its dtype descriptor names.
 | offset | size | content |
 |-------:|-----:|---------|
 | 0 | 8 | magic: the bytes `89 4D 4D 43 0D 0A 1A 0A` (`\x89MMC\r\n\x1a\n`) |
-| 8 | 4 | format version, uint32: 1 to 4 (see Versions) |
+| 8 | 4 | format version, uint32: 1 to 5 (see Versions) |
 | 12 | 4 | header_size, uint32: bytes in the header region, a non-zero multiple of 4096, at most 64 MiB |
 | 16 | 4 | meta_size, uint32: bytes of the metadata document |
 | 20 | 4 | header checksum, uint32: CRC-32 (the zlib/PNG polynomial) of the whole header region `[0, header_size)` with these four bytes taken as zero |
@@ -97,7 +101,8 @@ One record of `record_size` bytes per slot; slot `i`'s record starts at
 | offset | size | content |
 |-------:|-----:|---------|
 | 0 | 1 | state: 0 EMPTY, 1 WRITING, 2 READY; other values are invalid |
-| 1 | 3 | zero |
+| 1 | 1 | synced (version 5; zero in others): 1 when the slot's bytes are known to be on stable storage, else 0 (see "Boot page") |
+| 2 | 2 | zero |
 | 4 | 4 | checksum, uint32: meaningful only when the state is READY; computed as `h = 0`, then for each field in field order `h = XXH3_64(the slot's bytes of that field, seed = h)` (xxHash 0.8, 64-bit seed), and the checksum is `h & 0xFFFFFFFF`. For a variable field two steps take the place of one: first the shape (one little-endian uint32 per dimension), then the value's bytes |
 
 ## Process counters (version 2)
@@ -140,6 +145,7 @@ pos = align(pos + counter_records * 32)   # counter_records: 0 in version 1, 256
 if indices:        indices_offset = pos;  pos = align(pos + length * 8)
 for each field k:  offset_k = pos;  pos = align(pos + capacity * nbytes_k)
 if variable_size:  allocation_offset = pos;  variable_offset = pos + 4096;  pos = align(variable_offset + variable_size)
+if version >= 5:   boot_offset = pos;  pos = pos + 4096
 file_size = pos
 ```
 
@@ -187,6 +193,33 @@ not cached by this file. The table is written with the header, before the
 file is published, and never changes; its digest is in the metadata
 (`indices`). A reader that is asked for a given index set SHOULD compare
 digests and refuse a file that holds another set.
+
+## Boot page (version 5)
+
+Writeback order is not program order: after a kernel crash or a power loss,
+a slot's record can be on the disk with its state READY while its data is
+not. The boot page tells a reader when that may have happened. Its first 16
+bytes are a boot id: the 16 bytes of the UUID the Linux kernel draws at each
+boot (`/proc/sys/kernel/random/boot_id`); the rest of the page is zero.
+
+- A creator writes the boot id of the running kernel before it links the file.
+- A writer MUST set a slot's synced byte to 0 when it claims the slot, before
+  it writes any of the slot's bytes. It MAY set it to 1 only when the slot is
+  READY and all of its bytes (record, data, descriptors, values) reached
+  stable storage after it became READY (an `fdatasync` of the file that
+  started after the writer saw READY), and the slot still holds the checksum
+  it had then.
+- A process that opens the file and finds a boot id other than the running
+  kernel's MUST, before it serves any slot, compare every READY slot whose
+  synced byte is 0 with its checksum, and treat those that differ as not
+  cached (a process with write access resets them to EMPTY). Only when that
+  is done MAY a process with write access set synced to 1 on the slots that
+  matched (their bytes were read back from the disk) and then write the
+  running kernel's boot id into the page. Processes doing this SHOULD exclude
+  each other (mmapcache holds the creation lock, `<stem>.lock`).
+- Within one boot every process sees the same page cache, so a file whose
+  boot id is the running kernel's is read as in other versions: its open
+  costs no scan.
 
 ## Rules for writers and readers
 
@@ -245,7 +278,7 @@ __all__ = [
 ]
 
 MAGIC = b"\x89MMC\r\n\x1a\n"
-FORMAT_VERSION = 4  # the newest; a writer writes the lowest version that holds its schema
+FORMAT_VERSION = 5  # the newest; a writer writes the lowest version that holds its schema
 ALIGNMENT = 4096
 RECORD_SIZE = 8
 MAX_HEADER_SIZE = 64 * 2**20
@@ -267,6 +300,7 @@ class Version:
     counter_records: int  # process counter records after the slot table (0: no such region)
     variable: bool = False  # fields may have variable dimensions, stored in a variable region
     indexed: bool = False  # the file may hold a dataset index table (the indices it caches)
+    boot: bool = False  # a boot page ends the file; slot records carry a synced byte
 
 
 VERSIONS = {
@@ -274,14 +308,17 @@ VERSIONS = {
     2: Version(record_size=RECORD_SIZE, counter_records=256),
     3: Version(record_size=RECORD_SIZE, counter_records=256, variable=True),
     4: Version(record_size=RECORD_SIZE, counter_records=256, variable=True, indexed=True),
+    5: Version(record_size=RECORD_SIZE, counter_records=256, variable=True, indexed=True, boot=True),
 }
 INDEX_ITEMSIZE = 8  # bytes per entry of the dataset index table (uint64, little-endian)
 COUNTER_RECORD_SIZE = 32
 PAYLOAD_ALIGNMENT = 16  # a variable value starts on a multiple of this in the variable region
 
 
-def version_for(fields: dict[str, Field], *, indexed: bool = False) -> int:
-    """The lowest format version that holds ``fields`` (and an index table): older readers can read the file."""
+def version_for(fields: dict[str, Field], *, indexed: bool = False, on_disk: bool = False) -> int:
+    """The lowest format version that holds ``fields`` (an index table, a boot page): older readers read the file."""
+    if on_disk:
+        return 5
     if indexed:
         return 4
     return 3 if any(field.variable for field in fields.values()) else 2
@@ -335,6 +372,7 @@ class Layout:
     variable_size: int = 0
     extent_size: int = 0
     indices_offset: int = 0  # the dataset index table (0: the file has none)
+    boot_offset: int = 0  # the boot page (0: the file has none, before version 5)
 
 
 MAX_FILE_SIZE = 2**63 - 1  # off_t, and the most bytes a numpy array can span
@@ -347,7 +385,7 @@ def slot_nbytes(fields: dict[str, Field], version: int = FORMAT_VERSION) -> int:
 
 def max_slots(fields: dict[str, Field], version: int = FORMAT_VERSION) -> int:
     """The most slots a file of these fields can hold (< 2**63 bytes, with room for the header and padding)."""
-    overhead = MAX_HEADER_SIZE + (len(fields) + 2) * ALIGNMENT + VERSIONS[version].counter_records * COUNTER_RECORD_SIZE
+    overhead = MAX_HEADER_SIZE + (len(fields) + 3) * ALIGNMENT + VERSIONS[version].counter_records * COUNTER_RECORD_SIZE
     return (MAX_FILE_SIZE - overhead) // max(slot_nbytes(fields, version), 1)
 
 
@@ -369,6 +407,8 @@ def compute_layout(header: Header) -> Layout:
     if header.variable_size:
         allocator_offset, variable_offset = pos, pos + ALIGNMENT
         pos = align(variable_offset + header.variable_size)
+    boot_offset = pos if VERSIONS[header.version].boot else 0
+    pos += ALIGNMENT if boot_offset else 0
     return Layout(
         table_offset=table_offset,
         field_offsets=offsets,
@@ -380,6 +420,7 @@ def compute_layout(header: Header) -> Layout:
         variable_size=header.variable_size,
         extent_size=header.extent_size,
         indices_offset=indices_offset,
+        boot_offset=boot_offset,
     )
 
 
@@ -393,13 +434,14 @@ def new_header(
     variable_size: int = 0,
     extent_size: int = 0,
     indices_digest: str = "",
+    on_disk: bool = False,
 ) -> Header:
     """A header for a new file, with a fresh uuid and the smallest header size that fits.
 
     Raises ``ValueError`` naming what is too big when the header would exceed
     :data:`MAX_HEADER_SIZE` (a reader would refuse the file).
     """
-    version = version_for(fields, indexed=bool(indices_digest))
+    version = version_for(fields, indexed=bool(indices_digest), on_disk=on_disk)
     draft = Header(
         fields,
         length,

@@ -235,6 +235,14 @@ def filesystem_type(path: str | os.PathLike[str]) -> str | None:
     return best_type
 
 
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+
+
+def is_memory_filesystem(fs_type: str | None) -> bool:
+    """Whether files there live in RAM: gone at reboot, never read from a device."""
+    return fs_type in MEMORY_FILESYSTEMS
+
+
 def is_network_filesystem(fs_type: str | None) -> bool:
     return fs_type is not None and (fs_type in NETWORK_FILESYSTEMS or fs_type.startswith("fuse."))
 

@@ -59,12 +59,13 @@ STRONGLY_ORDERED = platform.machine().lower() in {"x86_64", "amd64", "i386", "i4
 class SlotTable:
     """Views of the slot table in a mapping, and the claim/publish protocol on it."""
 
-    __slots__ = ("_record_size", "_table_offset", "checksums", "locks", "state_bytes", "states")
+    __slots__ = ("_record_size", "_table_offset", "checksums", "locks", "state_bytes", "states", "synced")
 
     def __init__(self, buffer: Any, layout: Layout, capacity: int, record_size: int, locks: SlotLocks) -> None:
         offset = layout.table_offset
         table = np.ndarray((capacity, record_size), np.uint8, buffer=buffer, offset=offset)
         self.states = table[:, 0]
+        self.synced = table[:, 1]  # version 5: the slot's bytes are on stable storage (zero before)
         self.checksums = table[:, 4:8].view(np.dtype("<u4"))[:, 0]
         # Indexing a memoryview returns an int about twice as fast as a numpy scalar.
         self.state_bytes = memoryview(buffer)[offset : offset + capacity * record_size : record_size]
@@ -77,6 +78,7 @@ class SlotTable:
         self.state_bytes.release()
         self.states = np.zeros(0, np.uint8)
         self.checksums = np.zeros(0, np.dtype("<u4"))
+        self.synced = np.zeros(0, np.uint8)
 
     def lock_offset(self, index: int) -> int:
         return self._table_offset + index * self._record_size
@@ -90,6 +92,7 @@ class SlotTable:
             self.locks.release(offset)
             return False
         self.states[index] = WRITING
+        self.synced[index] = 0  # before any byte of the new sample (see _boot.py)
         return True
 
     def publish(self, index: int, checksum: int) -> None:
@@ -137,6 +140,7 @@ class SlotTable:
                 return False
             self.states[index] = EMPTY
             self.checksums[index] = 0
+            self.synced[index] = 0
         finally:
             self.locks.release(offset)
         return True

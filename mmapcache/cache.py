@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import inspect
 import logging
 import operator
@@ -16,7 +17,9 @@ from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
+from ._boot import BootPage, check_boot, sync_slots
 from ._checksum import checksum
+from ._cold import prefetch_later, readahead_for
 from ._counters import Usage
 from ._errors import CacheError, CacheInUseError, CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike, normalize_fields
@@ -49,7 +52,20 @@ class _Mapped:
     — it never reads unmapped memory.
     """
 
-    __slots__ = ("arrays", "heap", "indices", "items", "order", "raws", "region", "slots", "states", "variables")
+    __slots__ = (
+        "arrays",
+        "boot",
+        "heap",
+        "indices",
+        "items",
+        "order",
+        "raws",
+        "readahead",
+        "region",
+        "slots",
+        "states",
+        "variables",
+    )
 
     def __init__(self, handle: Handle, header: Header, layout: Layout) -> None:
         mm = handle.mm
@@ -87,6 +103,9 @@ class _Mapped:
             (name, columns[name]) if name in columns else (name, self.arrays[name], raws[name])
             for name in header.fields
         )
+        # Read-ahead hints for a file on a disk; None in memory (tmpfs), where reads stay as they were.
+        self.readahead = readahead_for(handle.path, handle.fd, layout, header, self.variables)
+        self.boot = BootPage(mm, layout.boot_offset) if layout.boot_offset else None  # version 5: see _boot.py
 
     def parts(self, index: int) -> list[np.ndarray[Any, Any]] | None:
         """Slot ``index``'s checksum parts in field order (``None``: a variable descriptor is impossible)."""
@@ -232,6 +251,7 @@ class Cache:
             raise
         try:
             mapped = _Mapped(handle, header, layout)
+            _check_after_reboot(path, mapped, readonly=readonly, timeout=timeout)
         except BaseException:
             handle.close()  # a failed open leaks no descriptor and no in-use lock
             raise
@@ -339,6 +359,8 @@ class Cache:
         if mapped is None:
             raise closed_error(self._path)
         if i < self._capacity and mapped.states[i] == READY:
+            if mapped.readahead is not None:  # a file on a disk: one request for the row, not a fault per page
+                mapped.readahead.before_read_one(i)
             if mapped.variables:
                 found = self._get_variable(mapped, i)
                 if found is not None:
@@ -409,6 +431,8 @@ class Cache:
         if not ready.all():
             self._board.add(misses=len(idx) - int(np.count_nonzero(ready)))
             raise _missing_error(self._path, _as_given(indices, idx)[~ready], len(idx))
+        if mapped.readahead is not None:
+            mapped.readahead.before_read(idx)
         if out is None:
             out = {name: gather(array, idx) for name, array in mapped.items}
         else:
@@ -444,6 +468,8 @@ class Cache:
         else:
             out = {name: empty_aligned((len(idx), *array.shape[1:]), array.dtype) for name, array in mapped.items}
         hits = mapped.slots.ready_mask(idx, self._capacity, self._length)
+        if mapped.readahead is not None:
+            mapped.readahead.before_read(idx[hits])
         if hits.all():
             for name, array in mapped.items:
                 np.take(array, idx, axis=0, out=out[name], mode="clip")
@@ -497,6 +523,28 @@ class Cache:
                 )
             if not (buffer.flags.c_contiguous and buffer.flags.writeable):
                 raise ValueError(f"out[{name!r}] must be C-contiguous and writable")
+
+    def prefetch(self, indices: Any, *, background: bool = True) -> None:
+        """Ask for the cached samples among ``indices`` to be read into memory soon, without waiting.
+
+        A hint for a cache on a disk: a background thread asks the kernel to
+        read those slots' bytes (after probing whether they are in memory
+        already), so that a later :meth:`get_many` of them finds them there.
+        Indices that are not cached are ignored; on a memory file system
+        (``/dev/shm``) it does nothing. Hints are dropped when too many are
+        waiting already. ``background=False`` asks in the calling thread,
+        which returns once the kernel has queued the reads (not when they are
+        done). Bad indices raise as in :meth:`get_many`.
+        """
+        mapped = self._live()
+        idx = self._index_array(indices)
+        if mapped.readahead is None or not len(idx):
+            return
+        ready = idx[mapped.slots.ready_mask(idx, self._capacity, self._length)]
+        if len(ready) and background:
+            prefetch_later(mapped.readahead, ready)
+        elif len(ready):
+            mapped.readahead.before_read(ready)
 
     def contains_many(self, indices: Any) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """Which of ``indices`` are cached, as a bool array (from the state bytes; see ``verify``)."""
@@ -701,6 +749,7 @@ class Cache:
                     try:
                         mapped.slots.states[:] = EMPTY
                         mapped.slots.checksums[:] = 0
+                        mapped.slots.synced[:] = 0
                         if mapped.heap is not None:
                             mapped.heap.reset()
                     finally:
@@ -714,6 +763,28 @@ class Cache:
             path=self._path,
             pids=pids,
         )
+
+    def sync(self) -> int:
+        """Make what is cached durable: ``fdatasync`` the file and mark its filled slots synced.
+
+        For a cache on a disk (format version 5): after a crash or power loss,
+        the first open checks the filled slots that were not synced against
+        their checksums, reading them from the disk (see "Caches on NVMe" in
+        docs/operating.md), so syncing after a fill keeps that check short.
+        Blocks until the kernel has written the file's dirty pages. Returns
+        how many slots it marked (0 on a memory file system, where a reboot
+        takes the file with it). Every process's writes count, not only ours.
+        """
+        mapped = self._live()
+        if self._readonly:
+            raise self._readonly_error("sync")
+        handle = self._handle
+        with handle.write_lock:
+            handle.check_usable(writing=True)
+            if mapped.boot is None:
+                os.fdatasync(handle.fd)
+                return 0
+            return sync_slots(handle.fd, mapped.slots)
 
     # -- checking -------------------------------------------------------------
 
@@ -840,6 +911,25 @@ def _as_given(indices: Any, idx: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """The indices as the caller wrote them, for messages (``idx`` may hold ``_BEYOND``)."""
     given = np.asarray(indices)
     return given if given.dtype.kind == "u" else idx
+
+
+def _check_after_reboot(path: Path, mapped: _Mapped, *, readonly: bool, timeout: float) -> None:
+    """Before a file on a disk is used in a boot other than its last: check what a crash may have torn."""
+    if mapped.boot is None or mapped.boot.current():
+        return
+    if not readonly:
+        lock = functools.partial(creation_lock, path, timeout)
+        check_boot(mapped.boot, mapped.slots, mapped.parts, lock=lock, readahead=mapped.readahead)
+        return
+    try:  # resetting torn slots takes write access: a writable handle checks, then we read
+        Cache(path, timeout=timeout).close()
+    except OSError as error:
+        raise ReadonlyCacheError(
+            f"{path} was last written before a reboot, and the slots that were not synced must be checked "
+            f"against their checksums before they are read, which needs write access ({error}); open it once "
+            "without readonly=True (or run `mmapcache verify --fix PATH`) as a user who may write it",
+            path=path,
+        ) from None
 
 
 def _reopen_cache(path: str, readonly: bool, verify: bool, timeout: float) -> Cache:
