@@ -53,6 +53,7 @@ from ._format import COUNTER_RECORD_SIZE, Header, Layout, descriptor_nbytes
 from ._heap import VariableRegion
 from ._locks import SlotLocks, flock_holders, try_lock_exclusive
 from ._paths import SUFFIX, check_file_stat, default_dir, filesystem_type, free_bytes, is_network_filesystem
+from ._residency import resident_bytes
 from ._sizes import format_bytes, parse_duration
 from ._slots import READY, WRITING
 from ._variable import value_bytes
@@ -64,6 +65,7 @@ __all__ = [
     "GcReport",
     "Kept",
     "Removed",
+    "Resident",
     "disk_usage",
     "error_message",
     "gc",
@@ -266,6 +268,23 @@ class GcReport:
 
 
 @dataclass(frozen=True)
+class Resident:
+    """How much of one cache file is in memory (the page cache) now: ``resident`` of its ``nbytes``.
+
+    On tmpfs every page of a file is in memory. On a disk, the kernel evicts
+    pages when memory is needed and reads them back on use: a cache larger
+    than RAM is partly resident, and reads of the rest go to the device.
+    """
+
+    path: Path
+    nbytes: int
+    resident: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "nbytes": self.nbytes, "resident": self.resident}
+
+
+@dataclass(frozen=True)
 class DiskUsage:
     """Space where caches live: the file system's size and free bytes, what caches take there.
 
@@ -273,7 +292,7 @@ class DiskUsage:
     tmpfs). ``memory_limit`` is this process's memory cgroup limit (``None``
     if unlimited or unknown); pages of a tmpfs file count against the cgroup
     that first touched them. ``warnings`` are sentences saying what is wrong
-    and how to fix it.
+    and how to fix it; ``resident``, one :class:`Resident` per cache file.
     """
 
     directory: Path
@@ -286,6 +305,7 @@ class DiskUsage:
     leftover_bytes: int
     memory_limit: int | None
     warnings: tuple[str, ...]
+    resident: tuple[Resident, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -299,6 +319,7 @@ class DiskUsage:
             "leftover_bytes": self.leftover_bytes,
             "memory_limit": self.memory_limit,
             "warnings": list(self.warnings),
+            "resident": [item.to_dict() for item in self.resident],
         }
 
 
@@ -825,22 +846,27 @@ def disk_usage(directory: str | os.PathLike[str] | None = None, *, recursive: bo
 
     Warns when the location is a small tmpfs (Docker's default /dev/shm is
     64 MB), nearly full, on a network file system, charged to a memory cgroup
-    limit, or holds leftovers of interrupted creations.
+    limit, or holds leftovers of interrupted creations. ``resident`` says how
+    much of each cache is in memory now (see :class:`Resident`).
     """
     base = _directory(directory)
     st = os.statvfs(base)
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     caches = cache_bytes = leftovers = leftover_bytes = 0
+    resident: list[Resident] = []
     for entry in _entries(base, recursive=recursive):
         with contextlib.suppress(OSError):
             allocated = entry.stat(follow_symlinks=False).st_blocks * 512
             if _is_cache_name(entry.name):
                 caches, cache_bytes = caches + 1, cache_bytes + allocated
+                resident.append(Resident(Path(entry.path), entry.stat().st_size, resident_bytes(entry.path)))
             elif _leftover_stem(Path(entry.path)) is not None:
                 leftovers, leftover_bytes = leftovers + 1, leftover_bytes + allocated
     fs_type = filesystem_type(base)
     limit = memory_limit() if fs_type == "tmpfs" else None
-    usage = DiskUsage(base, fs_type, total, free, caches, cache_bytes, leftovers, leftover_bytes, limit, ())
+    usage = DiskUsage(
+        base, fs_type, total, free, caches, cache_bytes, leftovers, leftover_bytes, limit, (), tuple(resident)
+    )
     return replace(usage, warnings=tuple(_warnings(usage)))
 
 

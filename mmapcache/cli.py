@@ -325,6 +325,9 @@ def format_df(usage: DiskUsage) -> str:
         rows.append(("leftovers", f"{usage.leftovers} temporary file(s), {format_bytes(usage.leftover_bytes)}"))
     if usage.memory_limit is not None:
         rows.append(("memory limit", f"{format_bytes(usage.memory_limit)} (memory cgroup; tmpfs files count)"))
+    for item in usage.resident:
+        share = f" ({100 * item.resident / item.nbytes:.0f}%)" if item.nbytes else ""
+        rows.append((item.path.name, f"{format_bytes(item.resident)} of {format_bytes(item.nbytes)} in memory{share}"))
     width = max(len(label) for label, _ in rows)
     lines = [f"{label.ljust(width)}  {value}" for label, value in rows]
     lines += [f"warning: {warning}" for warning in usage.warnings]
