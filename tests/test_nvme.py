@@ -1,0 +1,363 @@
+"""Caches on a disk (node-local NVMe; here the root file system): cold reads, memory limits, reboots.
+
+Every test works on real files in a private directory under /var/tmp (not
+tmpfs), evicts them from the page cache for real (``fsync``, close every
+mapping, ``POSIX_FADV_DONTNEED``) and uses real processes. The memory-limit
+and reboot tests need root (a cgroup; a private mount namespace whose
+``/proc/sys/kernel/random/boot_id`` is another file) and are skipped without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mmapcache import Cache, disk_usage
+from mmapcache._paths import filesystem_type, is_memory_filesystem
+from mmapcache._residency import resident_bytes
+from mmapcache.cli import main
+
+DISK = Path("/var/tmp")
+ROW = (4, 128, 128)  # 64 KiB a sample: sixteen pages, so a cold row is many faults without hints
+ROOT = Path(__file__).resolve().parent.parent
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+pytestmark = pytest.mark.skipif(
+    not DISK.is_dir() or is_memory_filesystem(filesystem_type(DISK)), reason="needs /var/tmp on a disk"
+)
+
+
+@pytest.fixture
+def disk_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="mmapcache-nvme-", dir=DISK))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def sample(i: int) -> np.ndarray[Any, Any]:
+    """Sample ``i``: every byte ``i % 251``, the first eight the index itself (a misplaced row shows)."""
+    row = np.full(ROW, i % 251, np.uint8)
+    row.reshape(-1)[:8] = np.frombuffer(np.uint64(i).tobytes(), np.uint8)
+    return row
+
+
+def make_cache(path: Path, n: int, filled: int | None = None) -> None:
+    with Cache(path, {"x": (ROW, "u1")}, n) as cache:
+        for start in range(0, filled if filled is not None else n, 32):
+            idx = np.arange(start, min(start + 32, filled if filled is not None else n))
+            cache.put_many(idx, {"x": np.stack([sample(i) for i in idx.tolist()])})
+
+
+def evict(path: Path) -> None:
+    """Write the file back and drop it from the page cache (no mapping of it may be alive)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def run(code: str, *, timeout: float = 120, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=timeout, **kwargs
+    )
+
+
+# -- cold reads --------------------------------------------------------------------------
+
+
+def test_a_cache_on_a_disk_reads_with_hints_and_survives_reboots(disk_dir: Path) -> None:
+    path = disk_dir / "c.mmc"
+    make_cache(path, 4)
+    with Cache(path) as cache:
+        assert cache._mapped is not None
+        assert cache._mapped.readahead is not None
+        assert cache._mapped.boot is not None
+        assert cache._header.version == 5
+
+
+def test_a_cache_in_shared_memory_keeps_the_memory_path(cache_dir: Path) -> None:
+    if not is_memory_filesystem(filesystem_type(cache_dir)):
+        pytest.skip("needs a tmpfs (/dev/shm)")
+    with Cache(cache_dir / "c.mmc", {"x": (ROW, "u1")}, 40) as cache:
+        cache.put_many(np.arange(40), {"x": np.stack([sample(i) for i in range(40)])})
+        assert cache._mapped is not None
+        assert cache._mapped.readahead is None and cache._mapped.boot is None
+        assert cache._header.version < 5
+        idx = np.random.default_rng(0).permutation(40)
+        assert np.array_equal(cache.get_many(idx)["x"], np.stack([sample(i) for i in idx.tolist()]))
+        cache.prefetch(idx)  # nothing to do in memory, and no error
+        assert cache.sync() == 0
+
+
+def test_cold_reads_after_eviction_return_the_stored_bytes(disk_dir: Path) -> None:
+    path = disk_dir / "c.mmc"
+    n = 300
+    make_cache(path, n, filled=250)
+    evict(path)
+    assert resident_bytes(path) < os.path.getsize(path) // 10
+    rng = np.random.default_rng(1)
+    with Cache(path, readonly=True) as cache:
+        idx = rng.permutation(250)[:128]
+        assert np.array_equal(cache.get_many(idx)["x"], np.stack([sample(i) for i in idx.tolist()]))
+        mixed = np.concatenate([rng.permutation(250)[:20], np.arange(250, 260)])
+        read, hits = cache.read_many(mixed)
+        assert hits.tolist() == [True] * 20 + [False] * 10
+        assert np.array_equal(read["x"][:20], np.stack([sample(i) for i in mixed[:20].tolist()]))
+        for i in rng.permutation(250)[:20].tolist():
+            assert np.array_equal(cache[i]["x"], sample(i))
+    assert resident_bytes(path) >= 128 * sample(0).nbytes
+
+
+def test_reads_stay_correct_without_hints(disk_dir: Path) -> None:
+    path = disk_dir / "c.mmc"
+    make_cache(path, 64)
+    evict(path)
+    result = run(
+        f"""
+        import os, numpy as np
+        os.environ["MMAPCACHE_READAHEAD"] = "0"
+        from mmapcache import Cache
+        with Cache({str(path)!r}) as cache:
+            assert cache._mapped.readahead is None
+            print(int(cache.get_many(np.arange(64))["x"].reshape(64, -1)[:, 8:].astype(np.int64).sum()))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) == sum((i % 251) * (sample(0).size - 8) for i in range(64))
+
+
+def test_prefetch_reads_cached_slots_into_memory_in_the_background(disk_dir: Path) -> None:
+    path = disk_dir / "c.mmc"
+    make_cache(path, 200, filled=160)
+    evict(path)
+    with Cache(path) as cache:
+        start = time.perf_counter()
+        cache.prefetch(np.arange(200))  # 40 of them are not cached: ignored
+        returned = time.perf_counter() - start
+        wanted = 160 * sample(0).nbytes
+        deadline = time.monotonic() + 10
+        while resident_bytes(path) < wanted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert resident_bytes(path) >= wanted
+        assert returned < 0.5
+        assert np.array_equal(cache.get_many(np.arange(160))["x"][159], sample(159))
+        with pytest.raises(IndexError):
+            cache.prefetch([200])
+        cache.prefetch(np.arange(10), background=False)
+
+
+def test_df_shows_how_much_of_each_cache_is_in_memory(disk_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = disk_dir / "c.mmc"
+    make_cache(path, 64)
+    evict(path)
+    (resident,) = disk_usage(disk_dir).resident
+    assert (resident.path, resident.nbytes, resident.resident) == (path, os.path.getsize(path), 0)
+    with Cache(path) as cache:
+        cache.get_many(np.arange(64))
+        assert disk_usage(disk_dir).resident[0].resident >= 64 * sample(0).nbytes
+    assert main(["df", str(disk_dir)]) == 0
+    assert "c.mmc" in capsys.readouterr().out
+    assert main(["df", str(disk_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["resident"][0]["path"] == str(path)
+
+
+# -- memory limits -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[Path]:
+    """A cgroup v1 memory cgroup of our own (root only), removed afterwards."""
+    if os.geteuid() != 0 or not (CGROUP_V1 / "cgroup.procs").exists():
+        pytest.skip("needs root and the cgroup v1 memory controller")
+    group = CGROUP_V1 / f"mmapcache-test-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        yield group
+    finally:
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def test_a_process_under_a_memory_limit_smaller_than_the_cache_reads_all_of_it(
+    disk_dir: Path, memory_cgroup: Path
+) -> None:
+    path = disk_dir / "big.mmc"
+    n = 4096  # 256 MiB of samples
+    make_cache(path, n)
+    evict(path)
+    limit = 128 * 2**20
+    (memory_cgroup / "memory.limit_in_bytes").write_text(str(limit))
+    procs = memory_cgroup / "cgroup.procs"
+    code = f"""
+        import numpy as np
+        from mmapcache import Cache
+        with Cache({str(path)!r}, readonly=True) as cache:
+            wrong = 0
+            for start in range(0, {n}, 64):
+                idx = np.random.default_rng(start).permutation(np.arange(start, start + 64))
+                rows = cache.get_many(idx)["x"].reshape(64, -1)
+                wrong += int(np.count_nonzero(rows[:, 8:] != (idx % 251)[:, None].astype(np.uint8)))
+                wrong += int(np.count_nonzero(rows[:, :8].copy().view(np.uint64)[:, 0] != idx))
+        print(wrong)
+        """
+    result = run(code, preexec_fn=lambda: procs.write_text(str(os.getpid())))
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr}"
+    assert result.stdout.strip() == "0"
+    assert int((memory_cgroup / "memory.max_usage_in_bytes").read_text()) <= limit
+    assert int((memory_cgroup / "memory.failcnt").read_text()) > 0  # the limit was reached: pages were reclaimed
+
+
+# -- reboots ---------------------------------------------------------------------------------
+
+WRITER = """
+    import sys, time, numpy as np
+    sys.path.insert(0, {tests!r})
+    from test_nvme import sample
+    from mmapcache import Cache
+    cache = Cache({path!r}, {{"x": ({row!r}, "u1")}}, {n})
+    for i in range({n}):
+        cache.put(i, {{"x": sample(i)}})
+        if i == {synced}:
+            cache.sync()
+        if i >= {announce}:
+            print(i, flush=True)
+            time.sleep(0.05)
+"""
+
+READER = """
+    import json, numpy as np
+    from mmapcache import Cache
+    with Cache({path!r}{readonly}) as cache:
+        print(json.dumps({{"boot": cache._mapped.boot.boot_id.hex(), "ready": [i for i in range({n}) if i in cache],
+                           "synced": np.asarray(cache._mapped.slots.synced).tolist()}}))
+"""
+
+
+def _fill_and_kill(path: Path, n: int, synced: int, announce: int) -> None:
+    """A writer fills slots in order, syncs after slot ``synced``, and is SIGKILLed past ``announce``."""
+    code = WRITER.format(tests=str(ROOT / "tests"), path=str(path), row=ROW, n=n, synced=synced, announce=announce)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    writer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert writer.stdout is not None
+    try:
+        assert int(writer.stdout.readline()) >= announce
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+    assert writer.returncode == -signal.SIGKILL
+
+
+def _tear(path: Path, slot: int) -> None:
+    """Zero slot ``slot``'s data in the file, as if its state had reached the disk and its data had not."""
+    with Cache(path, readonly=True) as cache:
+        offset, nbytes = cache._layout.field_offsets["x"], sample(0).nbytes
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, bytes(nbytes), offset + slot * nbytes)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_after_reboot(path: Path, n: int, tmp: Path, *, readonly: bool = False) -> dict[str, Any]:
+    """Open the cache in a process that sees another kernel boot id (a private mount namespace)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to fake a reboot")
+    fake = tmp / "boot_id"
+    fake.write_text(str(uuid.uuid4()) + "\n")
+    script = tmp / "reader.py"
+    script.write_text(textwrap.dedent(READER.format(path=str(path), n=n, readonly=", readonly=True" * readonly)))
+    command = f"mount --bind {fake} /proc/sys/kernel/random/boot_id && exec {sys.executable} {script}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    report: dict[str, Any] = json.loads(result.stdout)
+    assert report["boot"] == uuid.UUID(fake.read_text().strip()).hex
+    return report
+
+
+def test_after_a_reboot_a_slot_whose_data_did_not_reach_the_disk_is_not_served(disk_dir: Path) -> None:
+    path, n = disk_dir / "c.mmc", 64
+    _fill_and_kill(path, n, synced=9, announce=40)
+    _tear(path, 5)  # synced before the crash: trusted, not read again
+    _tear(path, 20)  # written after the last sync: checked, found torn
+    with Cache(path) as cache:  # same boot: the page cache is the truth, nothing is scanned
+        assert 20 in cache and 5 in cache
+        ready = [i for i in range(n) if i in cache]
+    report = _read_after_reboot(path, n, disk_dir)
+    assert report["ready"] == [i for i in ready if i != 20]
+    assert report["synced"][:41] == [1] * 20 + [0] + [1] * 20  # checked slots read back intact are synced now
+    with Cache(path) as cache:
+        for i in report["ready"]:
+            expected = np.zeros(ROW, np.uint8) if i == 5 else sample(i)
+            assert np.array_equal(cache[i]["x"], expected)
+        assert cache.put(20, {"x": sample(20)})  # filled again like any miss
+        assert np.array_equal(cache[20]["x"], sample(20))
+
+
+def test_a_readonly_open_after_a_reboot_has_the_check_done_first(disk_dir: Path) -> None:
+    path, n = disk_dir / "c.mmc", 32
+    _fill_and_kill(path, n, synced=-1, announce=20)
+    _tear(path, 3)
+    report = _read_after_reboot(path, n, disk_dir, readonly=True)
+    assert 3 not in report["ready"] and 4 in report["ready"]
+
+
+def test_within_one_boot_open_checks_nothing(disk_dir: Path) -> None:
+    path = disk_dir / "c.mmc"
+    make_cache(path, 16)
+    _tear(path, 7)  # never synced, torn: yet within this boot no open looks at it
+    with Cache(path) as cache:
+        assert cache._mapped is not None and cache._mapped.boot is not None
+        assert cache._mapped.boot.current()
+        assert 7 in cache
+        assert not cache._mapped.slots.synced.any()
+
+
+def test_sync_marks_every_filled_slot_and_a_new_claim_clears_it(disk_dir: Path) -> None:
+    path = disk_dir / "c.mmc"
+    make_cache(path, 16, filled=10)
+    with Cache(path) as cache:
+        assert cache._mapped is not None
+        assert cache.sync() == 10
+        assert cache.sync() == 0
+        synced = cache._mapped.slots.synced
+        assert synced.tolist() == [1] * 10 + [0] * 6
+        cache.verify()
+        cache.put(12, {"x": sample(12)})
+        assert synced[12] == 0
+        cache.clear()
+        assert not synced.any()
+        with pytest.raises(PermissionError):
+            Cache(path, readonly=True).sync()
