@@ -77,7 +77,12 @@ def evict(path: Path) -> None:
 def run(code: str, *, timeout: float = 120, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=timeout, **kwargs
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
     )
 
 
@@ -100,7 +105,8 @@ def test_a_cache_in_shared_memory_keeps_the_memory_path(cache_dir: Path) -> None
     with Cache(cache_dir / "c.mmc", {"x": (ROW, "u1")}, 40) as cache:
         cache.put_many(np.arange(40), {"x": np.stack([sample(i) for i in range(40)])})
         assert cache._mapped is not None
-        assert cache._mapped.readahead is None and cache._mapped.boot is None
+        assert cache._mapped.readahead is None
+        assert cache._mapped.boot is None
         assert cache._header.version < 5
         idx = np.random.default_rng(0).permutation(40)
         assert np.array_equal(cache.get_many(idx)["x"], np.stack([sample(i) for i in idx.tolist()]))
@@ -260,9 +266,7 @@ def _fill_and_kill(path: Path, n: int, synced: int, announce: int) -> None:
     """A writer fills slots in order, syncs after slot ``synced``, and is SIGKILLed past ``announce``."""
     code = WRITER.format(tests=str(ROOT / "tests"), path=str(path), row=ROW, n=n, synced=synced, announce=announce)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    writer = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE, text=True
-    )
+    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE, text=True)
     assert writer.stdout is not None
     try:
         assert int(writer.stdout.readline()) >= announce
@@ -313,7 +317,8 @@ def test_after_a_reboot_a_slot_whose_data_did_not_reach_the_disk_is_not_served(d
     _tear(path, 5)  # synced before the crash: trusted, not read again
     _tear(path, 20)  # written after the last sync: checked, found torn
     with Cache(path) as cache:  # same boot: the page cache is the truth, nothing is scanned
-        assert 20 in cache and 5 in cache
+        assert 20 in cache
+        assert 5 in cache
         ready = [i for i in range(n) if i in cache]
     report = _read_after_reboot(path, n, disk_dir)
     assert report["ready"] == [i for i in ready if i != 20]
@@ -331,7 +336,8 @@ def test_a_readonly_open_after_a_reboot_has_the_check_done_first(disk_dir: Path)
     _fill_and_kill(path, n, synced=-1, announce=20)
     _tear(path, 3)
     report = _read_after_reboot(path, n, disk_dir, readonly=True)
-    assert 3 not in report["ready"] and 4 in report["ready"]
+    assert 3 not in report["ready"]
+    assert 4 in report["ready"]
 
 
 def test_within_one_boot_open_checks_nothing(disk_dir: Path) -> None:
@@ -339,7 +345,8 @@ def test_within_one_boot_open_checks_nothing(disk_dir: Path) -> None:
     make_cache(path, 16)
     _tear(path, 7)  # never synced, torn: yet within this boot no open looks at it
     with Cache(path) as cache:
-        assert cache._mapped is not None and cache._mapped.boot is not None
+        assert cache._mapped is not None
+        assert cache._mapped.boot is not None
         assert cache._mapped.boot.current()
         assert 7 in cache
         assert not cache._mapped.slots.synced.any()
