@@ -33,6 +33,7 @@ __all__ = [
     "add_json_arg",
     "fmt_bytes",
     "machine_info",
+    "meminfo",
     "ratio",
     "ratio_of_mins",
     "run_interleaved",
@@ -190,7 +191,7 @@ def _read(path: str) -> str:
         return "?"
 
 
-def _meminfo(key: str) -> int:
+def meminfo(key: str) -> int:
     """A /proc/meminfo figure in KiB (0 if absent)."""
     return next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines() if line.startswith(key + ":")), 0)
 
@@ -202,12 +203,12 @@ def machine_info() -> dict[str, Any]:
         if line.startswith("model name"):
             cpu = line.split(":", 1)[1].strip()
             break
-    mem_kib = _meminfo("MemTotal")
+    mem_kib = meminfo("MemTotal")
     info: dict[str, Any] = {
         "cpu": cpu,
         "cores": os.cpu_count(),
         "memory_gib": round(mem_kib / 2**20, 1),
-        "memory_available_gib": round(_meminfo("MemAvailable") / 2**20, 1),
+        "memory_available_gib": round(meminfo("MemAvailable") / 2**20, 1),
         "kernel": platform.release(),
         "thp_enabled": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
         "thp_shmem_enabled": _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),

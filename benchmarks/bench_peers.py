@@ -442,7 +442,13 @@ def main() -> None:
     rounds = args.rounds or (3 if quick else 11)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (QUICK_SIZES if quick else SIZES)
     td = tensordict_version()
-    if td is None:
+    if td is not None:
+        import torch
+
+        # One intra-op thread, as in DataLoader workers (and stocaching's child): with two threads on
+        # a busy 2-core machine, torch's advanced indexing took ~8 ms a call whatever the size.
+        torch.set_num_threads(1)
+    else:
         print("tensordict side skipped: tensordict is not installed (run benchmarks/run.py, or pip install tensordict)")
     info = machine_info()
     print(f"machine: {info['cpu']}, {info['cores']} cores, load {info['loadavg_start']}")

@@ -1,0 +1,282 @@
+"""The published plots, drawn from the results files alone (``benchmarks/run.py`` calls :func:`plot_all`).
+
+Each function takes the parsed JSON of one benchmark and a directory, writes
+one PNG and returns its path. Every point is a median over rounds; error bars
+span the quartiles of the rounds. Colours are fixed per library, dashed grey
+lines are the limits the machine allows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+Results = dict[str, Any]
+COLOURS = {"mmapcache": "#1f5fbf", "stocaching": "#e07b00", "tensordict": "#2a9d4b", "memmap": "#8e44ad"}
+LIMIT = "#777777"
+BATCH_READS = [
+    "mmapcache get_many",
+    "mmapcache get_many(out=)",
+    "stocaching stack(get_slot)",
+    "tensordict mmt[idx]",
+    "np.memmap[idx]",
+]
+SAMPLE_READS = ["mmapcache get", "stocaching get_slot(i).clone()", "tensordict mmt[i].clone()", "np.array(memmap[i])"]
+FILLS = [
+    "mmapcache put_many",
+    "mmapcache put",
+    "stocaching set_slot",
+    "tensordict mmt[idx] = rows",
+    "np.memmap[idx] = rows",
+]
+
+__all__ = ["plot_all"]
+
+
+def _colour(name: str) -> str:
+    return next((c for lib, c in COLOURS.items() if lib in name), LIMIT)
+
+
+def _style(name: str) -> dict[str, Any]:
+    if name.startswith("mmapcache") and ("out=" in name or name.endswith(" put")):
+        return {"linestyle": ":", "marker": "s"}
+    if _colour(name) == LIMIT:
+        return {"linestyle": "-." if name.startswith("memcpy") else "--", "marker": None}
+    return {"linestyle": "-", "marker": "o"}
+
+
+def _size_label(n: float, _: object = None) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}"
+        n /= 1024
+    return f"{n:.0f} TiB"
+
+
+def _size_axis(ax: Axes, sizes: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(sizes))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(_size_label))
+
+
+def _save(fig: Any, path: Path, title: str) -> Path:
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _throughput_lines(ax: Axes, sizes: list[Results], part: str, names: list[str]) -> None:
+    """GB/s by sample size, medians with quartile bars, from seconds per sample (higher is faster)."""
+    for name in names:
+        points = [(s["row"], s[part][name]) for s in sizes if name in s[part]]
+        if not points:
+            continue
+        rows = [row for row, _ in points]
+        med = [row / e["us_per_sample"]["median"] / 1e3 for row, e in points]
+        low = [m - row / e["us_per_sample"]["q3"] / 1e3 for m, (row, e) in zip(med, points, strict=True)]
+        high = [row / e["us_per_sample"]["q1"] / 1e3 - m for m, (row, e) in zip(med, points, strict=True)]
+        ax.errorbar(rows, med, yerr=[low, high], label=name, color=_colour(name), capsize=2, **_style(name))
+    ax.set_yscale("log")
+    _size_axis(ax, [s["row"] for s in sizes])
+    ax.set_xlabel("sample size")
+    ax.set_ylabel("GB/s (log)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plot_throughput(peers: Results, out: Path) -> Path:
+    sizes = peers["sizes"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
+    batch = sizes[0]["plan"]["batch"]
+    _throughput_lines(left, sizes, "read", [*BATCH_READS, "np.take (in RAM)", "memcpy (in RAM)"])
+    left.set_title(f"a batch of random indices (up to {batch}, ≤ 32 MiB) per call", fontsize=9)
+    _throughput_lines(right, sizes, "read", [*SAMPLE_READS, "ndarray[i].copy() (in RAM)"])
+    right.set_title("one sample per call", fontsize=9)
+    return _save(fig, out / "throughput.png", "Reads of cached samples by sample size (higher is faster)")
+
+
+def plot_fill(peers: Results, out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    _throughput_lines(ax, peers["sizes"], "fill", [*FILLS, "np.empty (in RAM)"])
+    ax.set_title("a fresh container filled in random order, 64 samples a call", fontsize=9)
+    return _save(fig, out / "fill.png", "Filling by sample size (higher is faster)")
+
+
+def _bars(ax: Axes, labels: list[str], values: list[float], errors: list[tuple[float, float]] | None = None) -> None:
+    colours = [_colour(label) for label in labels]
+    yerr = (
+        None
+        if errors is None
+        else [
+            [v - lo for v, (lo, _) in zip(values, errors, strict=True)],
+            [hi - v for v, (_, hi) in zip(values, errors, strict=True)],
+        ]
+    )
+    ax.bar(range(len(values)), values, color=colours, yerr=yerr, capsize=3)
+    ax.set_xticks(range(len(values)), labels, rotation=20, ha="right", fontsize=8)
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    import statistics
+
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def plot_epochs(dataloader: Results, out: Path) -> Path:
+    workers = sorted({r["workers"] for r in dataloader["epochs"]})
+    fig, axes = plt.subplots(1, len(workers), figsize=(5.2 * len(workers), 4.4), squeeze=False)
+    for ax, w in zip(axes[0], workers, strict=True):
+        rows = [r for r in dataloader["epochs"] if r["workers"] == w]
+        labels = [r["variant"] for r in rows]
+        stats = [_quartiles([c * 1e3 for c in dataloader["rounds_raw"][f"{v} w={w}"]["cpu"]]) for v in labels]
+        _bars(ax, labels, [s[1] for s in stats], [(s[0], s[2]) for s in stats])
+        for k, r in enumerate(rows):
+            speed = r.get("cpu_speed_vs_stocaching")
+            if speed and r["variant"] != "uncached":
+                ax.annotate(f"{speed['median']:.2f}x", (k, stats[k][1]), ha="center", va="bottom", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("CPU ms per warm epoch (log)")
+        ax.set_title(f"num_workers={w}", fontsize=9)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    title = (
+        f"Warm epochs through DataLoader: {dataloader['n']} JPEGs → uint8 {dataloader['image']}, "
+        f"batch {dataloader['batch']} (lower is better; x = speed vs stocaching)"
+    )
+    return _save(fig, out / "epochs.png", title)
+
+
+def plot_memory(dataloader: Results, out: Path) -> Path:
+    ddp = dataloader["ddp"]
+    data_mib = dataloader["data_bytes"] / 2**20
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    libs = list(ddp)
+    values = [ddp[lib]["cache_bytes"] / 2**20 for lib in libs]
+    _bars(ax, libs, values)
+    for k, lib in enumerate(libs):
+        decodes = sum(rank["epochs"][1]["decodes"] for rank in ddp[lib]["ranks"])
+        text = f"{values[k] / data_mib:.2f}x data\nepoch 1: {decodes} decodes"
+        ax.annotate(text, (k, values[k]), ha="center", va="bottom", fontsize=8)
+    ax.axhline(data_mib, color=LIMIT, linestyle="--", label=f"the data: {data_mib:.1f} MiB")
+    ax.set_ylim(0, max(values) * 1.3)
+    ax.set_ylabel("cache memory in /dev/shm, MiB")
+    ax.legend(fontsize=8, loc="upper left")
+    return _save(fig, out / "memory.png", "Node memory of 2 DDP ranks (+1 DataLoader worker each)")
+
+
+def plot_open(scale: Results, out: Path) -> Path:
+    rows = scale["open"]["sizes"]
+    names = [k for k, v in rows[0].items() if isinstance(v, dict)]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    sizes = [r["size"] for r in rows]
+    for name in names:
+        med = [r[name]["us"]["median"] for r in rows]
+        low = [m - r[name]["us"]["q1"] for m, r in zip(med, rows, strict=True)]
+        high = [r[name]["us"]["q3"] - m for m, r in zip(med, rows, strict=True)]
+        colour = COLOURS["mmapcache"] if name.startswith("Cache") else _colour(name)
+        style = _style("os" if name.startswith("os.") else name)
+        ax.errorbar(sizes, med, yerr=[low, high], label=name, color=colour, capsize=2, **style)
+    _size_axis(ax, sizes)
+    ax.set_yscale("log")
+    ax.set_xlabel("cache size (4 KiB samples)")
+    ax.set_ylabel("µs per open + close (log)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out / "open_time.png", "Opening an existing file, by its size (flat is the goal)")
+
+
+def plot_readers(scale: Results, out: Path) -> Path:
+    readers = scale["readers"]
+    names = ["mmapcache get_many", "np.take on a raw mapping"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    width = 0.38
+    for k, procs in enumerate((1, 2)):
+        key = f"gb_per_s_x{procs}"
+        med = [readers[n][key]["median"] for n in names]
+        err = [
+            [m - readers[n][key]["q1"] for m, n in zip(med, names, strict=True)],
+            [readers[n][key]["q3"] - m for m, n in zip(med, names, strict=True)],
+        ]
+        xs = [i + (k - 0.5) * width for i in range(len(names))]
+        colours = [COLOURS["mmapcache"] if n.startswith("mmapcache") else LIMIT for n in names]
+        ax.bar(xs, med, width, yerr=err, color=colours, alpha=0.55 if procs == 1 else 1.0, capsize=3)
+        for x, m in zip(xs, med, strict=True):
+            ax.annotate(f"{procs} proc", (x, m), ha="center", va="bottom", fontsize=8)
+    for i, n in enumerate(names):
+        s = readers[n]["scaling_2_vs_1"]
+        ax.annotate(f"2/1: {s['median']:.2f}x", (i, 0), xytext=(0, -28), textcoords="offset points", ha="center")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("aggregate GB/s (12 KB samples, 256 a call)")
+    return _save(fig, out / "readers.png", "One reader process vs two on the same file")
+
+
+def plot_cold(cold: Results, out: Path) -> Path | None:
+    """Cold-read throughput vs the device, from bench_cold's JSON: every ``*gb_per_s*`` series it reports."""
+    series = _cold_series(cold)
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    labels = list(series)
+    values = [series[k] for k in labels]
+    colours = [COLOURS["mmapcache"] if "mmapcache" in k or "cache" in k else LIMIT for k in labels]
+    ax.barh(range(len(values)), values, color=colours)
+    ax.set_yticks(range(len(values)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("GB/s (median)")
+    return _save(fig, out / "cold.png", "Cold reads from a disk-backed cache vs the device")
+
+
+def _cold_series(cold: Results, prefix: str = "") -> dict[str, float]:
+    """Flatten bench_cold's results into ``{label: GB/s}`` (keys containing ``gb_per_s``; medians of spreads)."""
+    found: dict[str, float] = {}
+    for key, value in cold.items():
+        label = f"{prefix}{key}"
+        if key in ("machine",):
+            continue
+        if isinstance(value, dict):
+            if "gb_per_s" in key and "median" in value:
+                found[label] = float(value["median"])
+            else:
+                found.update(_cold_series(value, f"{label} / "))
+        elif isinstance(value, (int, float)) and "gb_per_s" in key:
+            found[label] = float(value)
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, item in enumerate(value):
+                name = item.get("name") or item.get("variant") or item.get("label") or str(i)
+                found.update(_cold_series(item, f"{label}[{name}] / "))
+    return found
+
+
+PLOTS: dict[str, list[Callable[[Results, Path], Path | None]]] = {
+    "bench_peers": [plot_throughput, plot_fill],
+    "bench_dataloader": [plot_epochs, plot_memory],
+    "bench_scale": [plot_open, plot_readers],
+    "bench_cold": [plot_cold],
+}
+
+
+def plot_all(results: dict[str, Results], out: Path) -> dict[str, str]:
+    """Every plot whose results are present; ``{png name or benchmark: what happened}``."""
+    out.mkdir(parents=True, exist_ok=True)
+    done: dict[str, str] = {}
+    for name, plots in PLOTS.items():
+        if name not in results:
+            done[name] = "no results: not plotted"
+            continue
+        for plot in plots:
+            path = plot(results[name], out)
+            done[plot.__name__] = str(path) if path else "nothing to plot in these results"
+    return done
