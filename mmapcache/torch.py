@@ -890,7 +890,9 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         ``num_workers > 0`` loads batches in that many worker processes
         (through a DataLoader, so ``dataset`` must pickle under its
         multiprocessing context); each worker writes straight into the file.
-        ``progress`` shows a tqdm bar when tqdm is installed.
+        ``progress`` shows a tqdm bar when tqdm is installed. When it filled
+        anything it ends with :meth:`Cache.sync` (for a cache on a disk, the
+        open after a crash then has nothing of this fill to check).
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -921,6 +923,8 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         finally:
             if bar is not None:
                 bar.close()
+        if filled:
+            self.cache.sync()  # on a disk: a reboot need not check what this fill wrote (see Cache.sync)
         return filled
 
     def _fill_chunk(self, chunk: np.ndarray[Any, Any]) -> tuple[int, int]:
