@@ -116,9 +116,15 @@ def load_results(results: Path, quick: bool) -> dict[str, Any]:
 
 
 def plot(results: Path, img: Path, quick: bool) -> dict[str, str]:
+    """Draw every plot into ``img`` and write the Markdown tables (``summary[-quick].md``) beside the results."""
     from _plot import plot_all
+    from _report import summary
 
-    drawn = plot_all(load_results(results, quick), img)
+    found = load_results(results, quick)
+    tables = results / f"summary{'-quick' if quick else ''}.md"
+    tables.write_text(summary(found))
+    print(f"\ntables: {tables}")
+    drawn = plot_all(found, img)
     print(f"\nplots in {img}:")
     for name, what in drawn.items():
         print(f"  {name}: {what}")

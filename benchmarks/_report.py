@@ -1,0 +1,132 @@
+"""The headline tables of docs/benchmarks.md as Markdown, from the results files alone (``results/summary.md``).
+
+Every cell is a median over rounds of a per-round ratio to a baseline measured
+in the same process and round, with the quartiles in brackets where they matter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from _common import fmt_bytes
+
+Results = dict[str, Any]
+
+__all__ = ["summary"]
+
+
+def _md(headers: list[str], rows: list[list[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _q(s: dict[str, Any] | None, digits: int = 3) -> str:
+    if not s:
+        return "—"
+    return f"{s['median']:.{digits}g} [{s['q1']:.{digits}g}..{s['q3']:.{digits}g}]"
+
+
+def _by_size(peers: Results, part: str, baseline: str) -> str:
+    sizes = peers["sizes"]
+    names = list(dict.fromkeys(n for s in sizes for n in s[part] if "[stocaching's process]" not in n))
+    rows = []
+    for name in names:
+        cells = []
+        for s in sizes:
+            entry = s[part].get(name)
+            speed = entry.get(f"speed_vs[{baseline}]") if entry else None
+            cells.append(f"{speed['median']:.3g}" if speed else "—")
+        rows.append([name, *cells])
+    gb = [[f"{name} GB/s", *[f"{s[part][name]['gb_per_s']:.3g}" for s in sizes]] for name in (baseline,)]
+    return _md(["speed vs " + baseline, *[fmt_bytes(s["row"]) for s in sizes]], [*rows, *gb])
+
+
+def peers_tables(peers: Results) -> str:
+    return (
+        "Reads: speed vs `np.take` on an in-RAM array (same process, same round; > 1 is faster)\n\n"
+        + _by_size(peers, "read", "np.take (in RAM)")
+        + "\n\nFills of a fresh container: speed vs `np.empty` + assignment (same process, same round)\n\n"
+        + _by_size(peers, "fill", "np.empty (in RAM)")
+    )
+
+
+def epochs_table(dl: Results) -> str:
+    rows = [
+        [
+            r["variant"],
+            r["workers"],
+            f"{r['cpu_s'] * 1e3:.3g}",
+            _q(r.get("cpu_speed_vs_stocaching")),
+            f"{r['speedup_vs_uncached']:.3g}",
+        ]
+        for r in dl["epochs"]
+    ]
+    return _md(["variant", "workers", "CPU ms / warm epoch", "CPU speed vs stocaching", "x uncached (wall)"], rows)
+
+
+def memory_table(dl: Results) -> str:
+    rows = []
+    for lib, res in dl.get("ddp", {}).items():
+        mem = res["memory"]["smaps_rollup_sum"]
+        decodes = [rank["epochs"][1]["decodes"] for rank in res["ranks"]]
+        rows.append(
+            [
+                lib,
+                fmt_bytes(res["cache_bytes"]),
+                f"{res['cache_vs_data']:.2f}",
+                fmt_bytes(mem["Pss"]),
+                str(decodes),
+            ]
+        )
+    return _md(["library", "cache memory in /dev/shm", "x data", "sum of PSS, 4 processes", "epoch-1 decodes"], rows)
+
+
+def scale_tables(scale: Results) -> str:
+    readers = scale["readers"]
+    rows = [
+        [name, f"{r['gb_per_s_x1']['median']:.3g}", f"{r['gb_per_s_x2']['median']:.3g}", _q(r["scaling_2_vs_1"])]
+        for name, r in readers.items()
+        if isinstance(r, dict) and "scaling_2_vs_1" in r
+    ]
+    text = _md(["reader", "1 process GB/s", "2 processes GB/s", "2 / 1"], rows)
+    opened = scale["open"]["sizes"]
+    if opened:
+        names = [k for k, v in opened[0].items() if isinstance(v, dict)]
+        rows = [
+            [
+                fmt_bytes(r["size"]),
+                r["slots"],
+                *[f"{r[k]['us']['median']:.3g}" for k in names],
+                _q(r[names[0]]["time_vs_mmap"]),
+            ]
+            for r in opened
+        ]
+        text += "\n\n" + _md(["size", "slots", *[f"{k} µs" for k in names], f"{names[0]} / mmap"], rows)
+    for size, why in scale["open"].get("skipped", {}).items():
+        text += f"\n\nSkipped {size}: {why}."
+    return text
+
+
+SECTIONS: dict[str, tuple[str, Callable[[Results], str]]] = {
+    "bench_peers": ("Reads and fills by sample size", peers_tables),
+    "bench_scale": ("Readers and open time", scale_tables),
+    "bench_dataloader": ("Warm epochs", epochs_table),
+}
+
+
+def summary(results: dict[str, Results]) -> str:
+    """The tables of every benchmark present in ``results``, as one Markdown document."""
+    parts = []
+    for name, (title, render) in SECTIONS.items():
+        if name in results:
+            parts.append(f"## {title} ({name})\n\n{render(results[name])}")
+    if "bench_dataloader" in results and "ddp" in results["bench_dataloader"]:
+        parts.append(f"## Node memory, 2 DDP ranks (bench_dataloader)\n\n{memory_table(results['bench_dataloader'])}")
+    return "\n\n".join(parts) + "\n"
