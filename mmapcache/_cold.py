@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from ._format import Header, Layout, field_slot_nbytes
+from ._handle import _reopen
 from ._paths import filesystem_type, is_memory_filesystem
 
 __all__ = ["HINT_CHUNK", "PROBES", "Readahead", "enabled_for", "prefetch_later", "readahead_for"]
@@ -88,7 +89,7 @@ class Readahead:
     __slots__ = ("__weakref__", "_fd", "_finalizer", "_largest", "_nowait", "_probe", "_ranges", "_rows")
 
     def __init__(self, path: Path, fd: int, rows: Sequence[Rows], ranges: Sequence[Ranges] = ()) -> None:
-        self._fd = _reopen_readonly(fd, path)
+        self._fd = _reopen(fd, path, os.O_RDONLY | os.O_CLOEXEC)  # a description of its own: no locks on it
         # A probe of a byte that is not in memory starts the kernel's read-ahead for this descriptor,
         # up to read_ahead_kb (8 MiB here) when it guesses a pattern: RANDOM keeps it to that page.
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -178,18 +179,6 @@ def _hint_long(fd: int, starts: list[int], lengths: list[int]) -> None:
         end = start + length
         for offset in range(start, end, HINT_CHUNK):
             os.posix_fadvise(fd, offset, min(HINT_CHUNK, end - offset), willneed)
-
-
-def _reopen_readonly(fd: int, path: Path) -> int:
-    """A read-only descriptor of the file behind ``fd`` on an open file description of its own."""
-    try:
-        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        new = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        if not os.path.samestat(os.fstat(new), os.fstat(fd)):
-            os.close(new)
-            raise FileNotFoundError(errno.ENOENT, f"{path} was replaced; cannot reopen it", str(path)) from None
-        return new
 
 
 # -- prefetch: hints issued by a background thread -------------------------------------------
