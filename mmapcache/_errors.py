@@ -111,7 +111,10 @@ class CacheInUseError(CacheError, OSError):
     """Another handle has the cache open, so it cannot be cleared or removed.
 
     ``pids`` lists the processes holding it where the operating system tells
-    (Linux ``/proc/locks``), else it is empty.
+    (Linux ``/proc/locks``), else it is empty. The message tells this process
+    and the processes it started (its DataLoader workers) apart from other
+    jobs, and says what to do about each: close a handle, delete a
+    DataLoader iterator, stop a job.
     """
 
     def __init__(

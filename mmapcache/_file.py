@@ -88,6 +88,7 @@ from ._format import (
     unpack_header,
     unpack_prefix,
 )
+from ._holders import held_by
 from ._locks import flock_holders, lock_exclusive_soon, lock_shared, try_lock_exclusive
 from ._paths import (
     check_file_stat,
@@ -792,10 +793,8 @@ def remove(path: str | os.PathLike[str], *, force: bool = False, timeout: float 
             if not lock_exclusive_soon(fd, holds_shared=False, path=str(target), timeout=timeout):
                 pids = flock_holders(st)
                 if not force:
-                    who = f" (process ids: {', '.join(map(str, pids))})" if pids else ""
                     raise CacheInUseError(
-                        f"{target} is in use{who}; close every handle first (stop the jobs using "
-                        "it), or pass force=True / --force to delete it anyway",
+                        f"{target} is in use{held_by(pids)}, or pass force=True / --force to delete it anyway",
                         path=target,
                         pids=pids,
                     )

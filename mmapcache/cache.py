@@ -28,6 +28,7 @@ from ._format import MAX_FILE_SIZE, Header, Layout, indices_digest, max_slots, s
 from ._gather import empty_aligned, gather
 from ._handle import Handle, closed_error
 from ._heap import VariableRegion, extent_size_for
+from ._holders import held_by
 from ._locks import flock_holders, lock_exclusive_soon
 from ._sizes import parse_bytes
 from ._slots import EMPTY, READY, STRONGLY_ORDERED, SlotTable
@@ -756,10 +757,9 @@ class Cache:
                         fcntl.flock(fd, fcntl.LOCK_SH)
                     return
             pids = [p for p in flock_holders(os.fstat(fd)) if p != os.getpid()]
-        who = f" (process ids: {', '.join(map(str, pids))})" if pids else ""
+        # No other process holds it: another handle in this one does.
         raise CacheInUseError(
-            f"cannot clear {self._path}: another handle has it open{who}; close the other "
-            "handles (in this process too) or stop the jobs using it first",
+            f"cannot clear {self._path}: it is in use{held_by(pids or [os.getpid()], other_handles=True)}",
             path=self._path,
             pids=pids,
         )
