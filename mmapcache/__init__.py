@@ -15,6 +15,7 @@ from ._errors import (
     CacheTimeoutError,
     ReadonlyCacheError,
     SchemaMismatchError,
+    StaleCacheError,
     UnsafeCacheFileError,
 )
 from ._field import Field
@@ -40,6 +41,7 @@ __all__ = [
     "Problem",
     "ReadonlyCacheError",
     "SchemaMismatchError",
+    "StaleCacheError",
     "UnsafeCacheFileError",
     "Usage",
     "VariableRegion",

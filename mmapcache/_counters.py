@@ -26,9 +26,11 @@ import numpy as np
 from ._format import COUNTER_RECORD_SIZE, Layout
 from ._locks import SlotLocks
 
-__all__ = ["Board", "Counts", "Usage", "read_usage"]
+__all__ = ["REFUTED", "Board", "Counts", "Usage", "read_usage"]
 
 _PID, _HITS, _MISSES, _WRITTEN = range(4)
+REFUTED = 1  # record 0's flags: the inferred fields were found not to fit the dataset (see _format.py)
+_FLAGS_SHIFT = 32  # record 0's flags are the upper half of its pid word
 _WORDS = COUNTER_RECORD_SIZE // 8
 _LITTLE = sys.byteorder == "little"
 
@@ -157,6 +159,21 @@ class Board:
             finally:
                 self._locks.release(zero)
             row[_HITS:] = 0
+
+    def flags(self) -> int:
+        """Record 0's flags: what processes found out about the whole file (0 for a file without counters)."""
+        return 0 if self._records is None else int(self._records[0, _PID]) >> _FLAGS_SHIFT
+
+    def set_flag(self, flag: int) -> None:
+        """Set a flag in record 0, under its lock (a read-only mapping cannot: nothing happens)."""
+        if self._records is None or not self._records.flags.writeable or self._locks.fd < 0:
+            return
+        zero = _offset(self._layout, 0)
+        self._locks.claim_wait(zero)
+        try:
+            self._records[0, _PID] |= np.uint64(flag << _FLAGS_SHIFT)
+        finally:
+            self._locks.release(zero)
 
     @property
     def shared(self) -> bool:

@@ -36,6 +36,7 @@ __all__ = [
     "CacheTimeoutError",
     "ReadonlyCacheError",
     "SchemaMismatchError",
+    "StaleCacheError",
     "UnsafeCacheFileError",
 ]
 
@@ -81,6 +82,28 @@ class SchemaMismatchError(CacheError, ValueError):
     ) -> None:
         super().__init__(message, path=path)
         self.differences: dict[str, tuple[Any, Any]] = dict(differences or {})
+
+
+class StaleCacheError(SchemaMismatchError):
+    """A cached sample differs from the one the wrapped dataset gives now: the data or its preprocessing changed.
+
+    Raised by :class:`~mmapcache.torch.CachedDataset` when it first uses an
+    existing cache in a process and compares a few cached samples with fresh
+    ones (``check=``). ``index`` is the dataset index compared and ``field``
+    the field that differs. Change the key, or remove the cache.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        differences: dict[str, tuple[Any, Any]] | None = None,
+        index: int | None = None,
+        field: str | None = None,
+    ) -> None:
+        super().__init__(message, path=path, differences=differences)
+        self.index, self.field = index, field
 
 
 class CacheSpaceError(CacheError, OSError):

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Field", "FieldsLike", "normalize_fields"]
+__all__ = ["TEXT_KINDS", "Field", "FieldsLike", "normalize_fields"]
 
 # numpy (and off_t) cannot describe an array of more bytes than this; numpy
 # refuses such a shape even when another dimension is 0.
@@ -50,12 +50,25 @@ class Field:
     there (``Field((3, None, None), "uint8")`` holds images of any height and
     width, ``Field((None, 4), "float32")`` any number of boxes). Such a field
     is stored in the cache's variable region, sized by ``max_bytes``.
+
+    ``dtype=str`` or ``bytes`` makes a *text* field: ``Field((None,), str)``
+    holds strings of any length, stored as their UTF-8 bytes (``bytes``: as
+    given); ``Field.dtype`` is then ``uint8`` and ``Field.text`` says which.
     """
 
-    __slots__ = ("_dtype", "_shape", "_torch_dtype")
+    __slots__ = ("_dtype", "_shape", "_text", "_torch_dtype")
 
     def __init__(self, shape: Iterable[int | None] | int, dtype: Any) -> None:
         self._shape = _normalize_shape(shape)
+        self._text: str | None = _text_kind(dtype)
+        if self._text is not None:
+            if self._shape != (None,):
+                raise ValueError(
+                    f"a {self._text} field holds one value of any length per sample: declare it as "
+                    f"Field((None,), {self._text}), not with shape {self._shape}"
+                )
+            self._dtype, self._torch_dtype = np.dtype(np.uint8), None
+            return
         self._dtype, self._torch_dtype = _normalize_dtype(dtype)
         span = math.prod(d for d in self._shape if d) * self._dtype.itemsize  # numpy checks it even with a 0
         if span > _MAX_NBYTES:
@@ -96,13 +109,20 @@ class Field:
         return self._torch_dtype
 
     @property
+    def text(self) -> str | None:
+        """``"str"`` (UTF-8) or ``"bytes"`` for a text field, whose values are stored as their bytes; else None."""
+        return self._text
+
+    @property
     def nbytes(self) -> int:
         """Bytes one sample of this field takes (fixed fields; ``TypeError`` for a variable one)."""
         return math.prod(self.fixed_shape) * self._dtype.itemsize
 
     @property
     def dtype_name(self) -> str:
-        """The dtype as people write it: ``"uint8"``, ``"bfloat16"``, ``"<U10"``."""
+        """The dtype as people write it: ``"uint8"``, ``"bfloat16"``, ``"<U10"``; ``"str"``/``"bytes"`` for text."""
+        if self._text is not None:
+            return self._text
         if self._torch_dtype is not None:
             return self._torch_dtype
         if self._dtype.isbuiltin and self._dtype.isnative:
@@ -112,26 +132,43 @@ class Field:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Field):
             return NotImplemented
-        return (self._shape, self._dtype, self._torch_dtype) == (
+        return (self._shape, self._dtype, self._torch_dtype, self._text) == (
             other._shape,
             other._dtype,
             other._torch_dtype,
+            other._text,
         )
 
     def __hash__(self) -> int:
-        return hash((self._shape, self._dtype, self._torch_dtype))
+        return hash((self._shape, self._dtype, self._torch_dtype, self._text))
 
     def __repr__(self) -> str:
+        if self._text is not None:
+            return f"Field({self._shape!r}, {self._text})"
         return f"Field({self._shape!r}, {self.dtype_name!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_field_from_state, (self._shape, self._dtype, self._torch_dtype))
+        return (_field_from_state, (self._shape, self._dtype, self._torch_dtype, self._text))
 
 
-def _field_from_state(shape: tuple[int, ...], dtype: np.dtype[Any], torch_dtype: str | None) -> Field:
+def _field_from_state(
+    shape: tuple[int, ...], dtype: np.dtype[Any], torch_dtype: str | None, text: str | None = None
+) -> Field:
     field = Field.__new__(Field)
-    field._shape, field._dtype, field._torch_dtype = shape, dtype, torch_dtype
+    field._shape, field._dtype, field._torch_dtype, field._text = shape, dtype, torch_dtype, text
     return field
+
+
+TEXT_KINDS = ("str", "bytes")
+
+
+def _text_kind(dtype: Any) -> str | None:
+    """``"str"``/``"bytes"`` when ``dtype`` asks for a text field (the type ``str``/``bytes``, or its name)."""
+    if dtype is str or dtype is bytes:
+        return dtype.__name__
+    if isinstance(dtype, str) and dtype in TEXT_KINDS:
+        return dtype
+    return None
 
 
 def _normalize_shape(shape: Iterable[int | None] | int) -> tuple[int | None, ...]:

@@ -71,7 +71,8 @@ not know; a writer MUST NOT add members that change how the data is read
 without raising the format version.
 
 - `fields`: a list, in order, of objects
-  `{"name": str, "shape": [int | null, ...], "dtype": descr, "torch_dtype": str | null}`.
+  `{"name": str, "shape": [int | null, ...], "dtype": descr, "torch_dtype": str | null}`,
+  plus `"text": "str" | "bytes"` for a text field (below).
   A `null` dimension (version 3) is *variable*: every sample has its own
   size there, and the field is stored as described under "Variable fields".
   `descr` is a numpy array-protocol type descriptor as in the `.npy` format
@@ -79,7 +80,12 @@ without raising the format version.
   `[name, descr, shape]` for structured dtypes). `torch_dtype` names a torch
   dtype numpy lacks (`"bfloat16"`); its values are stored as raw bits in an
   unsigned integer of the same width, which is what `dtype` then says. Names
-  are unique and non-empty.
+  are unique and non-empty. A *text* field (version 3) has shape `[null]`,
+  dtype `"|u1"`, no `torch_dtype`, and `text`: each value is one string's
+  UTF-8 encoding (`"str"`) or a byte string (`"bytes"`), which a binding
+  hands back as that Python type. Its bytes are stored and read like any
+  variable `uint8` field's, so a reader that does not know `text` reads
+  them as `uint8` values.
 - `key`: the creator's identity string for the content (`""` if none).
 - `checksum`: the slot checksum algorithm, `"xxh3-64"` (see the slot table).
 - `created`: an object describing the creator (`time` as ISO 8601 UTC,
@@ -115,7 +121,7 @@ or writing samples depends on them.
 | offset | size | content |
 |-------:|-----:|---------|
 | 0 | 4 | pid, uint32: the process that owns (or last owned) the record; 0 if never used |
-| 4 | 4 | zero |
+| 4 | 4 | zero; in record 0, `flags`, uint32 (below) |
 | 8 | 8 | hits, uint64: samples served from the cache |
 | 16 | 8 | misses, uint64: samples asked for that were not cached |
 | 24 | 8 | written, uint64: slots this owner filled |
@@ -123,6 +129,11 @@ or writing samples depends on them.
 - Record 0 belongs to nobody: it holds the sums of the records of owners that
   are gone ("retired"). A process adds to it only while holding an exclusive
   `F_OFD_SETLKW` lock on the byte at record 0's offset.
+- Record 0's `flags` say things about the whole file, set (never cleared)
+  under the same lock. Bit 0, *refuted*: the fields were inferred from a first
+  sample and a process found a sample of the same dataset that does not fit
+  them; the file is useless for that dataset, and a binding MAY remove it
+  (when nobody has it open) and create it anew. Other bits are zero.
 - A process owns record `r >= 1` while it holds an exclusive `F_OFD_SETLK`
   lock on the byte at the record's offset; the kernel drops the lock when the
   process dies. Only the owner changes its record. A process claiming a
@@ -256,7 +267,7 @@ import numpy as np
 
 from . import _checksum
 from ._errors import CacheFormatError
-from ._field import Field
+from ._field import TEXT_KINDS, Field
 
 __all__ = [
     "ALIGNMENT",
@@ -496,7 +507,13 @@ def _metadata_bytes(header: Header) -> bytes:
 
 def _fields_metadata(fields: dict[str, Field]) -> list[dict[str, Any]]:
     return [
-        {"name": name, "shape": list(field.shape), "dtype": _descr(field.dtype), "torch_dtype": field.torch_dtype}
+        {
+            "name": name,
+            "shape": list(field.shape),
+            "dtype": _descr(field.dtype),
+            "torch_dtype": field.torch_dtype,
+            **({"text": field.text} if field.text is not None else {}),
+        }
         for name, field in fields.items()
     ]
 
@@ -688,8 +705,10 @@ def _decode_fields(entries: Any) -> dict[str, Field]:
         name = entry["name"]
         if not isinstance(name, str) or not name or name in fields:
             raise ValueError(f"bad or duplicate field name {name!r}")
-        torch_dtype = entry.get("torch_dtype")
-        dtype: Any = torch_dtype if torch_dtype is not None else _dtype_from_descr(entry["dtype"])
+        torch_dtype, text = entry.get("torch_dtype"), entry.get("text")
+        if text is not None and (text not in TEXT_KINDS or torch_dtype is not None):
+            raise ValueError(f"field {name!r}: text kind {text!r} (expected one of {TEXT_KINDS}, and no torch_dtype)")
+        dtype: Any = text or (torch_dtype if torch_dtype is not None else _dtype_from_descr(entry["dtype"]))
         field = Field(tuple(entry["shape"]), dtype)
         if field.dtype != _dtype_from_descr(entry["dtype"]):
             raise ValueError(f"field {name!r}: dtype {entry['dtype']!r} does not store {torch_dtype}")

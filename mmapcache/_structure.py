@@ -161,11 +161,18 @@ def _container(value: Any, where: str) -> tuple[str, tuple[Any, ...], tuple[Any,
     return None
 
 
-def name_leaves(sample: Any, is_leaf: Callable[[Any], bool], *, supported: str) -> dict[str, Any]:
+def _no_hint(value: Any) -> str:
+    return ""
+
+
+def name_leaves(
+    sample: Any, is_leaf: Callable[[Any], bool], *, supported: str, hint: Callable[[Any], str] = _no_hint
+) -> dict[str, Any]:
     """``{field name: leaf}`` for every leaf of ``sample``, in order (see the module docstring).
 
     TypeError/ValueError naming the first place that is neither a leaf nor a
-    supported container; ``supported`` says what is (for the message).
+    supported container; ``supported`` says what is, and ``hint(value)`` what
+    to do instead (for the message).
     """
     leaves: dict[str, Any] = {}
 
@@ -177,7 +184,7 @@ def name_leaves(sample: Any, is_leaf: Callable[[Any], bool], *, supported: str) 
         container = _container(value, where)
         if container is None or len(path) >= MAX_DEPTH:
             what = "a container nested more than one level" if container else f"{type(value).__name__}"
-            raise TypeError(f"{where}: {what} cannot be cached; supported: {supported}")
+            raise TypeError(f"{where}: {what} cannot be cached{hint(value)}; supported: {supported}")
         kind, keys, values = container
         if not keys:
             raise ValueError(f"{where}: an empty {kind} cannot be cached; supported: {supported}")
@@ -201,21 +208,27 @@ class Structure:
         self.build = _builder(self.tree)
         self._flat = _flattener(self.tree)
 
-    def flatten(self, sample: Any, is_leaf: Callable[[Any], bool], *, supported: str) -> list[Any]:
+    def flatten(
+        self, sample: Any, is_leaf: Callable[[Any], bool], *, supported: str, hint: Callable[[Any], str] = _no_hint
+    ) -> list[Any]:
         """``sample``'s leaves in name order; TypeError/ValueError naming the first part that does not fit."""
         leaves = self._flat(sample)
         if leaves is not None and all(map(is_leaf, leaves)):
             return leaves
-        return self._flatten_slowly(sample, is_leaf, supported)
+        return self._flatten_slowly(sample, is_leaf, supported, hint)
 
-    def _flatten_slowly(self, sample: Any, is_leaf: Callable[[Any], bool], supported: str) -> list[Any]:
+    def _flatten_slowly(
+        self, sample: Any, is_leaf: Callable[[Any], bool], supported: str, hint: Callable[[Any], str]
+    ) -> list[Any]:
         leaves: list[Any] = [None] * len(self.names)
 
         def visit(node: Node, value: Any, path: list[Step]) -> None:
             if isinstance(node, int):
                 if not is_leaf(value):
                     what = type(value).__name__
-                    raise TypeError(f"field {name_of(path)!r}: {what} values cannot be cached; supported: {supported}")
+                    raise TypeError(
+                        f"field {name_of(path)!r}: {what} values cannot be cached{hint(value)}; supported: {supported}"
+                    )
                 leaves[node] = value
                 return
             kind, keys, children = node

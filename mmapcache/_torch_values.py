@@ -30,9 +30,11 @@ __all__ = [
     "as_tensor",
     "check_declared",
     "check_leaf",
+    "convert_leaf",
     "is_leaf",
     "is_raw_bits",
     "leaf_field",
+    "leaf_hint",
     "leaf_shape",
     "tensor_to_numpy",
     "torch_dtype",
@@ -45,7 +47,7 @@ __all__ = [
 _BITS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 
 SUPPORTED = (
-    "a torch.Tensor, a numpy array or scalar, a Python bool/int/float, "
+    "a torch.Tensor, a numpy array or scalar, a Python bool/int/float/str/bytes, "
     "or a tuple/list/dict of those (nested at most one level)"
 )
 
@@ -131,7 +133,7 @@ def _numpy_knows(dtype: torch.dtype) -> bool:
 
 def is_leaf(value: Any) -> bool:
     """Whether ``value`` is one field of a CachedDataset sample (a leaf of its structure)."""
-    return isinstance(value, (torch.Tensor, np.ndarray, np.generic, bool, int, float))
+    return isinstance(value, (torch.Tensor, np.ndarray, np.generic, bool, int, float, str, bytes))
 
 
 def leaf_field(value: Any, name: str) -> Field:
@@ -152,7 +154,23 @@ def leaf_field(value: Any, name: str) -> Field:
         return Field((), np.int64)
     if isinstance(value, float):
         return Field((), np.float64)
-    raise TypeError(f"{where}: {type(value).__name__} values cannot be cached; supported: {SUPPORTED}")
+    if isinstance(value, (str, bytes)):
+        return Field((None,), type(value))
+    kind = type(value).__name__
+    raise TypeError(f"{where}: {kind} values cannot be cached{leaf_hint(value)}; supported: {SUPPORTED}")
+
+
+def leaf_hint(value: Any) -> str:
+    """What to do instead, for the values people most often meet in a sample that cannot be cached."""
+    module = type(value).__module__
+    if module.startswith("PIL."):
+        return (
+            " (a PIL image: convert it with torchvision's PILToTensor() — uint8, 4x smaller than ToTensor()'s "
+            "float32 — or numpy.asarray(image) at the end of the cached part of the pipeline)"
+        )
+    if value is None:
+        return " (None: give the field a value in every sample, e.g. an empty tensor or -1)"
+    return ""
 
 
 @functools.cache
@@ -164,8 +182,40 @@ def _torch_knows(dtype: np.dtype[Any]) -> bool:
     return True
 
 
+def convert_leaf(leaf: Any, field: Field, name: str) -> Any:
+    """A leaf in the storage dtype ``dtypes=`` chose for ``field``, converted only when no value changes.
+
+    ``TypeError`` for a conversion across kinds that cannot hold the values
+    (complex to real), ``ValueError`` naming the first value that does not
+    survive the round trip (300 into uint8, 0.5 into int64, 1e-8 into float16).
+    """
+    target = torch_dtype(field)
+    tensor = leaf.detach().cpu() if isinstance(leaf, torch.Tensor) else torch.as_tensor(np.asarray(leaf))
+    if tensor.dtype == target:
+        return tensor
+    if tensor.is_complex() and not target.is_complex:
+        kind = str(target).removeprefix("torch.")
+        raise TypeError(f"field {name!r}: complex values cannot be stored as {kind} (dtypes= asks for it)")
+    converted = tensor.to(target)
+    back = converted.to(tensor.dtype)
+    same = back == tensor
+    if tensor.is_floating_point() or tensor.is_complex():
+        same |= torch.isnan(back) & torch.isnan(tensor)
+    if not bool(same.all()):
+        first = int(torch.nonzero(~same.reshape(-1))[0])
+        value = tensor.reshape(-1)[first].item()
+        raise ValueError(
+            f"field {name!r}: the value {value!r} cannot be stored as {str(target).removeprefix('torch.')} "
+            f"without changing it (it reads back as {back.reshape(-1)[first].item()!r}); dtypes= may only "
+            "choose a dtype that holds every value exactly — choose a wider one, or convert before the cache"
+        )
+    return converted
+
+
 def leaf_shape(leaf: Any) -> tuple[int, ...]:
-    """The shape of a leaf: a tensor's or array's own, ``()`` for a number."""
+    """The shape of a leaf: a tensor's or array's own, ``()`` for a number, ``(bytes,)`` for text."""
+    if isinstance(leaf, (str, bytes)):
+        return (len(leaf.encode("utf-8", "surrogatepass") if isinstance(leaf, str) else leaf),)
     return tuple(leaf.shape) if isinstance(leaf, (torch.Tensor, np.ndarray, np.generic)) else ()
 
 

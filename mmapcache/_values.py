@@ -27,7 +27,7 @@ import numpy as np
 
 from ._field import Field
 
-__all__ = ["coerce_batch", "coerce_sample", "coerce_value"]
+__all__ = ["coerce_batch", "coerce_sample", "coerce_value", "text_array"]
 
 
 def coerce_sample(sample: Any, fields: dict[str, Field]) -> list[np.ndarray[Any, Any]]:
@@ -83,6 +83,8 @@ def coerce_value(value: Any, field: Field, name: str, *, count: int | None = Non
     A variable field takes any shape with the field's number of dimensions and
     its fixed ones (``count`` is for fixed fields only).
     """
+    if field.text is not None:
+        return text_array(value, field.text, name)
     if _is_tensor(value):
         from ._torch_values import tensor_to_numpy  # torch is loaded already: the value is a tensor
 
@@ -98,6 +100,29 @@ def coerce_value(value: Any, field: Field, name: str, *, count: int | None = Non
     what = "batch" if count is not None else "sample"
     shape = _spelled(field.shape if count is None else (count, *field.shape))
     raise ValueError(f"field {name!r}: expected a {what} of shape {shape}, got shape {array.shape}")
+
+
+def text_array(value: Any, kind: str, name: str) -> np.ndarray[Any, Any]:
+    """A text field's value (``str`` for a str field, bytes-like for a bytes field) as its stored uint8 bytes.
+
+    A 1-D uint8 array is taken as the stored bytes themselves (UTF-8 for a str field).
+    """
+    if kind == "str" and isinstance(value, str):
+        try:
+            return np.frombuffer(value.encode("utf-8"), np.uint8)
+        except UnicodeEncodeError as error:  # a lone surrogate ("\ud800") has no UTF-8 form
+            raise ValueError(f"field {name!r}: the string cannot be encoded as UTF-8 ({error.reason})") from None
+    if kind == "bytes" and isinstance(value, (bytes, bytearray, memoryview)):
+        return np.frombuffer(bytes(value), np.uint8)
+    if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1:  # the stored bytes themselves
+        if kind == "str":
+            try:
+                value.tobytes().decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"field {name!r}: the bytes given for a str value are not UTF-8 ({error})") from None
+        return value
+    want = "a str" if kind == "str" else "bytes (or a bytearray or memoryview)"
+    raise TypeError(f"field {name!r} holds {kind} values: give {want}, not {type(value).__name__}")
 
 
 def _spelled(shape: tuple[int | None, ...]) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 from ._field import Field
 from ._format import PAYLOAD_ALIGNMENT, descriptor_nbytes
 
-__all__ = ["VariableColumn", "shape_bytes", "value_bytes"]
+__all__ = ["VariableColumn", "shape_bytes", "text_value", "texts", "value_bytes"]
 
 _DIM = np.dtype("<u4")
 _OFFSET = np.dtype("<u8")
@@ -34,6 +34,23 @@ _LITTLE = sys.byteorder == "little"
 def value_bytes(dims: np.ndarray[Any, Any], itemsize: int) -> int:
     """Bytes of the values whose descriptors' shapes are the rows of ``dims`` (one uint32 per dimension)."""
     return int(dims.astype(np.int64).prod(axis=1).sum()) * itemsize
+
+
+def text_value(kind: str, value: np.ndarray[Any, Any]) -> str | bytes | None:
+    """A text field's stored bytes as the ``str`` (UTF-8) or ``bytes`` they are; None when they do not decode."""
+    raw = value.tobytes()
+    if kind == "bytes":
+        return raw
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def texts(kind: str, values: list[Any]) -> tuple[list[Any], list[int]]:
+    """:func:`text_value` of each value (``None`` stays ``None``), and the rows that do not decode."""
+    out: list[Any] = [None if value is None else text_value(kind, value) for value in values]
+    return out, [row for row, (a, b) in enumerate(zip(values, out, strict=True)) if a is not None and b is None]
 
 
 def shape_bytes(shape: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np.uint8]]:

@@ -20,7 +20,7 @@ import numpy as np
 from ._boot import BootPage, check_boot, sync_slots
 from ._checksum import checksum
 from ._cold import prefetch_later, readahead_for
-from ._counters import Usage
+from ._counters import REFUTED, Usage
 from ._errors import CacheError, CacheInUseError, CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike, normalize_fields
 from ._file import Expected, NewFile, OpenedFile, creation_lock, open_or_create, read_header
@@ -33,7 +33,7 @@ from ._locks import flock_holders, lock_exclusive_soon
 from ._sizes import parse_bytes
 from ._slots import EMPTY, READY, STRONGLY_ORDERED, SlotTable
 from ._values import coerce_batch, coerce_sample
-from ._variable import VariableColumn, value_bytes
+from ._variable import VariableColumn, text_value, texts, value_bytes
 from ._verify import Problem, failed_rows, intact, intact_parts, slot_problems
 
 __all__ = ["Cache", "Problem"]
@@ -306,6 +306,24 @@ class Cache:
         return self._live().indices
 
     @property
+    def refuted(self) -> bool:
+        """Whether a process found that this file's inferred fields do not fit its dataset (see :meth:`refute`)."""
+        self._live()
+        return bool(self._board.flags() & REFUTED)
+
+    def refute(self) -> None:
+        """Record in the file that its fields, inferred from a first sample, do not fit the dataset.
+
+        For bindings that infer the fields (``CachedDataset`` without
+        ``fields=``): a later run may then remove the file, once nobody has it
+        open, and create it with the right fields. Never undone.
+        """
+        self._live()
+        if self._readonly:
+            raise self._readonly_error("refute()")
+        self._board.set_flag(REFUTED)
+
+    @property
     def readonly(self) -> bool:
         return self._readonly
 
@@ -387,7 +405,10 @@ class Cache:
             if len(entry) == 3:
                 sample[entry[0]] = entry[1][i, ...].copy()
                 continue
-            value = entry[1].copy(i)
+            value: Any = entry[1].copy(i)
+            kind = entry[1].field.text
+            if value is not None and kind is not None:
+                value = text_value(kind, value)  # a text field: str or bytes
             if value is None:
                 self._report_damage(i)
                 return None
@@ -592,6 +613,9 @@ class Cache:
         every = len(rows) == len(idx)  # rows are 0..n-1 in order (get_many, or read_many of all hits)
         for column in mapped.variables:
             values, impossible = column.copy_many(idx if every else idx[rows])
+            if column.field.text is not None:  # a text field: str or bytes
+                values, undecodable = texts(column.field.text, values)
+                impossible = np.union1d(impossible, undecodable).astype(np.intp)
             bad[rows[impossible]] = True
             if every:
                 lists[column.name] = values

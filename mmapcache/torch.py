@@ -37,10 +37,11 @@ import logging
 import os
 import re
 import threading
+import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,26 +60,31 @@ from ._batches import (
     new_batch,
     pad_collate,
 )
-from ._errors import SchemaMismatchError
+from ._errors import CacheError, CacheInUseError, SchemaMismatchError, StaleCacheError
 from ._field import Field, FieldsLike, normalize_fields
-from ._format import indices_digest
+from ._file import remove
+from ._format import indices_digest, slot_nbytes
 from ._paths import default_dir
 from ._sampler import NodeShardSampler
 from ._slots import STRONGLY_ORDERED
 from ._structure import Structure, name_leaves
+from ._testing_compare import difference
 from ._torch_values import (
     SUPPORTED,
     LeafShapeError,
     check_declared,
     check_leaf,
+    convert_leaf,
     is_leaf,
     leaf_field,
+    leaf_hint,
     leaf_shape,
     torch_dtype,
     variable_column,
     write_column,
 )
 from ._values import coerce_value
+from ._variable import text_value
 from .cache import Cache
 
 __all__ = ["CachedDataset", "NodeShardSampler", "Padded", "pad_collate"]
@@ -90,7 +96,7 @@ install_collate()  # default_collate returns adopted batch rows without a second
 
 def infer_fields(sample: Any) -> dict[str, Field]:
     """The cache fields for ``sample``, named by their place in it (see the module docstring)."""
-    leaves = name_leaves(sample, is_leaf, supported=SUPPORTED)
+    leaves = name_leaves(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
     return {name: leaf_field(leaf, name) for name, leaf in leaves.items()}
 
 
@@ -116,9 +122,16 @@ class _Schema:
         self.variable = tuple(field.variable for field in fields.values())
         self.fixed = [name for name, field in fields.items() if not field.variable]
         self.ragged = any(self.variable)
+        self.texts = tuple(field.text for field in fields.values())
 
-    def to_tensor(self, array: np.ndarray[Any, Any], position: int) -> torch.Tensor:
-        """A storage array of the field at ``position`` as a tensor of its torch dtype, sharing memory."""
+    def to_tensor(self, array: Any, position: int) -> Any:
+        """A storage array of the field at ``position`` as a tensor of its torch dtype, sharing memory.
+
+        A text field's value is its ``str``/``bytes`` (decoded here when given as stored bytes).
+        """
+        kind = self.texts[position]
+        if kind is not None:
+            return array if isinstance(array, (str, bytes)) else text_value(kind, array)
         tensor = torch.from_numpy(array)
         dtype = self.dtypes[position]
         return tensor if dtype is None else tensor.view(dtype)
@@ -129,7 +142,7 @@ class _Schema:
 
     def flatten(self, sample: Any) -> list[Any]:
         """``sample``'s leaves in field order; ValueError/TypeError naming the first part that does not fit."""
-        return self.structure.flatten(sample, is_leaf, supported=SUPPORTED)
+        return self.structure.flatten(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
 
 
 # -- the dataset -----------------------------------------------------------------
@@ -218,6 +231,8 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         verify: bool = False,
         fields: FieldsLike | None = None,
         cached_indices: Sequence[int] | np.ndarray[Any, Any] | None = None,
+        dtypes: Mapping[str, Any] | None = None,
+        check: int = 2,
     ) -> None:
         if not isinstance(key, str):
             raise TypeError(f"key must be a string naming the cached content, not {type(key).__name__}")
@@ -231,6 +246,12 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             raise ValueError("give capacity= or max_bytes=, not both")
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, not {type(transform).__name__}")
+        if dtypes is not None and fields is not None:
+            raise ValueError("give dtypes= or fields=, not both: fields= declares every field's dtype already")
+        if isinstance(check, bool) or not isinstance(check, int) or check < 0:
+            raise ValueError(f"check must be a number of samples (0 disables the check), not {check!r}")
+        self.dtypes = None if dtypes is None else _storage_dtypes(dtypes)
+        self.check = check
         self.dataset = dataset
         self.fields = declared
         self.key = key
@@ -251,6 +272,8 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         self._cache: Cache | None = None
         self._schema: _Schema | None = None
         self._checked = False  # a sample from `dataset` was compared with the cache's fields
+        self._deterministic = False  # the dataset gave the same sample twice (checked once per process)
+        self._transform_checked = False  # copy=False: the transform was seen not to write to its input
         self._views: list[torch.Tensor | None] | None = None  # copy=False: tensors over a read-only mapping
         self._readonly: Cache | None = None
         self._lock = threading.Lock()
@@ -274,6 +297,8 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             "verify",
             "fields",
             "cached_indices",
+            "dtypes",
+            "check",
         )
         return {name: self.__dict__[name] for name in keep}
 
@@ -300,43 +325,140 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         return self._cache if self._cache is not None else self._open_existing()
 
     def _open_existing(self) -> Cache | None:
-        """Open the file if it exists (schema from its header); None if nobody created it yet."""
-        with self._lock:
-            if self._cache is None:
-                try:
-                    cache = Cache.open(
-                        self.path,
-                        length=self._cache_length(),
-                        key=self.key,
-                        verify=self.verify,
-                        dataset_indices=self.cached_indices,
-                    )
-                except FileNotFoundError:
-                    return None
-                if self.cached_indices is None and cache.dataset_indices is not None:
-                    cache.close()
-                    raise SchemaMismatchError(
-                        f"the cache at {self.path} (key {self.key!r}) holds {cache.length} chosen indices of a "
-                        "dataset (one node's shard), but this CachedDataset caches the whole dataset. Pass the "
-                        "same cached_indices= as its creator, or use another path or key for the whole dataset",
-                        path=self.path,
-                        differences={"dataset_indices": (None, "an index table")},
-                    )
-                if self.fields is not None and cache.fields != self.fields:
-                    cache.close()
-                    raise SchemaMismatchError(
-                        f"the cache at {self.path} (key {self.key!r}) holds samples with fields "
-                        f"{_describe(cache.fields)}, but fields= declares {_describe(self.fields)}. If the data or "
-                        "its preprocessing changed, change the key; if the old cache is stale, remove it "
-                        f"(`mmapcache rm {self.path}`)",
-                        path=self.path,
-                        differences={"fields": (self.fields, cache.fields)},
-                    )
-                self._adopt(cache, checked=False)
-            return self._cache
+        """Open the file if it exists (schema from its header); None if nobody created it yet.
 
-    def _create(self, fields: dict[str, Field]) -> Cache:
-        """Open the file, creating it with ``fields`` if it is missing."""
+        The first open in a process compares ``check`` cached samples with fresh ones.
+        """
+        with self._lock:
+            if self._cache is not None:
+                return self._cache
+            cache = self._open_file()
+            if cache is None:
+                return None
+            self._check_opened(cache)
+            self._adopt(cache, checked=False)
+        if self.check:
+            self._check_content(cache)
+        return self._cache
+
+    def _open_file(self) -> Cache | None:
+        """The existing file, or None: missing, or refuted (removed here, to be created anew)."""
+        deadline = time.monotonic() + _REFUTED_WAIT
+        while True:
+            try:
+                cache = Cache.open(
+                    self.path,
+                    length=self._cache_length(),
+                    key=self.key,
+                    verify=self.verify,
+                    dataset_indices=self.cached_indices,
+                )
+            except FileNotFoundError:
+                return None
+            if not (cache.refuted and self.fields is None):
+                return cache
+            # A first try created it from a sample whose shapes the rest of the dataset does not share.
+            cache.close()
+            try:
+                remove(self.path)
+            except FileNotFoundError:
+                return None
+            except CacheInUseError as error:
+                if time.monotonic() > deadline:
+                    raise SchemaMismatchError(
+                        f"the cache at {self.path} (key {self.key!r}) was created with fields that do not fit the "
+                        f"dataset (a first try inferred them from one sample), and it is still open in processes "
+                        f"{error.pids}. Stop them (or close their datasets); the next use replaces it",
+                        path=self.path,
+                    ) from None
+                time.sleep(0.05)
+                continue
+            log.warning("removed %s: its fields were found not to fit the dataset; creating it anew", self.path)
+            return None
+
+    def _check_opened(self, cache: Cache) -> None:
+        """An opened file must be what this dataset makes: its shard, its declared fields and dtypes."""
+        problem: tuple[str, dict[str, tuple[Any, Any]]] | None = None
+        if self.cached_indices is None and cache.dataset_indices is not None:
+            problem = (
+                f"holds {cache.length} chosen indices of a dataset (one node's shard), but this CachedDataset "
+                "caches the whole dataset. Pass the same cached_indices= as its creator, or use another path or "
+                "key for the whole dataset",
+                {"dataset_indices": (None, "an index table")},
+            )
+        elif self.fields is not None and cache.fields != self.fields:
+            problem = (
+                f"holds samples with fields {_describe(cache.fields)}, but fields= declares "
+                f"{_describe(self.fields)}. If the data or its preprocessing changed, change the key; if the old "
+                f"cache is stale, remove it (`mmapcache rm {self.path}`)",
+                {"fields": (self.fields, cache.fields)},
+            )
+        elif self.dtypes is not None:
+            wanted = {name: Field((), dtype).dtype_name for name, dtype in self.dtypes.items()}
+            found = {name: cache.fields[name].dtype_name if name in cache.fields else None for name in wanted}
+            if found != wanted:
+                problem = (
+                    f"stores the fields {found}, but dtypes= asks for {wanted}. Change the key for the new "
+                    f"storage dtypes, or remove the old cache (`mmapcache rm {self.path}`)",
+                    {"dtypes": (wanted, found)},
+                )
+        if problem is not None:
+            cache.close()
+            raise SchemaMismatchError(
+                f"the cache at {self.path} (key {self.key!r}) {problem[0]}", path=self.path, differences=problem[1]
+            )
+
+    def _check_content(self, cache: Cache) -> None:
+        """Compare up to ``check`` cached samples with fresh ones from the dataset: a stale cache is refused.
+
+        Costs ``check`` sample loads per process (one more for the first, loaded twice:
+        a dataset that is not deterministic is refused too).
+        """
+        positions = _some_ready(cache, self.check)
+        if not positions:
+            return
+        raw = self._fetch(positions)
+        indices = self._sources(positions)
+        if not self._deterministic:
+            self._check_deterministic(indices[0], raw[0])
+        if not self._checked:
+            try:
+                self._check_schema(raw[0], indices[0])
+            except SchemaMismatchError as error:
+                raise StaleCacheError(
+                    str(error), path=self.path, differences=error.differences, index=indices[0]
+                ) from None
+        schema = self._schema
+        assert schema is not None
+        fresh = self._build(schema, self._columns(schema, positions, raw))
+        read, hits = cache.read_many(np.asarray(positions, np.intp), count=False)
+        for row, (index, sample) in enumerate(zip(indices, fresh, strict=True)):
+            if not hits[row]:
+                continue
+            values = [
+                read[name][row] if schema.variable[k] else read[name][row, ...] for k, name in enumerate(schema.names)
+            ]
+            cached = schema.build([[schema.to_tensor(value, k)] for k, value in enumerate(values)])[0]
+            found = difference(cached, sample)
+            if found is not None:
+                field = _field_of(found)
+                raise StaleCacheError(
+                    f"the cache at {self.path} (key {self.key!r}) is stale: its dataset[{index}] differs from what "
+                    f"the dataset gives now ({found.replace('sample', 'cached sample', 1)}). The data or its "
+                    "preprocessing changed but the key did not: change the key (e.g. add a version: "
+                    f"'{self.key}/v2'), or remove the old cache (`mmapcache rm {self.path}`). "
+                    "CachedDataset(check=0) skips this check",
+                    path=self.path,
+                    index=index,
+                    field=field,
+                    differences={"content": (index, field)},
+                )
+
+    def _create(self, fields: dict[str, Field], text_bytes: int | None = None) -> Cache:
+        """Open the file, creating it with ``fields`` if it is missing.
+
+        ``text_bytes``: room for text values when ``max_bytes`` was not given (see :func:`_text_budget`).
+        """
         with self._lock:
             if self._cache is None:
                 cache = Cache.open(
@@ -345,7 +467,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
                     self._cache_length(),
                     key=self.key,
                     capacity=self.capacity,
-                    max_bytes=self.max_bytes,
+                    max_bytes=self.max_bytes if self.max_bytes is not None else text_bytes,
                     verify=self.verify,
                     dataset_indices=self.cached_indices,
                 )
@@ -402,7 +524,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         if self.fields is not None:
             _check_declared_sample(sample, index, found)
         else:
-            fields = infer_fields(sample)
+            fields = self._inferred(sample, index)
             if fields != found and _misfit(sample, found) is not None:
                 raise SchemaMismatchError(
                     f"the cache at {self.path} (key {self.key!r}) holds samples with fields "
@@ -463,7 +585,11 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             sample = self._load([i], counted=counted)[0]
         else:
             self._hits += 1
-        return sample if self.transform is None else self.transform(sample)
+        if self.transform is None:
+            return sample
+        if not self._transform_checked and self._views is not None:
+            self._check_transform(sample)
+        return self.transform(sample)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The samples at ``indices``: one vectorized read for the hits, one batch write for the misses.
@@ -491,8 +617,32 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             samples = self._read_views(cache, idx)
         if self.transform is not None:
             transform = self.transform
+            if not self._transform_checked and self._views is not None:
+                self._check_transform(samples[0])
             samples = [transform(sample) for sample in samples]
         return samples
+
+    def _check_transform(self, sample: Any) -> None:
+        """``copy=False``: run the transform once on a writable copy; one that writes to its input is refused.
+
+        Zero-copy samples are read-only views of the shared file: an in-place
+        transform would crash the process with SIGSEGV. torch's version counters
+        tell whether the transform wrote to any tensor of the sample.
+        """
+        assert self.transform is not None
+        copy = _clone(sample)
+        tensors = [leaf for leaf in _tensors(copy)]
+        versions = [t._version for t in tensors]
+        self.transform(copy)
+        written = [k for k, (t, v) in enumerate(zip(tensors, versions, strict=True)) if t._version != v]
+        if written:
+            raise ValueError(
+                f"transform {self.transform!r} writes to its input in place (e.g. Normalize(inplace=True), "
+                "tensor.mul_(), x[...] = ...), but with copy=False the samples are read-only views of the shared "
+                "cache file: the write would kill the process with SIGSEGV. Use CachedDataset(..., copy=True) "
+                "(the default), or make the transform out of place (e.g. Normalize(inplace=False))"
+            )
+        self._transform_checked = True
 
     def _uncached(self, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
         """Samples of indices outside ``cached_indices``: from the dataset, as a cached read returns them."""
@@ -617,10 +767,28 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         ``counted``: the cache already counted these misses in the file.
         """
         self._misses += len(indices)
-        samples = self._store(indices, self._fetch(indices))
+        raw = self._fetch(indices)
+        if not self._deterministic:
+            self._check_deterministic(self._sources(indices[:1])[0], raw[0])
+        samples = self._store(indices, raw)
         if not counted and self._cache is not None:
             self._cache.count(misses=len(indices))
         return samples
+
+    def _check_deterministic(self, index: int, sample: Any) -> None:
+        """The first miss of a process loads its sample twice: a random dataset must not be frozen in the cache."""
+        again = self._fetch_indices([index])[0]
+        found = difference(again, sample)
+        if found is not None:
+            raise CacheError(
+                f"the dataset is not deterministic: dataset[{index}] gave two different samples when loaded twice "
+                f"({found.replace('sample', 'the second', 1)}). A cache would freeze one of them forever (one "
+                "random augmentation per sample). Move random augmentation into CachedDataset(..., transform=...), "
+                "which runs after the cache on every access, and keep only the deterministic part (decode, resize, "
+                "tokenize) in the wrapped dataset",
+                path=self.path,
+            )
+        self._deterministic = True
 
     def _store(self, indices: list[int], raw: list[Any]) -> list[Any]:
         cache = self._opened()
@@ -630,7 +798,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             fields = self._first_fields(raw[0], self._sources(indices[:1])[0])
             schema = _Schema(fields, self.path)
             columns = self._columns(schema, indices, raw)
-            cache = self._create(fields)
+            cache = self._create(fields, _text_budget(schema, columns, self._cache_length()))
             assert self._schema is not None
             if self._schema.names != schema.names:  # another process created it, its fields in another order
                 schema = self._schema
@@ -658,12 +826,30 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         )
 
     def _first_fields(self, sample: Any, index: int) -> dict[str, Field]:
-        """The fields to create the file with: ``fields=`` (checked against ``sample``) or ``sample``'s own."""
+        """The fields to create the file with: ``fields=`` (checked against ``sample``) or ``sample``'s own.
+
+        ``dtypes=`` sets the storage dtype of the fields it names.
+        """
         if self.fields is None:
-            return infer_fields(sample)
+            return self._inferred(sample, index)
         _check_declared_sample(sample, index, self.fields)
-        order = name_leaves(sample, is_leaf, supported=SUPPORTED)  # the sample's order (dict keys keep theirs)
+        # The sample's order (dict keys keep theirs).
+        order = name_leaves(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
         return {name: self.fields[name] for name in order}
+
+    def _inferred(self, sample: Any, index: int) -> dict[str, Field]:
+        """``sample``'s own fields, with the storage dtypes ``dtypes=`` sets."""
+        fields = infer_fields(sample)
+        for name, dtype in (self.dtypes or {}).items():
+            if name not in fields:
+                raise ValueError(
+                    f"dtypes= names the field {name!r}, but dataset[{index}] has the fields {list(fields)} "
+                    "(named by their place in the sample: see mmapcache.torch)"
+                )
+            if fields[name].text is not None:
+                raise TypeError(f"dtypes= gives field {name!r} a dtype, but it holds {fields[name].text} values")
+            fields[name] = Field(fields[name].shape, dtype)
+        return fields
 
     def _columns(self, schema: _Schema, indices: list[int], raw: list[Any], *, positions: bool = True) -> list[Any]:
         """The batch ``put_many`` stores: per field, the rows stacked (fixed) or a list of arrays (variable).
@@ -680,6 +866,11 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             try:
                 leaves = schema.flatten(sample)
                 for column, leaf, (name, field) in zip(columns, leaves, fields, strict=True):
+                    if self.dtypes is not None and name in self.dtypes:
+                        try:
+                            leaf = convert_leaf(leaf, field, name)
+                        except (TypeError, ValueError) as error:
+                            raise _ConversionError(type(error), f"dataset[{index}]: {error}") from None
                     if isinstance(leaf, (torch.Tensor, np.ndarray, np.generic)):
                         column.append(check_leaf(leaf, field, name))
                     else:
@@ -688,6 +879,8 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
                 if self.fields is not None:
                     raise ValueError(f"dataset[{index}]: {error}, which fields= declares") from None
                 raise ValueError(self._varying_shapes(schema, index, error, raw)) from None
+            except _ConversionError as error:
+                raise error.kind(error.message) from None
             except (TypeError, ValueError) as error:
                 origin = "as fields= declares" if self.fields is not None else "from the first sample"
                 raise type(error)(
@@ -699,6 +892,24 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             for column, (_, field) in zip(columns, fields, strict=True)
         ]
 
+    def _refute(self) -> str:
+        """Mark the file as not fitting the dataset, and remove it now if nobody else has it open; say which."""
+        cache = self._cache
+        if cache is None or cache.readonly:
+            return f"remove it (`mmapcache rm {self.path}`) before the next try."
+        cache.refute()
+        self.close()
+        try:
+            remove(self.path)
+        except CacheInUseError:
+            return (
+                "it is marked as not fitting the dataset, and the next try replaces it once the processes using "
+                "it now have let go (nothing to remove by hand)."
+            )
+        except FileNotFoundError:
+            pass
+        return "it was removed, so the next try starts afresh."
+
     def _varying_shapes(self, schema: _Schema, index: int, error: LeafShapeError, raw: list[Any]) -> str:
         """The message for a sample whose shape differs from the first one's, when ``fields=`` was not given."""
         name, shape, field = error.name, error.shape, error.field
@@ -706,10 +917,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             where, exists = f"the first sample's is {field.shape}", ""
         else:
             where = f"the cache's field has the fixed shape {field.shape}"
-            exists = (
-                f" The cache at {self.path} exists already, with fixed shapes: remove it first "
-                f"(`mmapcache rm {self.path}`)."
-            )
+            exists = f" The cache at {self.path} was made with fixed shapes: {self._refute()}"
         if len(shape) != len(field.shape):
             return (
                 f"dataset[{index}]: field {name!r} has shape {shape}, but {where}: a field has a fixed number of "
@@ -958,6 +1166,83 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
 _LOADING: weakref.WeakValueDictionary[str, CachedDataset] = weakref.WeakValueDictionary()
 
 
+class _ConversionError(Exception):
+    """A leaf that ``dtypes=`` cannot convert without loss: the error to raise (its message is complete)."""
+
+    def __init__(self, kind: type[Exception], message: str) -> None:
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+
+_REFUTED_WAIT = 10.0  # seconds to wait for the holders of a refuted file to let go
+
+
+def _clone(sample: Any) -> Any:
+    """``sample`` with every tensor cloned (writable), its structure kept."""
+    if isinstance(sample, torch.Tensor):
+        return sample.clone()
+    if isinstance(sample, dict):
+        return {key: _clone(value) for key, value in sample.items()}
+    if isinstance(sample, (tuple, list)):
+        return type(sample)(_clone(value) for value in sample)
+    return sample
+
+
+def _tensors(sample: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``sample``."""
+    if isinstance(sample, torch.Tensor):
+        yield sample
+    elif isinstance(sample, dict):
+        for value in sample.values():
+            yield from _tensors(value)
+    elif isinstance(sample, (tuple, list)):
+        for value in sample:
+            yield from _tensors(value)
+
+
+def _some_ready(cache: Cache, count: int) -> list[int]:
+    """Up to ``count`` READY positions, spread at random over the file (this process's own draw)."""
+    probe = np.random.default_rng().choice(cache.length, size=min(cache.length, 16 * count), replace=False)
+    ready = probe[cache.contains_many(probe)]
+    return sorted(int(i) for i in ready[:count])
+
+
+def _field_of(found: str) -> str | None:
+    """The field a :func:`difference` message names (``sample[0]`` -> ``"0"``), if it names one."""
+    match = re.match(r"sample((?:\[[^\]]*\])*)", found)
+    parts = re.findall(r"\[([^\]]*)\]", match.group(1)) if match else []
+    return "/".join(part.strip("'\"") for part in parts) or None
+
+
+def _storage_dtypes(dtypes: Mapping[str, Any]) -> dict[str, Any]:
+    """``dtypes=`` checked: field names to dtypes numpy or torch understand (kept as given, for pickling)."""
+    if not isinstance(dtypes, Mapping):
+        raise TypeError(
+            f"dtypes must map field names to dtypes, e.g. {{'0': torch.uint8}}, not {type(dtypes).__name__}"
+        )
+    for name, dtype in dtypes.items():
+        if not isinstance(name, str):
+            raise TypeError(f"dtypes= keys are field names (strings such as '0' or 'image'), not {name!r}")
+        field = Field((), dtype)
+        check_declared(field, name)
+    return dict(dtypes)
+
+
+def _text_budget(schema: _Schema, columns: list[Any], length: int) -> int | None:
+    """Bytes for a new file whose only variable fields are text and which got no ``max_bytes``.
+
+    The fixed parts of every slot, plus room for text values twice the mean size of the
+    first batch's (each value padded to 16 bytes), and 1 MiB: text found longer later may not
+    fit, and such samples are served uncached rather than failing.
+    """
+    variable = [k for k, v in enumerate(schema.variable) if v]
+    if not variable or any(schema.texts[k] is None for k in variable):
+        return None
+    count = max(len(columns[variable[0]]), 1)
+    mean = sum(len(value) + 16 for k in variable for value in columns[k]) / count
+    return length * slot_nbytes(schema.fields) + int(2 * mean * length) + 2**20
+
+
 def _index_set(indices: Any, length: int) -> np.ndarray[Any, np.dtype[np.int64]]:
     """``cached_indices`` checked against the dataset's length: sorted, without repeats."""
     given = np.asarray(indices)
@@ -1050,7 +1335,7 @@ def _declared_fields(fields: FieldsLike) -> dict[str, Field]:
 def _misfit(sample: Any, fields: Mapping[str, Field]) -> tuple[type[Exception], str] | None:
     """Why ``sample`` does not fit ``fields`` (an error type and a message naming the field), or None."""
     try:
-        leaves = name_leaves(sample, is_leaf, supported=SUPPORTED)
+        leaves = name_leaves(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
     except (TypeError, ValueError) as error:
         return type(error), str(error)
     if list(leaves) != list(fields) and set(leaves) != set(fields):

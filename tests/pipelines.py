@@ -1,0 +1,79 @@
+"""Datasets for tests/test_pipelines.py, importable by spawned DataLoader workers and child processes.
+
+Each is deterministic unless it says otherwise; ``version``/``size`` parameters stand for a change in
+the data or its preprocessing between two runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+
+class Texts(Dataset[Any]):
+    """Samples with a str and a bytes leaf (a Hugging Face row with a text and a path column)."""
+
+    def __init__(self, n: int = 40, long_after: int | None = None) -> None:
+        self.n, self.long_after = n, long_after
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        repeat = 2000 if self.long_after is not None and i >= self.long_after else 1
+        text = f"sample {i}: héllo wörld ✓ " * (i % 5 + 1) * repeat
+        return {"text": text, "path": f"/data/{i:05d}.jpg".encode(), "label": i % 7, "ids": torch.arange(3) + i}
+
+
+class Pixels(Dataset[Any]):
+    """int64 "pixels" (as Hugging Face datasets upcasts uint8) of ``size`` x ``size``, plus a label."""
+
+    def __init__(self, n: int = 24, size: int = 8, version: int = 0, top: int = 255) -> None:
+        self.n, self.size, self.version, self.top = n, size, version, top
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        g = torch.Generator().manual_seed(i * 7919 + self.version)
+        pixels = torch.randint(0, self.top + 1, (3, self.size, self.size), generator=g, dtype=torch.int64)
+        return pixels, i % 10
+
+
+class Random(Dataset[Any]):
+    """Random augmentation left in ``__getitem__``: a different sample each time."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.rand(4) + i
+
+
+class Unresized(Dataset[Any]):
+    """Images at their own size, like a pipeline that forgot to resize; ``resize`` fixes it."""
+
+    def __init__(self, resize: bool = False, n: int = 12) -> None:
+        self.resize, self.n = resize, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        height = 6 if self.resize or i < self.n // 2 else 6 + i
+        return torch.full((3, height, 6), i, dtype=torch.uint8)
+
+
+def normalize_in_place(sample: Any) -> Any:
+    """An in-place transform (like Normalize(inplace=True))."""
+    image, label = sample
+    image.sub_(1)
+    return image, label
+
+
+def normalize(sample: Any) -> Any:
+    """The same, out of place."""
+    image, label = sample
+    return image - 1, label
