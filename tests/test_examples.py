@@ -19,6 +19,8 @@ CASES = {
     "property_test_concurrent.py": ["--examples", "3", "--steps", "10"],
     "text_tokens.py": ["--count", "300", "--batch-size", "16", "--workers", "1"],
     "detection_boxes.py": ["--count", "60", "--max-side", "48", "--batch-size", "8", "--workers", "1"],
+    "recipe_torchvision.py": ["--count", "120", "--short-side", "48", "--crop", "32", "--workers", "2"],
+    "recipe_lightning.py": ["--length", "256", "--devices", "2", "--workers", "1", "--epochs", "1"],
 }
 
 
