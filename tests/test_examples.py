@@ -20,7 +20,9 @@ CASES = {
     "text_tokens.py": ["--count", "300", "--batch-size", "16", "--workers", "1"],
     "detection_boxes.py": ["--count", "60", "--max-side", "48", "--batch-size", "8", "--workers", "1"],
     "recipe_torchvision.py": ["--count", "120", "--short-side", "48", "--crop", "32", "--workers", "2"],
+    "recipe_hf_datasets.py": ["--count", "120", "--side", "16", "--workers", "2"],
     "recipe_lightning.py": ["--length", "256", "--devices", "2", "--workers", "1", "--epochs", "1"],
+    "recipe_from_stocaching.py": ["--length", "300", "--workers", "2"],
 }
 
 
