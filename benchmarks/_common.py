@@ -31,6 +31,7 @@ __all__ = [
     "HERE",
     "RESULTS",
     "add_json_arg",
+    "bench_parser",
     "fmt_bytes",
     "machine_info",
     "meminfo",
@@ -259,6 +260,20 @@ def filesystems(paths: Sequence[str]) -> dict[str, dict[str, Any]]:
             "free_gib": round(st.f_bavail * st.f_frsize / 2**30, 1),
         }
     return found
+
+
+def bench_parser(doc: str, *, quick: str, rounds: tuple[int, int]) -> argparse.ArgumentParser:
+    """The options every benchmark on temporary files takes: ``--quick``, ``--json``, ``--rounds``, ``--dir``.
+
+    ``doc`` is the script's docstring (its first paragraph describes it), ``quick``
+    what ``--quick`` does, ``rounds`` the default rounds of the full and the quick run.
+    """
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=quick)
+    add_json_arg(parser)
+    parser.add_argument("--rounds", type=int, help=f"interleaved rounds (default {rounds[0]}, quick {rounds[1]})")
+    parser.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="where the temporary files go")
+    return parser
 
 
 def write_results(name: str, payload: dict[str, Any], *, quick: bool, path: Path | None = None) -> Path:

@@ -27,6 +27,7 @@ BATCH_READS = [
     "mmapcache get_many(out=)",
     "stocaching stack(get_slot)",
     "tensordict mmt[idx]",
+    "tensordict index_select(mmt)",
     "np.memmap[idx]",
 ]
 SAMPLE_READS = ["mmapcache get", "stocaching get_slot(i).clone()", "tensordict mmt[i].clone()", "np.array(memmap[i])"]
@@ -46,7 +47,7 @@ def _colour(name: str) -> str:
 
 
 def _style(name: str) -> dict[str, Any]:
-    if name.startswith("mmapcache") and ("out=" in name or name.endswith(" put")):
+    if "out=" in name or name.endswith(" put") or "index_select" in name:
         return {"linestyle": ":", "marker": "s"}
     if _colour(name) == LIMIT:
         return {"linestyle": "-." if name.startswith("memcpy") else "--", "marker": None}
@@ -186,8 +187,9 @@ def plot_open(scale: Results, out: Path) -> Path:
         med = [r[name]["us"]["median"] for r in rows]
         low = [m - r[name]["us"]["q1"] for m, r in zip(med, rows, strict=True)]
         high = [r[name]["us"]["q3"] - m for m, r in zip(med, rows, strict=True)]
-        colour = COLOURS["mmapcache"] if name.startswith("Cache") else _colour(name)
-        style = _style("os" if name.startswith("os.") else name)
+        ours = name.startswith("Cache")
+        colour = COLOURS["mmapcache"] if ours else _colour(name)
+        style = {"linestyle": "-", "marker": "o"} if ours else _style("limit" if name.startswith("os.") else name)
         ax.errorbar(sizes, med, yerr=[low, high], label=name, color=colour, capsize=2, **style)
     _size_axis(ax, sizes)
     ax.set_yscale("log")
@@ -200,64 +202,66 @@ def plot_open(scale: Results, out: Path) -> Path:
 
 def plot_readers(scale: Results, out: Path) -> Path:
     readers = scale["readers"]
-    names = ["mmapcache get_many", "np.take on a raw mapping"]
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    width = 0.38
-    for k, procs in enumerate((1, 2)):
-        key = f"gb_per_s_x{procs}"
-        med = [readers[n][key]["median"] for n in names]
-        err = [
-            [m - readers[n][key]["q1"] for m, n in zip(med, names, strict=True)],
-            [readers[n][key]["q3"] - m for m, n in zip(med, names, strict=True)],
-        ]
-        xs = [i + (k - 0.5) * width for i in range(len(names))]
-        colours = [COLOURS["mmapcache"] if n.startswith("mmapcache") else LIMIT for n in names]
-        ax.bar(xs, med, width, yerr=err, color=colours, alpha=0.55 if procs == 1 else 1.0, capsize=3)
-        for x, m in zip(xs, med, strict=True):
-            ax.annotate(f"{procs} proc", (x, m), ha="center", va="bottom", fontsize=8)
-    for i, n in enumerate(names):
-        s = readers[n]["scaling_2_vs_1"]
-        ax.annotate(f"2/1: {s['median']:.2f}x", (i, 0), xytext=(0, -28), textcoords="offset points", ha="center")
-    ax.set_xticks(range(len(names)), names)
+    labels, values, errors = [], [], []
+    for name in ("mmapcache get_many", "np.take on a raw mapping"):
+        for procs in (1, 2):
+            s = readers[name][f"gb_per_s_x{procs}"]
+            scaling = f"\n2/1: {readers[name]['scaling_2_vs_1']['median']:.2f}x" if procs == 2 else ""
+            labels.append(f"{name}\n{procs} process{'es' if procs > 1 else ''}{scaling}")
+            values.append(s["median"])
+            errors.append((s["q1"], s["q3"]))
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    _bars(ax, labels, values, errors)
+    ax.set_xticks(range(len(labels)), labels, rotation=0, ha="center", fontsize=7)
     ax.set_ylabel("aggregate GB/s (12 KB samples, 256 a call)")
     return _save(fig, out / "readers.png", "One reader process vs two on the same file")
 
 
 def plot_cold(cold: Results, out: Path) -> Path | None:
-    """Cold-read throughput vs the device, from bench_cold's JSON: every ``*gb_per_s*`` series it reports."""
-    series = _cold_series(cold)
-    if not series:
+    """Cold-read (and fill) throughput of a disk-backed cache next to what the device does, from bench_cold."""
+    bars = [bar for section in ("get_many", "loader", "fill") for bar in _cold_bars(cold.get(section, {}), section)]
+    if not bars:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    labels = list(series)
-    values = [series[k] for k in labels]
-    colours = [COLOURS["mmapcache"] if "mmapcache" in k or "cache" in k else LIMIT for k in labels]
-    ax.barh(range(len(values)), values, color=colours)
-    ax.set_yticks(range(len(values)), labels, fontsize=8)
+    fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(bars) + 1.5))
+    labels = [b[0] for b in bars]
+    med = [b[1] for b in bars]
+    err = [[m - b[2][0] for m, b in zip(med, bars, strict=True)], [b[2][1] - m for m, b in zip(med, bars, strict=True)]]
+    colours = [_cold_colour(label) for label in labels]
+    ax.barh(range(len(bars)), med, xerr=err, color=colours, capsize=3)
+    ax.set_yticks(range(len(bars)), labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("GB/s (median)")
-    return _save(fig, out / "cold.png", "Cold reads from a disk-backed cache vs the device")
+    ax.set_xscale("log")
+    ax.set_xlabel("MB/s (log; median, bars: quartiles of the rounds)")
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    where = cold.get("machine", {}).get("filesystems", {}).get("/var/tmp", {})
+    device = f" ({where.get('device')}, {where.get('type')})" if where else ""
+    return _save(fig, out / "cold.png", f"Cold reads from a cache on disk{device} vs the device")
 
 
-def _cold_series(cold: Results, prefix: str = "") -> dict[str, float]:
-    """Flatten bench_cold's results into ``{label: GB/s}`` (keys containing ``gb_per_s``; medians of spreads)."""
-    found: dict[str, float] = {}
-    for key, value in cold.items():
-        label = f"{prefix}{key}"
-        if key in ("machine",):
-            continue
-        if isinstance(value, dict):
-            if "gb_per_s" in key and "median" in value:
-                found[label] = float(value["median"])
-            else:
-                found.update(_cold_series(value, f"{label} / "))
-        elif isinstance(value, (int, float)) and "gb_per_s" in key:
-            found[label] = float(value)
-        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            for i, item in enumerate(value):
-                name = item.get("name") or item.get("variant") or item.get("label") or str(i)
-                found.update(_cold_series(item, f"{label}[{name}] / "))
-    return found
+def _cold_colour(label: str) -> str:
+    if "preadv" in label or "sequential" in label:
+        return LIMIT
+    if "no hints" in label or "old path" in label:
+        return "#9dbce8"
+    return COLOURS["mmapcache"]
+
+
+def _cold_bars(section: Results, name: str) -> list[tuple[str, float, tuple[float, float]]]:
+    """(label, median MB/s, quartiles) per variant of one bench_cold section; quartiles from its raw seconds.
+
+    A variant moves the same bytes every round, so its MB/s in a round is
+    (median MB/s x median seconds) / seconds.
+    """
+    bars = []
+    raw = section.get("raw_seconds", {})
+    for variant, mbs in section.get("MB/s", {}).items():
+        ts = raw.get(variant)
+        if ts:
+            q1, q2, q3 = _quartiles(ts)
+            bars.append((f"{name}: {variant}", mbs, (mbs * q2 / q3, mbs * q2 / q1)))
+        else:
+            bars.append((f"{name}: {variant}", mbs, (mbs, mbs)))
+    return bars
 
 
 PLOTS: dict[str, list[Callable[[Results, Path], Path | None]]] = {

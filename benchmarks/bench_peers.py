@@ -5,7 +5,7 @@ For each sample size (64 B ... 1 MiB of uint8, one row per sample), in interleav
 * **hit path** — a batch of random indices read by ``Cache.get_many``, by
   ``get_many(out=)`` into one reused buffer, by fancy indexing of an
   ``np.memmap`` of a raw file, by indexing a tensordict ``MemoryMappedTensor``
-  and by stocaching as ``DataLoader`` uses it (``get_slot`` per sample, then
+  (``mmt[idx]``, and ``torch.index_select``) and by stocaching as ``DataLoader`` uses it (``get_slot`` per sample, then
   ``torch.stack``); and the same indices one sample at a time (``Cache.get``,
   ``np.array(memmap[i])``, ``mmt[i].clone()``, ``get_slot(i).clone()``). The
   limits: ``np.take`` on an in-RAM array (allocating its output, as every
@@ -37,6 +37,7 @@ import contextlib
 import io
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -48,7 +49,7 @@ from typing import Any
 import numpy as np
 from _child import Child, reply
 from _common import (
-    add_json_arg,
+    bench_parser,
     fmt_bytes,
     index_sets,
     machine_info,
@@ -133,16 +134,34 @@ def limit_variants(ram: np.ndarray[Any, Any], batch: int) -> dict[str, Variant]:
     }
 
 
-def ram_filler(plan: Plan) -> Filler:
+def assigning_filler(
+    plan: Plan, create: Callable[[], Any], dispose: Callable[[], None] = lambda: None, *, tensors: bool = False
+) -> Filler:
+    """A fill that creates its container, assigns it chunk by chunk (``target[idx] = rows``), then disposes of it.
+
+    Creating is timed, disposing is not; ``tensors`` hands the chunks over as torch tensors.
+    """
+
     def fill(r: int) -> float:
-        chunks = plan.fill_chunks(r)
+        chunks: list[tuple[Any, Any]] = plan.fill_chunks(r)
+        if tensors:
+            import torch
+
+            chunks = [(torch.from_numpy(idx), torch.from_numpy(rows)) for idx, rows in chunks]
         start = time.perf_counter()
-        a = np.empty((plan.fill_rows, plan.row), np.uint8)
+        target = create()
         for idx, rows in chunks:
-            a[idx] = rows
-        return (time.perf_counter() - start) / plan.fill_rows
+            target[idx] = rows
+        seconds = time.perf_counter() - start
+        del target
+        dispose()
+        return seconds / plan.fill_rows
 
     return fill
+
+
+def ram_filler(plan: Plan) -> Filler:
+    return assigning_filler(plan, lambda: np.empty((plan.fill_rows, plan.row), np.uint8))
 
 
 # -- the parent's containers ------------------------------------------------------------
@@ -203,6 +222,8 @@ def parent_variants(s: Stores, plan: Plan) -> dict[str, Variant]:
         import torch
 
         variants["tensordict mmt[idx]"] = lambda x: mmt[torch.from_numpy(x[0])]
+        # torch's advanced indexing copies a uint8 row element by element; index_select copies rows.
+        variants["tensordict index_select(mmt)"] = lambda x: torch.index_select(mmt, 0, torch.from_numpy(x[0]))
         variants["tensordict mmt[i].clone()"] = per_sample(lambda i: mmt[i].clone())
     return {**variants, **limit_variants(s.ram, plan.batch)}
 
@@ -232,17 +253,6 @@ def parent_fillers(plan: Plan, directory: Path, with_tensordict: bool) -> dict[s
 
         return fill
 
-    def memmap_fill(r: int) -> float:
-        chunks = plan.fill_chunks(r)
-        start = time.perf_counter()
-        mm = np.memmap(path, np.uint8, "w+", shape=(plan.fill_rows, plan.row))
-        for idx, rows in chunks:
-            mm[idx] = rows
-        seconds = time.perf_counter() - start
-        del mm
-        path.unlink()
-        return seconds / plan.fill_rows
-
     def cache_create(r: int) -> float:  # the part of both fills above that is creating the file
         start = time.perf_counter()
         Cache.open(path, fields, length=plan.fill_rows).close()
@@ -254,24 +264,18 @@ def parent_fillers(plan: Plan, directory: Path, with_tensordict: bool) -> dict[s
         "mmapcache put_many": cache_fill(per_row=False),
         "mmapcache create only": cache_create,
         "mmapcache put": cache_fill(per_row=True),
-        "np.memmap[idx] = rows": memmap_fill,
+        "np.memmap[idx] = rows": assigning_filler(
+            plan, lambda: np.memmap(path, np.uint8, "w+", shape=(plan.fill_rows, plan.row)), path.unlink
+        ),
     }
     if with_tensordict:
         import torch
         from tensordict import MemoryMappedTensor
 
-        def tensordict_fill(r: int) -> float:
-            chunks = [(torch.from_numpy(i), torch.from_numpy(rows)) for i, rows in plan.fill_chunks(r)]
-            start = time.perf_counter()
-            t = MemoryMappedTensor.empty((plan.fill_rows, plan.row), dtype=torch.uint8, filename=str(path))
-            for idx, rows in chunks:
-                t[idx] = rows
-            seconds = time.perf_counter() - start
-            del t
-            path.unlink()
-            return seconds / plan.fill_rows
+        def mmt() -> Any:
+            return MemoryMappedTensor.empty((plan.fill_rows, plan.row), dtype=torch.uint8, filename=str(path))
 
-        fillers["tensordict mmt[idx] = rows"] = tensordict_fill
+        fillers["tensordict mmt[idx] = rows"] = assigning_filler(plan, mmt, path.unlink, tensors=True)
     return {**fillers, EMPTY: ram_filler(plan)}
 
 
@@ -437,17 +441,14 @@ def start_child(python: str) -> Child | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 sizes, small data, 3 rounds (a smoke test)")
-    add_json_arg(parser)
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 11, quick 3)")
+    parser = bench_parser(__doc__, quick="3 sizes, small data, 3 rounds (a smoke test)", rounds=(11, 3))
     parser.add_argument("--sizes", help="sample sizes in bytes, comma separated (default 64 B ... 1 MiB)")
-    parser.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="where the temporary files go")
     parser.add_argument("--stocaching-python", default=str(STOCACHING_PYTHON), help="python of the stocaching venv")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         return serve()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERM runs the cleanup below too
     quick: bool = args.quick
     rounds = args.rounds or (3 if quick else 11)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (QUICK_SIZES if quick else SIZES)

@@ -24,7 +24,6 @@ Results go to ``benchmarks/results/bench_protocol[-quick].json``.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import add_json_arg, index_sets, machine_info, ratio, ratio_of_mins, run_interleaved, table, write_results
+from _common import bench_parser, index_sets, machine_info, ratio, ratio_of_mins, run_interleaved, table, write_results
 
 import mmapcache
 from mmapcache import Cache, Field
@@ -281,11 +280,7 @@ def print_rows(title: str, rows: list[dict[str, Any]], baselines: list[str]) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="few rounds (< 1 minute)")
-    add_json_arg(parser)
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 15, quick 5)")
-    parser.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="where the temporary cache goes")
+    parser = bench_parser(__doc__, quick="few rounds (< 1 minute)", rounds=(15, 5))
     args = parser.parse_args()
     quick: bool = args.quick
     rounds = args.rounds or (5 if quick else 15)

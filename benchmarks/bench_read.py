@@ -24,7 +24,6 @@ Results go to ``benchmarks/results/bench_read[-quick].json``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import mmap
 import os
@@ -37,7 +36,7 @@ from typing import Any
 
 import numpy as np
 from _common import (
-    add_json_arg,
+    bench_parser,
     fmt_bytes,
     index_sets,
     machine_info,
@@ -346,11 +345,7 @@ def print_rows(title: str, rows: list[dict[str, Any]], baseline: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small data, few rounds (< 1 minute)")
-    add_json_arg(parser)
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 21, quick 5)")
-    parser.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="where the temporary files go")
+    parser = bench_parser(__doc__, quick="small data, few rounds (< 1 minute)", rounds=(21, 5))
     args = parser.parse_args()
     quick: bool = args.quick
     rounds = args.rounds or (5 if quick else 21)

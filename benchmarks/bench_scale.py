@@ -20,11 +20,12 @@ Results go to ``benchmarks/results/bench_scale[-quick].json``.
 
 from __future__ import annotations
 
-import argparse
 import mmap
 import multiprocessing
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from typing import Any
 
 import numpy as np
 from _common import (
-    add_json_arg,
+    bench_parser,
     fmt_bytes,
     index_sets,
     machine_info,
@@ -253,12 +254,9 @@ def _fmt(s: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small data, sizes up to 512 MiB, 3 rounds")
-    add_json_arg(parser)
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 11, quick 3)")
-    parser.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="where the temporary files go")
+    parser = bench_parser(__doc__, quick="small data, sizes up to 512 MiB, 3 rounds", rounds=(11, 3))
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERM runs the cleanup below too
     quick: bool = args.quick
     rounds = args.rounds or (3 if quick else 11)
     info = machine_info()

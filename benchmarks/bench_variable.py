@@ -24,7 +24,6 @@ Results go to ``benchmarks/results/bench_variable[-quick].json``.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import shutil
 import statistics
@@ -37,7 +36,7 @@ from typing import Any
 
 import numpy as np
 from _common import (
-    add_json_arg,
+    bench_parser,
     fmt_bytes,
     index_sets,
     machine_info,
@@ -395,11 +394,7 @@ def spread(values: list[float]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small data, few rounds (< 1 minute)")
-    add_json_arg(parser)
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 15, quick 3)")
-    parser.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="where the temporary files go")
+    parser = bench_parser(__doc__, quick="small data, few rounds (< 1 minute)", rounds=(15, 3))
     args = parser.parse_args()
     quick: bool = args.quick
     rounds = args.rounds or (3 if quick else 15)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -99,7 +100,13 @@ def run_step(step: Step, quick: bool, results: Path) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     print(f"\n=== {step.name} {' '.join(argv)}", flush=True)
     start = time.perf_counter()
-    code = subprocess.run([sys.executable, str(step.script), *argv], cwd=REPO, env=env, check=False).returncode
+    proc = subprocess.Popen([sys.executable, str(step.script), *argv], cwd=REPO, env=env)
+    try:
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:  # interrupted: let the benchmark remove its files, as on its own SIGTERM
+            proc.terminate()
+            proc.wait()
     seconds = time.perf_counter() - start
     print(f"=== {step.name}: {'ok' if code == 0 else f'FAILED (exit {code})'} in {seconds:.0f} s", flush=True)
     return {"status": "ok" if code == 0 else "failed", "exit": code, "seconds": round(seconds, 1)}
@@ -142,6 +149,7 @@ def main() -> int:
     parser.add_argument("--results", type=Path, default=RESULTS, help=f"results directory (default {RESULTS})")
     parser.add_argument("--img", type=Path, help=f"plot directory (default {IMG}; quick: <results>/img-quick)")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally clauses: no orphaned benchmark
     quick: bool = args.quick
     img: Path = args.img or (args.results / "img-quick" if quick else IMG)
     if args.plot_only:
