@@ -15,6 +15,7 @@ import gc
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -276,12 +277,29 @@ def bench_parser(doc: str, *, quick: str, rounds: tuple[int, int]) -> argparse.A
     return parser
 
 
+def _rounded(value: Any) -> Any:
+    """``value`` with every float cut to 6 significant digits (timings are not that precise; the files stay small)."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def _dumps(payload: dict[str, Any]) -> str:
+    """Indented JSON, with each list of numbers on one line (the raw rounds)."""
+    text = json.dumps(payload, indent=1)
+    return re.sub(r"\[\s+([-+0-9.eE,\s]+?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text) + "\n"
+
+
 def write_results(name: str, payload: dict[str, Any], *, quick: bool, path: Path | None = None) -> Path:
     """Write ``path`` (default ``results/<name>.json``, ``<name>-quick.json`` for ``--quick``); return it."""
-    payload = {**payload, "loadavg_end": _read("/proc/loadavg")}
+    payload = _rounded({**payload, "loadavg_end": _read("/proc/loadavg")})
     path = path or RESULTS / f"{name}{'-quick' if quick else ''}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+    tmp.write_text(_dumps(payload))
     tmp.replace(path)
     return path

@@ -16,29 +16,13 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from _report import BATCH_READS, FILLS, SAMPLE_READS
 from matplotlib.axes import Axes
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 Results = dict[str, Any]
 COLOURS = {"mmapcache": "#1f5fbf", "stocaching": "#e07b00", "tensordict": "#2a9d4b", "memmap": "#8e44ad"}
 LIMIT = "#777777"
-BATCH_READS = [
-    "mmapcache get_many",
-    "mmapcache get_many(out=)",
-    "stocaching stack(get_slot)",
-    "tensordict mmt[idx]",
-    "tensordict index_select(mmt)",
-    "np.memmap[idx]",
-]
-SAMPLE_READS = ["mmapcache get", "stocaching get_slot(i).clone()", "tensordict mmt[i].clone()", "np.array(memmap[i])"]
-FILLS = [
-    "mmapcache put_many",
-    "mmapcache put",
-    "stocaching set_slot",
-    "tensordict mmt[idx] = rows",
-    "np.memmap[idx] = rows",
-]
-
 __all__ = ["plot_all"]
 
 
@@ -100,16 +84,16 @@ def plot_throughput(peers: Results, out: Path) -> Path:
     sizes = peers["sizes"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
     batch = sizes[0]["plan"]["batch"]
-    _throughput_lines(left, sizes, "read", [*BATCH_READS, "np.take (in RAM)", "memcpy (in RAM)"])
+    _throughput_lines(left, sizes, "read", BATCH_READS)
     left.set_title(f"a batch of random indices (up to {batch}, ≤ 32 MiB) per call", fontsize=9)
-    _throughput_lines(right, sizes, "read", [*SAMPLE_READS, "ndarray[i].copy() (in RAM)"])
+    _throughput_lines(right, sizes, "read", SAMPLE_READS)
     right.set_title("one sample per call", fontsize=9)
     return _save(fig, out / "throughput.png", "Reads of cached samples by sample size (higher is faster)")
 
 
 def plot_fill(peers: Results, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    _throughput_lines(ax, peers["sizes"], "fill", [*FILLS, "np.empty (in RAM)"])
+    _throughput_lines(ax, peers["sizes"], "fill", [name for name in FILLS if name != "mmapcache create only"])
     ax.set_title("a fresh container filled in random order, 64 samples a call", fontsize=9)
     return _save(fig, out / "fill.png", "Filling by sample size (higher is faster)")
 

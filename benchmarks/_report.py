@@ -12,8 +12,35 @@ from typing import Any
 from _common import fmt_bytes
 
 Results = dict[str, Any]
+# bench_peers' variants by table (and plot panel), mmapcache first, the limits last.
+BATCH_READS = [
+    "mmapcache get_many",
+    "mmapcache get_many(out=)",
+    "stocaching stack(get_slot)",
+    "tensordict mmt[idx]",
+    "tensordict index_select(mmt)",
+    "np.memmap[idx]",
+    "np.take (in RAM)",
+    "memcpy (in RAM)",
+]
+SAMPLE_READS = [
+    "mmapcache get",
+    "stocaching get_slot(i).clone()",
+    "tensordict mmt[i].clone()",
+    "np.array(memmap[i])",
+    "ndarray[i].copy() (in RAM)",
+]
+FILLS = [
+    "mmapcache put_many",
+    "mmapcache put",
+    "mmapcache create only",
+    "stocaching set_slot",
+    "tensordict mmt[idx] = rows",
+    "np.memmap[idx] = rows",
+    "np.empty (in RAM)",
+]
 
-__all__ = ["summary"]
+__all__ = ["BATCH_READS", "FILLS", "SAMPLE_READS", "summary"]
 
 
 def _md(headers: list[str], rows: list[list[Any]]) -> str:
@@ -33,9 +60,9 @@ def _q(s: dict[str, Any] | None, digits: int = 3) -> str:
     return f"{s['median']:.{digits}g} [{s['q1']:.{digits}g}..{s['q3']:.{digits}g}]"
 
 
-def _by_size(peers: Results, part: str, baseline: str) -> str:
+def _by_size(peers: Results, part: str, baseline: str, names: list[str]) -> str:
     sizes = peers["sizes"]
-    names = list(dict.fromkeys(n for s in sizes for n in s[part] if "[stocaching's process]" not in n))
+    names = [name for name in names if any(name in s[part] for s in sizes)]
     rows = []
     for name in names:
         cells = []
@@ -44,16 +71,25 @@ def _by_size(peers: Results, part: str, baseline: str) -> str:
             speed = entry.get(f"speed_vs[{baseline}]") if entry else None
             cells.append(f"{speed['median']:.3g}" if speed else "—")
         rows.append([name, *cells])
-    gb = [[f"{name} GB/s", *[f"{s[part][name]['gb_per_s']:.3g}" for s in sizes]] for name in (baseline,)]
+    # The baseline's own speed in each process: the two ratios compare only if these agree.
+    bases = (baseline, f"{baseline} [stocaching's process]") if baseline in names else ()
+    gb = [
+        [f"{name} GB/s", *[f"{s[part][name]['gb_per_s']:.3g}" if name in s[part] else "—" for s in sizes]]
+        for name in bases
+        if any(name in s[part] for s in sizes)
+    ]
     return _md(["speed vs " + baseline, *[fmt_bytes(s["row"]) for s in sizes]], [*rows, *gb])
 
 
 def peers_tables(peers: Results) -> str:
+    take, empty = "np.take (in RAM)", "np.empty (in RAM)"
     return (
-        "Reads: speed vs `np.take` on an in-RAM array (same process, same round; > 1 is faster)\n\n"
-        + _by_size(peers, "read", "np.take (in RAM)")
+        "Batched reads: speed vs `np.take` on an in-RAM array (same process, same round; > 1 is faster)\n\n"
+        + _by_size(peers, "read", take, BATCH_READS)
+        + "\n\nOne sample per call: speed vs the same `np.take`\n\n"
+        + _by_size(peers, "read", take, SAMPLE_READS)
         + "\n\nFills of a fresh container: speed vs `np.empty` + assignment (same process, same round)\n\n"
-        + _by_size(peers, "fill", "np.empty (in RAM)")
+        + _by_size(peers, "fill", empty, FILLS)
     )
 
 

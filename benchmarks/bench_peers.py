@@ -414,7 +414,9 @@ def summarize(raw: dict[str, dict[str, list[float]]], row: int, baselines: tuple
             }
             for base in baselines:
                 if base in times:
-                    entry[f"speed_vs[{base}]"] = spread([b / t for t, b in zip(ts, times[base], strict=True)])
+                    ratios = spread([b / t for t, b in zip(ts, times[base], strict=True)])
+                    del ratios["rounds"]  # derivable from the raw rounds kept once, in us_per_sample
+                    entry[f"speed_vs[{base}]"] = ratios
             out[key] = entry
     return out
 

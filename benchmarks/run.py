@@ -143,6 +143,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small data, few rounds (about a minute): a smoke test")
     parser.add_argument("--plot-only", action="store_true", help="redraw the plots from saved results, run nothing")
     parser.add_argument("--only", help="run only these benchmarks (comma separated names, e.g. bench_peers)")
+    parser.add_argument("--skip", default="", help="do not run these benchmarks (comma separated names)")
     setup = parser.add_mutually_exclusive_group()
     setup.add_argument("--setup", action="store_true", help="set up the peers also in --quick mode")
     setup.add_argument("--no-setup", action="store_true", help="never set up peers (skip those that are missing)")
@@ -155,7 +156,8 @@ def main() -> int:
     if args.plot_only:
         plot(args.results, img, quick)
         return 0
-    wanted = set(args.only.split(",")) if args.only else None
+    wanted = set(args.only.split(",")) if args.only else {step.name for step in STEPS}
+    wanted -= set(filter(None, args.skip.split(",")))
     started = time.perf_counter()
     peers = setup_peers(quick, setup=args.setup or (not quick and not args.no_setup))
     import matplotlib
@@ -165,7 +167,7 @@ def main() -> int:
     del matplotlib, numpy, torch  # imported so that machine_info records their versions
     record: dict[str, Any] = {"machine": machine_info(), "quick": quick, "peers": peers, "steps": {}}
     for step in STEPS:
-        if wanted is None or step.name in wanted:
+        if step.name in wanted:
             record["steps"][step.name] = run_step(step, quick, args.results)
     record["plots"] = plot(args.results, img, quick)
     record["seconds"] = round(time.perf_counter() - started, 1)
