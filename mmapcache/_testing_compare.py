@@ -40,7 +40,8 @@ def _leaf(value: Any) -> tuple[str, tuple[int, ...], bytes] | None:
     if _is_tensor(value):
         import torch  # already imported: `value` is a tensor
 
-        tensor = value.detach().cpu().contiguous()
+        # A fresh tensor of standard strides: .contiguous() keeps the 0 stride of an expanded size-1 dimension.
+        tensor = torch.empty_like(value, device="cpu", memory_format=torch.contiguous_format).copy_(value.detach())
         raw = tensor.reshape(-1).view(torch.uint8) if tensor.element_size() > 0 else tensor
         return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), bytes(raw.numpy().tobytes())
     if isinstance(value, (np.ndarray, np.generic, bool, int, float, complex)):
@@ -49,6 +50,16 @@ def _leaf(value: Any) -> tuple[str, tuple[int, ...], bytes] | None:
             return None
         return array.dtype.name, array.shape, np.ascontiguousarray(array).tobytes()
     return None
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """``a == b`` for values that are not leaves (str, bytes, None, objects), never raising."""
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # e.g. object arrays: == is elementwise
+        return a is b
 
 
 def _as_array(value: Any) -> np.ndarray[Any, Any]:
@@ -100,7 +111,7 @@ def difference(got: Any, expected: Any, where: str = "") -> str | None:
         return None
     want, have = _leaf(expected), _leaf(got)
     if want is None or have is None:
-        return None if got == expected else f"{place} is {describe(got)}, expected {describe(expected)}"
+        return None if _equal(got, expected) else f"{place} is {describe(got)}, expected {describe(expected)}"
     if have[:2] != want[:2]:
         return f"{place} is {have[0]} {have[1]}, expected {want[0]} {want[1]}"
     if have[2] != want[2]:
