@@ -203,7 +203,7 @@ def plot_readers(scale: Results, out: Path) -> Path:
 
 def plot_cold(cold: Results, out: Path) -> Path | None:
     """Cold-read (and fill) throughput of a disk-backed cache next to what the device does, from bench_cold."""
-    bars = [bar for section in ("get_many", "loader", "fill") for bar in _cold_bars(cold.get(section, {}), section)]
+    bars = [bar for name, section in cold.items() if name != "machine" for bar in _cold_bars(section, name)]
     if not bars:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(bars) + 1.5))
@@ -230,21 +230,24 @@ def _cold_colour(label: str) -> str:
     return COLOURS["mmapcache"]
 
 
-def _cold_bars(section: Results, name: str) -> list[tuple[str, float, tuple[float, float]]]:
-    """(label, median MB/s, quartiles) per variant of one bench_cold section; quartiles from its raw seconds.
+def _cold_bars(section: Any, name: str) -> list[tuple[str, float, tuple[float, float]]]:
+    """(label, median MB/s, quartiles) of every variant under ``section`` that reports ``MB/s``.
 
-    A variant moves the same bytes every round, so its MB/s in a round is
+    Sections may nest (a section per read-ahead setting): labels carry the path.
+    Quartiles come from the variant's raw seconds when bench_cold kept them: a
+    variant moves the same bytes every round, so its MB/s in a round is
     (median MB/s x median seconds) / seconds.
     """
+    if not isinstance(section, dict):
+        return []
+    if "MB/s" not in section:
+        return [bar for key, sub in section.items() for bar in _cold_bars(sub, f"{name} [{key}]")]
     bars = []
     raw = section.get("raw_seconds", {})
-    for variant, mbs in section.get("MB/s", {}).items():
+    for variant, mbs in section["MB/s"].items():
         ts = raw.get(variant)
-        if ts:
-            q1, q2, q3 = _quartiles(ts)
-            bars.append((f"{name}: {variant}", mbs, (mbs * q2 / q3, mbs * q2 / q1)))
-        else:
-            bars.append((f"{name}: {variant}", mbs, (mbs, mbs)))
+        q1, q2, q3 = _quartiles(ts) if ts else (1.0, 1.0, 1.0)
+        bars.append((f"{name}: {variant}", mbs, (mbs * q2 / q3, mbs * q2 / q1)))
     return bars
 
 

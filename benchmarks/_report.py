@@ -98,7 +98,7 @@ def epochs_table(dl: Results) -> str:
         [
             r["variant"],
             r["workers"],
-            f"{r['cpu_s'] * 1e3:.3g}",
+            f"{r['cpu_s'] * 1e3:.3g}" if r["cpu_s"] < 1 else f"{r['cpu_s'] * 1e3:.0f}",
             _q(r.get("cpu_speed_vs_stocaching")),
             f"{r['speedup_vs_uncached']:.3g}",
         ]
