@@ -201,6 +201,28 @@ def plot_readers(scale: Results, out: Path) -> Path:
     return _save(fig, out / "readers.png", "One reader process vs two on the same file")
 
 
+def plot_variable(var: Results, out: Path) -> Path:
+    """Variable fields against a fixed twin of the same bytes: read speed per dataset (1 = as fast)."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    labels, values, errors = [], [], []
+    for r in var["read"]:
+        for key, what in (("per_round_get_many_speed", "get_many"), ("per_round_get_time", "get")):
+            q1, q2, q3 = _quartiles(r[key])
+            # get is reported as a time ratio: drawn as a speed (its inverse), like get_many.
+            speed = (q2, q1, q3) if what == "get_many" else (1 / q2, 1 / q3, 1 / q1)
+            labels.append(f"{r['dataset']}\n{what}")
+            values.append(speed[0])
+            errors.append((speed[1], speed[2]))
+    _bars(ax, labels, values, errors)
+    ax.set_xticks(range(len(labels)), labels, rotation=0, fontsize=8)
+    for bar in ax.patches:
+        bar.set_color(COLOURS["mmapcache"])
+    ax.axhline(1, color=LIMIT, linestyle="--", label="a fixed field of the same bytes")
+    ax.set_ylabel("speed vs the fixed field (1 = as fast)")
+    ax.legend(fontsize=8)
+    return _save(fig, out / "variable.png", "Variable-shape fields: reads against a fixed field of the same bytes")
+
+
 def plot_cold(cold: Results, out: Path) -> Path | None:
     """Cold-read (and fill) throughput of a disk-backed cache next to what the device does, from bench_cold."""
     bars = [bar for name, section in cold.items() if name != "machine" for bar in _cold_bars(section, name)]
@@ -255,6 +277,7 @@ PLOTS: dict[str, list[Callable[[Results, Path], Path | None]]] = {
     "bench_peers": [plot_throughput, plot_fill],
     "bench_dataloader": [plot_epochs, plot_memory],
     "bench_scale": [plot_open, plot_readers],
+    "bench_variable": [plot_variable],
     "bench_cold": [plot_cold],
 }
 

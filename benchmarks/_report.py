@@ -150,10 +150,29 @@ def scale_tables(scale: Results) -> str:
     return text
 
 
+def variable_table(var: Results) -> str:
+    """bench_variable's headline: reads, space and fill of variable fields against a fixed twin of the same bytes."""
+    from _common import spread
+
+    rows = []
+    for r in var["read"]:
+        label = f"{r['dataset']} ({fmt_bytes(r['mean_sample_bytes'])} mean)"
+        rows.append([label, "`get_many` speed vs fixed", _q(spread(r["per_round_get_many_speed"]))])
+        rows.append([label, "`get` time vs fixed", _q(spread(r["per_round_get_time"]))])
+    space = var["space"]
+    rows.append(["tokens", "file / (payload + records) at a 1.05x budget", f"{space['at_bound_ratio']:.3f}"])
+    rows.append(["tokens", "padded to the longest document instead", f"{space['padded_ratio']:.1f}"])
+    fill = var["fill"]
+    rows.append(["tokens", "fill throughput, 2 processes / 1", _q(spread(fill["variable_speedup"]))])
+    rows.append(["fixed twin", "fill throughput, 2 processes / 1", _q(spread(fill["fixed_speedup"]))])
+    return _md(["data", "figure", "median [quartiles]"], rows)
+
+
 SECTIONS: dict[str, tuple[str, Callable[[Results], str]]] = {
     "bench_peers": ("Reads and fills by sample size", peers_tables),
     "bench_scale": ("Readers and open time", scale_tables),
     "bench_dataloader": ("Warm epochs", epochs_table),
+    "bench_variable": ("Variable-shape fields", variable_table),
 }
 
 

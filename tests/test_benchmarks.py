@@ -14,7 +14,7 @@ pytest.importorskip("matplotlib", reason="the plots need the bench extra: pip in
 REPO = Path(__file__).resolve().parent.parent
 RUN = REPO / "benchmarks" / "run.py"
 BENCHMARKS = ["bench_peers", "bench_scale", "bench_read", "bench_protocol", "bench_variable", "bench_dataloader"]
-PLOTS = ["throughput.png", "fill.png", "epochs.png", "memory.png", "open_time.png", "readers.png"]
+PLOTS = ["throughput.png", "fill.png", "epochs.png", "memory.png", "open_time.png", "readers.png", "variable.png"]
 
 
 @pytest.fixture(scope="module")
