@@ -38,10 +38,12 @@ __all__ = [
     "meminfo",
     "ratio",
     "ratio_of_mins",
+    "rotated",
     "run_interleaved",
     "run_rounds",
     "spread",
     "table",
+    "time_round",
     "write_results",
 ]
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import os
 import shutil
@@ -53,7 +54,7 @@ from _common import (
     fmt_bytes,
     index_sets,
     machine_info,
-    run_rounds,
+    rotated,
     spread,
     table,
     time_round,
@@ -347,7 +348,7 @@ def serve() -> None:
             reply(time_round(side.variants, batch, r, ops=dict.fromkeys(side.variants, plan.batch)))
         elif cmd["cmd"] == "fill":
             assert side is not None
-            reply({name: fn(cmd["round"]) for name, fn in side.fillers.items()})
+            reply(fill_round(side.fillers, cmd["round"]))
     reply({"bye": True})
 
 
@@ -366,34 +367,43 @@ def measure_size(plan: Plan, directory: Path, rounds: int, child: Child | None, 
 
     if child is not None:
         child.call(cmd="plan", plan=asdict(plan))
-    raw: dict[str, dict[str, dict[str, list[float]]]] = {"read": {}, "fill": {}}
     with stores(plan, directory, tensordict) as s:
         variants = parent_variants(s, plan)
         ops = dict.fromkeys(variants, plan.batch)
-        for r in range(-1, rounds):  # round -1 warms up
-            batch = index_sets(plan.rows, plan.reps, plan.batch)(r)
-            # Parent and child take turns going first.
-            for side in ("parent", "child") if r % 2 else ("child", "parent"):
-                if side == "parent":
-                    measured = time_round(variants, batch, r, ops=ops)
-                elif child is not None:
-                    measured = child.call(cmd="read", round=r)
-                else:
-                    continue
-                if r >= 0:
-                    _record(raw["read"], side, measured)
+
+        def read_round(r: int) -> dict[str, float]:
+            return time_round(variants, index_sets(plan.rows, plan.reps, plan.batch)(r), r, ops=ops)
+
+        reads = alternate(rounds, read_round, child, "read")
     fillers = parent_fillers(plan, directory, tensordict)
-    parent_fill = run_rounds(fillers, rounds=rounds)
-    raw["fill"]["parent"] = parent_fill
-    if child is not None:
-        child_fill: dict[str, list[float]] = {}
-        for r in range(-1, rounds):
-            got = child.call(cmd="fill", round=r)
+    return {"read": reads, "fill": alternate(rounds, lambda r: fill_round(fillers, r), child, "fill")}
+
+
+def alternate(
+    rounds: int, own: Callable[[int], dict[str, float]], child: Child | None, cmd: str
+) -> dict[str, dict[str, list[float]]]:
+    """Rounds -1 (a warm-up) to ``rounds - 1`` of ``own`` here and ``cmd`` in the child, taking turns going first."""
+    raw: dict[str, dict[str, list[float]]] = {}
+    for r in range(-1, rounds):
+        for side in ("parent", "child") if r % 2 else ("child", "parent"):
+            if side == "parent":
+                measured = own(r)
+            elif child is not None:
+                measured = child.call(cmd=cmd, round=r)
+            else:
+                continue
             if r >= 0:
-                for name, t in got.items():
-                    child_fill.setdefault(name, []).append(t)
-        raw["fill"]["child"] = child_fill
+                _record(raw, side, measured)
     return raw
+
+
+def fill_round(fillers: dict[str, Filler], r: int) -> dict[str, float]:
+    """Round ``r`` of the fills: each filler once, in a rotated order; seconds per sample."""
+    out = {}
+    for name in rotated(list(fillers), r):
+        gc.collect()
+        out[name] = fillers[name](r)
+    return out
 
 
 def _record(into: dict[str, dict[str, list[float]]], side: str, measured: dict[str, float]) -> None:
