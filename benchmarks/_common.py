@@ -34,6 +34,7 @@ __all__ = [
     "add_json_arg",
     "bench_parser",
     "fmt_bytes",
+    "index_sets",
     "machine_info",
     "meminfo",
     "ratio",
