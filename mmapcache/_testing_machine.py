@@ -36,7 +36,7 @@ BATCH = 8  # indices in one load, at most
 UNIVERSE = 32  # loads draw from the first indices only: overlapping loads are what break caches
 STEPS = 20  # steps in one example, at most
 SHRINK_SECONDS = 30.0  # time given to shrinking a failure before its best story is replayed
-REPLAYS = 3  # while shrinking, a sequence of steps that passed is run again this many times
+REPLAYS = 1  # while shrinking, a sequence of steps that passed is run again this many times
 
 
 @dataclasses.dataclass

@@ -48,7 +48,7 @@ from hypothesis.stateful import get_state_machine_test
 from ._field import Field, FieldsLike, normalize_fields
 from ._testing_machine import STEPS, Run, Summary, machine_class
 
-__all__ = ["Summary", "check_concurrent_access", "fields", "samples"]
+__all__ = ["DTYPES", "Summary", "check_concurrent_access", "fields", "samples"]
 
 MAX_EXAMPLES = 25
 

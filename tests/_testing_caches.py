@@ -90,6 +90,42 @@ class Tokens(torch.utils.data.Dataset[Any]):
 TOKEN_FIELDS = {"0": Field((None,), "int64"), "1": Field((), "int64")}
 
 
+class Failing:
+    """No cache at all: ``i`` for every index, but loading index 7 raises ``OSError``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> int:
+        if index == 7:
+            raise OSError(f"cannot read sample 7 of {self.path}")
+        return index
+
+    @staticmethod
+    def truth(index: int) -> int:
+        return index
+
+
+class Miscounting:
+    """No cache at all, and wrong without any concurrency: odd indices have the wrong ``x``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> Any:
+        return torch.tensor(index), {"x": np.float32(index)}
+
+    @staticmethod
+    def truth(index: int) -> Any:
+        return index, {"x": np.float32(index + index % 2)}
+
+
 # -- a cache of our own ---------------------------------------------------------------------------
 
 

@@ -1,0 +1,232 @@
+"""mmapcache.testing: the concurrent-access checker passes correct caches, catches broken ones, and says how.
+
+The broken caches are small user-level caches (``tests/_testing_caches.ToyCache``)
+with one protocol flaw each; every test runs the checker on its default budget
+and real processes, and prints the story it told (``pytest -s`` shows them).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _testing_caches import FLAWS, TOKEN_FIELDS, Blobs, Failing, Images, Miscounting, Tokens, blob, toy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mmapcache
+from mmapcache import Cache, Field
+from mmapcache._testing_compare import difference
+from mmapcache.testing import check_concurrent_access, fields, samples
+from mmapcache.torch import CachedDataset
+
+STEP = re.compile(r"^  \d+\. ", re.M)
+
+
+def _no_leftovers() -> list[str]:
+    """What the checker may leave in the default directory: its private directories."""
+    return [name for name in os.listdir(mmapcache.default_dir()) if name.startswith("check-")]
+
+
+# -- correct caches pass ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_a_correct_cached_dataset_passes_on_the_default_budget_well_under_a_minute() -> None:
+    start = time.monotonic()
+    summary = check_concurrent_access(functools.partial(CachedDataset, Images(), key="images"), Images().__getitem__)
+    seconds = time.monotonic() - start
+    print(f"\nCachedDataset, fixed fields: {summary}")
+    assert seconds < 60
+    assert summary.examples >= 25
+    # Every kind of step ran; forked loads went through DataLoader workers (a torch dataset).
+    assert summary.loads and summary.races and summary.kills and summary.forks and summary.reopens
+    assert summary.removes
+    assert summary.samples > summary.loads
+    assert _no_leftovers() == []
+
+
+@pytest.mark.timeout(180)
+def test_a_correct_cached_dataset_with_variable_fields_passes() -> None:
+    make = functools.partial(CachedDataset, Tokens(), key="tokens", fields=TOKEN_FIELDS, max_bytes="1 MiB")
+    summary = check_concurrent_access(make, Tokens().__getitem__, max_examples=12)
+    print(f"\nCachedDataset, variable fields: {summary}")
+    assert summary.loads and summary.kills and summary.forks
+    assert _no_leftovers() == []
+
+
+@pytest.mark.timeout(180)
+def test_a_correct_cache_of_our_own_passes_with_forked_children_instead_of_dataloader_workers() -> None:
+    summary = check_concurrent_access(toy, blob, max_examples=12)
+    print(f"\nToyCache: {summary}")
+    assert summary.loads and summary.kills and summary.forks
+    assert summary.removes == 0  # not an mmapcache file: nothing to remove
+    assert _no_leftovers() == []
+
+
+# -- broken caches are caught -----------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flaw", FLAWS)
+def test_a_broken_cache_is_caught_on_the_default_budget_with_a_short_story(flaw: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as caught:
+        check_concurrent_access(functools.partial(toy, flaw=flaw), blob)
+    seconds = time.monotonic() - start
+    story = str(caught.value)
+    print(f"\n{flaw} (caught, {seconds:.1f} s in all):\n{story}")
+    found = re.search(r"went wrong in example (\d+) after ([\d.]+) s", story)
+    assert found is not None, story
+    assert int(found[1]) <= 25
+    steps = STEP.findall(story)
+    assert 1 <= len(steps) <= 20
+    # The last step says which index came back wrong, and how.
+    last = story.strip().splitlines()[-1]
+    assert re.search(r"index \d+: sample differs in \d+ of 524288 bytes", last), last
+    assert _no_leftovers() == []
+
+
+@pytest.mark.timeout(300)
+def test_a_dataset_that_raises_fails_with_the_step_and_the_workers_traceback() -> None:
+    with pytest.raises(AssertionError) as caught:
+        check_concurrent_access(Failing, Failing.truth, max_examples=10)
+    story = str(caught.value)
+    assert "raised OSError: cannot read sample 7" in story
+    assert "Traceback" in story  # the worker's, after the steps
+    # Shrunk to one step that loads index 7 (and nothing that passes on its own).
+    assert len(STEP.findall(story)) == 1, story
+    assert re.search(r"loads \[7\]", story), story
+
+
+@pytest.mark.timeout(300)
+def test_a_wrong_sample_without_any_concurrency_shrinks_to_one_load_of_one_index() -> None:
+    with pytest.raises(AssertionError) as caught:
+        check_concurrent_access(Miscounting, Miscounting.truth, max_examples=10, seed=1)
+    story = str(caught.value)
+    steps = STEP.findall(story)
+    assert len(steps) == 1, story
+    assert re.search(r"loads \[1\].*→ index 1: sample\[1\]\['x'\] differs in 4 of 4 bytes", story), story
+
+
+# -- the contract's edges -----------------------------------------------------------------------
+
+
+def test_arguments_that_cannot_reach_the_processes_are_refused_up_front() -> None:
+    with pytest.raises(TypeError, match="make_dataset must be picklable"):
+        check_concurrent_access(lambda path: [], blob)
+    with pytest.raises(TypeError, match="oracle must be callable"):
+        check_concurrent_access(toy, 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="processes must be a positive int"):
+        check_concurrent_access(toy, blob, processes=0)
+    with pytest.raises(ValueError, match="max_examples"):
+        check_concurrent_access(toy, blob, max_examples=0)
+    with pytest.raises(ValueError, match="deadline"):
+        check_concurrent_access(toy, blob, deadline=0)
+
+
+@pytest.mark.timeout(120)
+def test_a_deadline_stops_starting_examples() -> None:
+    start = time.monotonic()
+    summary = check_concurrent_access(toy, blob, max_examples=1000, deadline=3, processes=2)
+    assert time.monotonic() - start < 30
+    assert 1 <= summary.examples < 1000
+
+
+@pytest.mark.timeout(120)
+def test_one_process_runs_without_races() -> None:
+    summary = check_concurrent_access(toy, blob, processes=1, max_examples=5, kill=False)
+    assert summary.races == 0 and summary.kills == 0
+    assert summary.loads
+
+
+def test_importing_mmapcache_testing_without_hypothesis_says_what_to_install() -> None:
+    script = "import sys; sys.modules['hypothesis'] = None\nimport mmapcache, mmapcache.torch\nimport mmapcache.testing"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert 'ImportError: mmapcache.testing needs Hypothesis' in result.stderr
+    assert 'pip install "mmapcache[testing]"' in result.stderr
+
+
+# -- exact comparison ---------------------------------------------------------------------------
+
+
+def test_samples_are_compared_exactly_across_tensors_arrays_and_numbers() -> None:
+    assert difference((torch.tensor(3), [np.float64(0.5)]), (3, [0.5])) is None
+    assert difference({"b": torch.tensor([1.0, 2.0], dtype=torch.bfloat16)}, {"b": torch.tensor([1.0, 2.0]).bfloat16()}) is None
+    assert difference(torch.tensor(float("nan")), np.float32("nan")) is None  # the same NaN, bit for bit
+    assert difference((1, 2), [1, 2]) == "sample is a tuple, expected a list"
+    assert difference(torch.tensor(3), 3.0) == "sample is int64 (), expected float64 ()"
+    assert difference(np.float32(-0.0), np.float32(0.0)) is not None
+    assert difference({"a": 1}, {"b": 1}) == "sample has keys ['a'], expected ['b']"
+    found = difference(np.zeros(10, np.uint8), np.arange(10, dtype=np.uint8))
+    assert found is not None and found.startswith("sample differs in 9 of 10 bytes (first at byte 1)")
+
+
+# -- strategies ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(schema=fields(), data=st.data())
+def test_any_schema_and_sample_round_trip_through_a_cache(schema: dict[str, Field], data: st.DataObject) -> None:
+    sample = data.draw(samples(schema))
+    variable = any(field.variable for field in schema.values())
+    path = Path(mmapcache.default_dir()) / "strategies.mmc"
+    try:
+        with Cache.open(path, schema, 2, max_bytes="1 MiB" if variable else None) as cache:
+            assert cache.put(1, sample)
+            got = cache.get(1)
+        assert got is not None
+        assert difference(dict(got), sample) is None
+    finally:
+        if path.exists():
+            mmapcache.remove(path)
+
+
+@given(fields(variable=True))
+def test_fields_variable_true_has_a_none_dimension(schema: dict[str, Field]) -> None:
+    assert any(field.variable for field in schema.values())
+
+
+@given(fields(variable=False))
+def test_fields_variable_false_has_none(schema: dict[str, Field]) -> None:
+    assert not any(field.variable for field in schema.values())
+
+
+@given(st.data())
+def test_samples_fit_their_fields(data: st.DataObject) -> None:
+    schema = data.draw(fields())
+    sample = data.draw(samples(schema))
+    assert list(sample) == list(schema)
+    for name, field in schema.items():
+        assert sample[name].dtype == field.dtype
+        assert field.fits(sample[name].shape)
+        assert math.prod(sample[name].shape) == sample[name].size
+
+
+# -- long runs -------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_a_correct_cached_dataset_passes_a_long_run() -> None:
+    make = functools.partial(CachedDataset, Images(), key="images", copy=False)
+    summary = check_concurrent_access(make, Images().__getitem__, max_examples=400, processes=4)
+    print(f"\nlong run, copy=False: {summary}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_a_correct_cache_of_our_own_passes_a_long_run() -> None:
+    summary = check_concurrent_access(functools.partial(toy, nbytes=Blobs().nbytes), blob, max_examples=400)
+    print(f"\nlong run, ToyCache: {summary}")
