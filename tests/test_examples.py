@@ -16,7 +16,7 @@ CASES = {
     "concurrent_jobs.py": ["--length", "600"],
     "imagefolder.py": ["--count", "300", "--side", "96", "--size", "32", "--epochs", "2"],
     "lightning_ddp.py": ["--length", "256"],
-    "property_test_concurrent.py": ["--examples", "3", "--steps", "10"],
+    "property_test_concurrent.py": ["--examples", "3"],
     "text_tokens.py": ["--count", "300", "--batch-size", "16", "--workers", "1"],
     "detection_boxes.py": ["--count", "60", "--max-side", "48", "--batch-size", "8", "--workers", "1"],
     "recipe_torchvision.py": ["--count", "120", "--short-side", "48", "--crop", "32", "--workers", "2"],
