@@ -395,13 +395,13 @@ def spread(values: list[float]) -> str:
 
 def main() -> None:
     parser = bench_parser(__doc__, quick="small data, few rounds (< 1 minute)", rounds=(15, 3))
+    parser.add_argument("--mib", type=int, help="MiB of samples per dataset (default 192 to read, 128 to fill)")
     args = parser.parse_args()
     quick: bool = args.quick
     rounds = args.rounds or (3 if quick else 15)
     reps = 3 if quick else 9
-    read_total = (32 if quick else 192) * 2**20
-    fill_total = (24 if quick else 128) * 2**20
-    space_total = (24 if quick else 128) * 2**20
+    read_total = (args.mib or (32 if quick else 192)) * 2**20
+    fill_total = space_total = (args.mib or (24 if quick else 128)) * 2**20
     info = machine_info()
     print(f"machine: {info['cpu']}, {info['cores']} cores, kernel {info['kernel']}, load {info['loadavg_start']}")
     results: dict[str, Any] = {"machine": info, "quick": quick, "rounds": rounds, "batch": BATCH}

@@ -54,7 +54,7 @@ STEPS = [
     Step("bench_scale"),
     Step("bench_read", ("--quick", "--rounds", "2")),
     Step("bench_protocol", ("--quick", "--rounds", "1")),
-    Step("bench_variable", ("--quick", "--rounds", "1")),
+    Step("bench_variable", ("--quick", "--rounds", "1", "--mib", "8")),
     Step("bench_dataloader", ("--quick", "--n", "256", "--rounds", "2")),
     Step("bench_cold", ("--quick",), optional=True),
     Step("bench_shuffle", ("--quick",), optional=True),
