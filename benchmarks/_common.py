@@ -37,6 +37,7 @@ __all__ = [
     "index_sets",
     "machine_info",
     "meminfo",
+    "offset_buffer",
     "ratio",
     "ratio_of_mins",
     "rotated",
@@ -150,6 +151,26 @@ def index_sets(n: int, reps: int, size: int) -> Callable[[int], list[tuple[Any, 
         return out
 
     return make
+
+
+PAGE = 4096
+
+
+def offset_buffer(shape: tuple[int, ...], offset: int | None) -> Any:
+    """An uninitialised uint8 array starting ``offset`` bytes past a page boundary (None: wherever numpy puts it).
+
+    Where an output buffer starts matters: a gather into one a few bytes past a
+    page boundary (where glibc puts large allocations: +16 B) runs many times
+    slower (4K aliasing against page-aligned source rows).
+    """
+    import numpy as np
+
+    nbytes = int(np.prod(shape))
+    if offset is None:
+        return np.empty(shape, np.uint8)
+    raw = np.empty(nbytes + 2 * PAGE, np.uint8)
+    start = -raw.__array_interface__["data"][0] % PAGE + offset
+    return raw[start : start + nbytes].reshape(shape)
 
 
 def ratio(times: dict[str, list[float]], name: str, baseline: str) -> float:

@@ -54,6 +54,7 @@ from _common import (
     fmt_bytes,
     index_sets,
     machine_info,
+    offset_buffer,
     rotated,
     spread,
     table,
@@ -121,7 +122,8 @@ def per_sample(fn: Callable[[int], object]) -> Variant:
 
 def limit_variants(ram: np.ndarray[Any, Any], batch: int) -> dict[str, Variant]:
     """The limits, timed the same way in parent and child: gather, contiguous copy, per-sample copy."""
-    dst = np.zeros((batch, ram.shape[1]), ram.dtype)
+    dst = offset_buffer((batch, ram.shape[1]), 0)  # page-aligned, like the rows it copies
+    dst.fill(0)
     last = len(ram) - batch
 
     def memcpy(x: Any) -> object:
@@ -210,7 +212,8 @@ def stores(plan: Plan, directory: Path, with_tensordict: bool) -> Iterator[Store
 
 
 def parent_variants(s: Stores, plan: Plan) -> dict[str, Variant]:
-    out = {"x": np.zeros((plan.batch, plan.row), np.uint8)}
+    out = {"x": offset_buffer((plan.batch, plan.row), 0)}  # page-aligned: see offset_buffer
+    out["x"].fill(0)
     cache, memmap, mmt = s.cache, s.memmap, s.mmt
     variants: dict[str, Variant] = {
         "mmapcache get_many": lambda x: cache.get_many(x[0]),

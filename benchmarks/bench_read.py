@@ -40,6 +40,7 @@ from _common import (
     fmt_bytes,
     index_sets,
     machine_info,
+    offset_buffer,
     ratio,
     ratio_of_mins,
     run_interleaved,
@@ -97,16 +98,6 @@ def sources(shape: tuple[int, ...], total_bytes: int, directory: Path, seed: int
         mm.close()
         mmapcache.remove(directory / "bench.mmc")
         raw_path.unlink()
-
-
-def offset_buffer(shape: tuple[int, ...], offset: int | None) -> np.ndarray[Any, Any]:
-    """An uninitialised uint8 array starting ``offset`` bytes past a page boundary (None: wherever numpy puts it)."""
-    nbytes = int(np.prod(shape))
-    if offset is None:
-        return np.empty(shape, np.uint8)
-    raw = np.empty(nbytes + 2 * PAGE, np.uint8)
-    start = -raw.__array_interface__["data"][0] % PAGE + offset
-    return raw[start : start + nbytes].reshape(shape)
 
 
 def address_offset(array: np.ndarray[Any, Any]) -> int:
