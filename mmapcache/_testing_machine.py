@@ -102,7 +102,9 @@ class Run:
             self.observer = self.zygote.fork()
             self.length, self.mmapcache = self.observer.call("probe", probe)
         except StepError as error:
-            raise RuntimeError(f"make_dataset({probe!r}) in a worker process {error.summary}\n{error.details}") from None
+            raise RuntimeError(
+                f"make_dataset({probe!r}) in a worker process {error.summary}\n{error.details}"
+            ) from None
         finally:
             self._remove_files("probe")
         if self.length <= 0:
@@ -173,7 +175,7 @@ def _rotated(indices: Sequence[int], shift: int) -> list[int]:
     return [*indices[k:], *indices[:k]]
 
 
-class _Failed(Exception):
+class _FailedError(Exception):
     """A step went wrong; the example records it, runs no further step, and fails at its end."""
 
 
@@ -193,12 +195,12 @@ def _unless_done(method: _Method) -> _Method:
         if self.path is not None and self.failure is None:
             try:
                 method(self, *args, **kwargs)
-            except _Failed as failed:
+            except _FailedError as failed:
                 self.failure = str(failed)
             except Exception as error:  # e.g. a pipe to a process that died: a failure of this step too
                 try:
                     self._fail(f"{method.__name__} → {type(error).__name__}: {error}", traceback.format_exc())
-                except _Failed as failed:
+                except _FailedError as failed:
                     self.failure = str(failed)
 
     return live  # type: ignore[return-value]  # the same signature, by functools.wraps
@@ -222,7 +224,6 @@ def machine_class(run: Run) -> type[RuleBasedStateMachine]:
     universe = min(run.length, UNIVERSE)
     batches = st.lists(st.integers(0, universe - 1), min_size=1, max_size=BATCH)
     workers = st.integers(0, processes - 1)
-    per_worker = {"min_size": processes, "max_size": processes}
 
     class ConcurrentAccess(RuleBasedStateMachine):
         """Model: indices some completed load returned, and the slots an mmapcache file was seen to hold."""
@@ -274,7 +275,7 @@ def machine_class(run: Run) -> type[RuleBasedStateMachine]:
             story = f"{story}\n{details}".rstrip()
             if run.shortest is None or len(steps) < run.shortest[0]:
                 run.shortest = (len(steps), story)
-            raise _Failed(story)
+            raise _FailedError(story)
 
         def _ask(self, w: int, line: str, op: str, *args: Any) -> Any:
             try:
@@ -315,8 +316,8 @@ def machine_class(run: Run) -> type[RuleBasedStateMachine]:
         @rule(
             indices=batches,
             racers=st.integers(2, max(2, processes)),
-            shifts=st.lists(st.integers(0, BATCH - 1), **per_worker),
-            delays=st.lists(st.integers(0, 30), **per_worker),
+            shifts=st.lists(st.integers(0, BATCH - 1), min_size=processes, max_size=processes),
+            delays=st.lists(st.integers(0, 30), min_size=processes, max_size=processes),
         )
         @_recorded
         def load_at_once(self, indices: list[int], racers: int, shifts: list[int], delays: list[int]) -> None:
@@ -410,6 +411,7 @@ def machine_class(run: Run) -> type[RuleBasedStateMachine]:
             line = "the test process removes the file" + (
                 f" while workers {holders} hold it" if holders else " while no worker has loaded from it"
             )
+            assert self.path is not None  # a live example's
             try:
                 remove(self.path, timeout=10)
             except CacheInUseError:
@@ -430,6 +432,7 @@ def machine_class(run: Run) -> type[RuleBasedStateMachine]:
         @_unless_done
         def a_fresh_dataset_reads_back_what_was_stored(self) -> None:
             """The observer makes the dataset afresh: every sample loaded so far, and every slot held, is right."""
+            assert self.path is not None  # a live example's
             if not self.loaded and not os.path.lexists(self.path):
                 return
             observer = run.observer

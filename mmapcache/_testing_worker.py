@@ -14,6 +14,7 @@ the user's dataset lets it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import multiprocessing
@@ -84,7 +85,10 @@ class _Server:
     """Runs in the worker process: at most one dataset, one command at a time."""
 
     def __init__(
-        self, conn: multiprocessing.connection.Connection, make_dataset: Callable[[str], Any], oracle: Callable[[int], Any]
+        self,
+        conn: multiprocessing.connection.Connection,
+        make_dataset: Callable[[str], Any],
+        oracle: Callable[[int], Any],
     ) -> None:
         self.conn = conn
         self.make_dataset = make_dataset
@@ -304,10 +308,8 @@ class Process:
         """SIGKILL (no cleanup, no atexit, no finally blocks run), then wait until it is gone."""
         if self.conn.closed:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         deadline = time.monotonic() + 10
         try:  # its end of the pipe closes when it exits
             while self.conn.poll(max(0.0, deadline - time.monotonic())):
@@ -320,10 +322,8 @@ class Process:
         """Close the dataset and let the process exit; kill it if it does not."""
         if self.conn.closed:
             return
-        try:
+        with contextlib.suppress(StepError, OSError, EOFError):
             self.call("exit")
-        except (StepError, OSError, EOFError):
-            pass
         self.kill()
 
 
@@ -355,10 +355,8 @@ class Zygote:
         return Process(ours, pid)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.conn.send(None)
-        except OSError:
-            pass
         self.process.join(10)
         if self.process.exitcode is None:
             self.process.kill()

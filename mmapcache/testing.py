@@ -35,7 +35,8 @@ try:
     import hypothesis
 except ImportError as error:  # pragma: no cover - exercised in a subprocess without Hypothesis
     raise ImportError(
-        'mmapcache.testing needs Hypothesis, which mmapcache does not install by itself: pip install "mmapcache[testing]"'
+        "mmapcache.testing needs Hypothesis, which mmapcache does not install by itself: "
+        'pip install "mmapcache[testing]"'
     ) from error
 
 import numpy as np
@@ -208,7 +209,7 @@ def _samples(draw: st.DrawFn, schema: dict[str, Field]) -> dict[str, np.ndarray[
 
 
 def samples(fields: FieldsLike | Mapping[str, Field]) -> st.SearchStrategy[dict[str, np.ndarray[Any, Any]]]:
-    """Samples for ``fields``: ``{name: ndarray}`` of each field's dtype, any size (0 to 6) where a dimension is ``None``.
+    """Samples for ``fields``: ``{name: ndarray}`` of each field's dtype, of any size (0 to 6) where it says ``None``.
 
     Values cover the dtype's whole range, NaNs, infinities and signed zeros included.
     """

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmapcache import Field
+from mmapcache import Cache, Field
 
 EMPTY, WRITING, READY = 0, 1, 2
 FLAWS = ("publish_first", "unlocked_claim", "trusts_dead_writer")
@@ -207,10 +207,14 @@ class ToyCache:
             record = self._records_at + 8 * i
             self._lock(record, wait=True)  # the writer's claim: gone once it publishes -- or dies
             self._unlock(record)
-            return self._data[self._slots[i]].copy()
+            return self._copy(i)
         if state == READY:
-            return self._data[self._slots[i]].copy()
+            return self._copy(i)
         return None
+
+    def _copy(self, i: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        data: np.ndarray[Any, np.dtype[np.uint8]] = self._data[int(self._slots[i])].copy()
+        return data
 
     # -- writing ----------------------------------------------------------------
 
@@ -275,3 +279,63 @@ def toy(path: str, *, flaw: str | None = None, nbytes: int = NBYTES) -> ToyCache
 def blob(index: int, nbytes: int = NBYTES) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """The oracle of ``toy``."""
     return Blobs(nbytes=nbytes)[index]
+
+
+# -- a dataset over mmapcache's Cache, written as docs/guide.md shows --------------------------------
+
+CACHE_LENGTH, CACHE_NBYTES = 40, 64 * 1024
+
+
+def cache_sample(index: int) -> dict[str, Any]:
+    """The oracle of ``CacheBacked``: the bytes and tag ``tests/_procs.py`` writes with tag 1."""
+    from _procs import sample_data
+
+    return {"data": sample_data(index, 1, CACHE_NBYTES), "tag": np.int32(1)}
+
+
+class CacheBacked:
+    """``cache_sample(i)`` for each index, cached in a ``Cache``: hits by ``get_many``, misses by ``put_many``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._cache: Cache | None = None
+
+    @property
+    def cache(self) -> Cache:
+        if self._cache is None:
+            from _procs import make_fields
+
+            self._cache = Cache.open(self.path, make_fields(CACHE_NBYTES), CACHE_LENGTH)
+        return self._cache
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
+
+    def __len__(self) -> int:
+        return CACHE_LENGTH
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        cache = self.cache
+        hit = cache.contains_many(indices).tolist()
+        hits = [i for i, h in zip(indices, hit, strict=True) if h]
+        # Slots never go back from READY while processes fill, so what contains_many saw stays readable.
+        got = cache.get_many(hits) if hits else {}
+        rows = iter(range(len(hits)))
+        out: list[dict[str, Any]] = []
+        misses: dict[int, dict[str, Any]] = {}
+        for i, h in zip(indices, hit, strict=True):
+            if h:
+                row = next(rows)
+                out.append({"data": got["data"][row], "tag": got["tag"][row]})
+            else:
+                out.append(misses.setdefault(i, cache_sample(i)))
+        if misses:  # False for slots another process stores first: fine, they hold the same bytes
+            cache.put_many(
+                list(misses), {name: np.stack([s[name] for s in misses.values()]) for name in ("data", "tag")}
+            )
+        return out

@@ -1,6 +1,12 @@
-"""A Hypothesis state machine driving several real processes that share one cache.
+"""A Hypothesis state machine driving several real processes that share one cache, at the protocol level.
 
-Three spawned worker processes (see ``_procs.py``) open, fill, read, verify,
+The user-level property -- every sample a dataset over the cache returns,
+whatever its processes do, equals the truth -- is checked by
+``mmapcache.testing.check_concurrent_access``: the last tests here run it on
+a dataset over ``Cache``, tests/test_testing.py on ``CachedDataset``. This machine checks what
+only the protocol can tell, with a model of which writer won each slot:
+
+three spawned worker processes (see ``_procs.py``) open, fill, read, verify,
 clear, close and reopen one cache file while Hypothesis picks the operations;
 some rules make two workers write the same slots at the same instant, and
 some SIGKILL a worker -- idle, or in the middle of a ``put_many``. The test
@@ -29,6 +35,7 @@ from typing import Any
 
 import pytest
 from _procs import Worker, sample_data, stop_all
+from _testing_caches import CacheBacked, cache_sample
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -42,6 +49,7 @@ from hypothesis.stateful import (
 
 import mmapcache
 from mmapcache import Cache, CacheInUseError
+from mmapcache.testing import check_concurrent_access
 
 NBYTES = 256 * 1024
 LENGTH, CAPACITY = 24, 20  # indices 20..23 are valid but never cacheable
@@ -336,3 +344,20 @@ def test_processes_sharing_a_cache_match_the_model(cache_dir: Path) -> None:
 @pytest.mark.timeout(3600)
 def test_processes_sharing_a_cache_match_the_model_long(cache_dir: Path) -> None:
     _run(cache_dir, examples=100, steps=50)
+
+
+@pytest.mark.timeout(300)
+def test_a_dataset_over_the_cache_passes_the_concurrent_access_check() -> None:
+    """Loads, races, kills mid-put, reopens, forks and removes through ``get_many``/``put_many``."""
+    summary = check_concurrent_access(CacheBacked, cache_sample)
+    print(f"dataset over Cache: {summary}")
+    assert summary.kills
+    assert summary.races
+    assert summary.removes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_a_dataset_over_the_cache_passes_a_long_concurrent_access_check() -> None:
+    summary = check_concurrent_access(CacheBacked, cache_sample, max_examples=500, processes=4)
+    print(f"dataset over Cache, long: {summary}")
