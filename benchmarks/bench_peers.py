@@ -86,7 +86,8 @@ class Plan:
 
     def data(self) -> np.ndarray[Any, Any]:
         rng = np.random.default_rng(self.seed)
-        return np.frombuffer(rng.bytes(self.rows * self.row), np.uint8).reshape(self.rows, self.row).copy()
+        rows: np.ndarray[Any, Any] = np.frombuffer(rng.bytes(self.rows * self.row), np.uint8).copy()
+        return rows.reshape(self.rows, self.row)
 
     def fill_chunks(self, r: int) -> list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]:
         """Round ``r``'s fill: (indices, rows) of ``CHUNK`` samples each, indices in a random order."""
@@ -126,9 +127,9 @@ def limit_variants(ram: np.ndarray[Any, Any], batch: int) -> dict[str, Variant]:
     dst.fill(0)
     last = len(ram) - batch
 
-    def memcpy(x: Any) -> object:
+    def memcpy(x: Any) -> None:
         start = int(x[0][0]) % last
-        return np.copyto(dst, ram[start : start + batch])
+        np.copyto(dst, ram[start : start + batch])
 
     return {
         TAKE: lambda x: np.take(ram, x[0], axis=0),

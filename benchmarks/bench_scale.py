@@ -106,7 +106,8 @@ def readers_once(kind: str, path: Path, n: int, procs: int, calls: int, r: int) 
             if w.is_alive():
                 w.kill()
                 w.join()
-    return (max(s[1] for s in spans) - min(s[0] for s in spans)) / (procs * calls * BATCH)
+    span: float = max(s[1] for s in spans) - min(s[0] for s in spans)
+    return span / (procs * calls * BATCH)
 
 
 def bench_readers(directory: Path, total: int, calls: int, rounds: int) -> dict[str, Any]:

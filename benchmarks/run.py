@@ -72,7 +72,7 @@ def setup_peers(quick: bool, setup: bool) -> dict[str, Any]:
     if setup and not stocaching_ready():
         setup_stocaching()
     td = setup_tensordict() if setup else tensordict_version()
-    peers = {"stocaching": stocaching_ready(), "tensordict": td}
+    peers: dict[str, Any] = {"stocaching": stocaching_ready(), "tensordict": td}
     missing = [name for name, ok in peers.items() if not ok]
     if missing:
         how = "run without --quick, or once with --setup" if quick else "run with --setup"
