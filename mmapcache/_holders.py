@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["held_by"]
+__all__ = ["held_by", "spelled_pids"]
 
 # A parent chain deeper than this is not a DataLoader's (worker < fork server < us).
 _MAX_DEPTH = 32
@@ -49,19 +49,22 @@ def held_by(pids: Sequence[int], *, other_handles: bool = False) -> str:
         )
     if children:
         whose = "its" if this else "this process's"
-        who.append(f"{whose} DataLoader workers or other child processes ({_pids(children)})")
+        who.append(f"{whose} DataLoader workers or other child processes ({spelled_pids(children)})")
         todo.append(
             "delete the DataLoader iterators whose workers hold it (del the iterator, or the loader: with "
             "persistent_workers=True the workers keep the cache open for as long as the DataLoader lives), "
             "or end the other child processes using it"
         )
     if others:
-        who.append(f"other processes ({_pids(others)})")
+        who.append(f"other processes ({spelled_pids(others)})")
         todo.append("stop the other jobs using it")
     return f" by {' and '.join(who)}; {'; '.join(todo)}"
 
 
-def _pids(pids: Sequence[int]) -> str:
+def spelled_pids(pids: Sequence[int]) -> str:
+    """``pid 12`` or ``pids 12, 13`` ("" for none), as messages and the command line show them."""
+    if not pids:
+        return ""
     return f"pid {pids[0]}" if len(pids) == 1 else f"pids {', '.join(map(str, pids))}"
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "SUPPORTED",
     "LeafShapeError",
     "as_tensor",
+    "as_text",
     "check_declared",
     "check_leaf",
     "convert_leaf",
@@ -143,6 +144,9 @@ def leaf_field(value: Any, name: str) -> Field:
         if value.layout != torch.strided or value.is_nested:
             raise TypeError(f"{where}: {value.layout} tensors cannot be cached; use dense tensors ({SUPPORTED})")
         return Field(tuple(value.shape), value.dtype)
+    text = as_text(value)
+    if text is not None:
+        return Field((None,), type(text))
     if isinstance(value, (np.ndarray, np.generic)):
         dtype = value.dtype
         if dtype.kind not in "biufc" or not _torch_knows(dtype.newbyteorder("=")):
@@ -154,10 +158,19 @@ def leaf_field(value: Any, name: str) -> Field:
         return Field((), np.int64)
     if isinstance(value, float):
         return Field((), np.float64)
-    if isinstance(value, (str, bytes)):
-        return Field((None,), type(value))
     kind = type(value).__name__
     raise TypeError(f"{where}: {kind} values cannot be cached{leaf_hint(value)}; supported: {SUPPORTED}")
+
+
+def as_text(value: Any) -> str | bytes | None:
+    """A text leaf as the Python ``str``/``bytes`` it holds: numpy string scalars and 0-d string arrays
+    (what ``datasets``' numpy format gives for a string column) count as text; None for anything else."""
+    if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "SU" and value.ndim == 0:
+        item = value.item()
+        return item if isinstance(item, (str, bytes)) else None
+    if isinstance(value, (str, bytes)):
+        return str(value) if isinstance(value, str) else bytes(value)
+    return None
 
 
 def leaf_hint(value: Any) -> str:

@@ -41,6 +41,7 @@ from ._admin import (
 )
 from ._errors import CacheError, CacheFormatError
 from ._file import LOCK_SUFFIX, TEMP_MARK, remove
+from ._holders import spelled_pids
 from ._paths import SUFFIX, default_dir
 from ._sizes import format_age, format_bytes, parse_duration
 from ._version import __version__
@@ -108,16 +109,10 @@ def _fill(item: CacheInfo) -> str:
     return text
 
 
-def _pids(pids: Sequence[int]) -> str:
-    if not pids:
-        return ""
-    return f"pid {pids[0]}" if len(pids) == 1 else f"pids {', '.join(map(str, pids))}"
-
-
 def _in_use(item: CacheInfo) -> str:
     if not item.in_use:
         return "no"
-    return f"yes ({_pids(item.pids)})" if item.pids else "yes"
+    return f"yes ({spelled_pids(item.pids)})" if item.pids else "yes"
 
 
 def _age(timestamp: float, now: float) -> str:
@@ -243,7 +238,7 @@ def format_info(item: CacheInfo, now: float) -> str:
             for f in item.fields
         ],
     )
-    in_use = (f"yes, by {_pids(item.pids)}" if item.pids else "yes") if item.in_use else "no"
+    in_use = (f"yes, by {spelled_pids(item.pids)}" if item.pids else "yes") if item.in_use else "no"
     free = f"{format_bytes(item.free)} free" if item.free is not None else "free space unknown"
     rows = [
         ("path", str(item.path)),
@@ -300,7 +295,7 @@ def format_gc(report: GcReport, now: float) -> str:
         damaged = " (damaged)" if item.kind == "corrupt" else ""
         lines.append(f"{verb} {_name(item.path, report.directory)}{damaged}  {format_bytes(item.nbytes)}  {what}")
     for kept in report.kept:
-        why = f"in use by {_pids(kept.pids)}" if kept.in_use and kept.pids else kept.reason
+        why = f"in use by {spelled_pids(kept.pids)}" if kept.in_use and kept.pids else kept.reason
         lines.append(f"kept {_name(kept.path, report.directory)}: {why} (last used {_age(kept.last_used, now)})")
     age = _span(report.older_than)
     if not report.removed:

@@ -64,6 +64,7 @@ from ._errors import CacheError, CacheInUseError, SchemaMismatchError, StaleCach
 from ._field import Field, FieldsLike, normalize_fields
 from ._file import remove
 from ._format import indices_digest, slot_nbytes
+from ._lookahead import loader_for
 from ._paths import default_dir
 from ._sampler import NodeShardSampler
 from ._slots import STRONGLY_ORDERED
@@ -72,6 +73,7 @@ from ._testing_compare import difference
 from ._torch_values import (
     SUPPORTED,
     LeafShapeError,
+    as_text,
     check_declared,
     check_leaf,
     convert_leaf,
@@ -177,10 +179,15 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     >>> loader = DataLoader(ds, batch_size=256, shuffle=True, num_workers=8)  # doctest: +SKIP
 
     ``dataset`` is any map-style dataset (``__len__`` and ``__getitem__``)
-    whose samples are tensors, numpy arrays, Python bool/int/float, or a
-    tuple/list/dict of those nested one level. ``ds[i]`` returns the
+    whose samples are tensors, numpy arrays, Python bool/int/float/str/bytes,
+    or a tuple/list/dict of those nested one level. ``ds[i]`` returns the
     structure ``dataset[i]`` has, with every leaf a torch tensor (Python
-    scalars become 0-d tensors; dtypes are kept).
+    scalars become 0-d tensors; dtypes are kept) except ``str`` and
+    ``bytes``, which come back as themselves (``default_collate`` makes
+    lists of them). ``dtypes`` (``{field name: dtype}``, torch or numpy)
+    sets the storage dtype of those fields: values are converted when stored
+    and must convert exactly (else ``ValueError``/``TypeError`` naming the
+    field and the value), and reads return the storage dtype.
 
     Without ``fields`` every leaf keeps the shape and dtype of the first
     sample. ``fields`` declares them instead, by the leaves' field names (see
@@ -199,10 +206,20 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     (the rest are read from ``dataset`` every time); they apply when the file
     is created.
 
+    ``check`` guards against stale and random data: when a process first
+    uses an existing cache it compares ``check`` cached samples with fresh
+    ones from ``dataset`` (:class:`~mmapcache.StaleCacheError` when one
+    differs), and the first miss of a process loads its sample twice (a
+    :class:`~mmapcache.CacheError` when the two differ: random augmentation
+    belongs in ``transform``). It costs ``check + 1`` sample loads per
+    process; ``check=0`` turns both checks off.
+
     ``transform`` runs after the cache on every access (random augmentation).
     ``copy=False`` returns zero-copy tensors over a read-only mapping of the
     file (an in-place write to one crashes the process with SIGSEGV rather
-    than corrupting the shared cache); the default returns fresh tensors.
+    than corrupting the shared cache; a ``transform`` that writes to its
+    input is refused with a ``ValueError`` first); the default returns fresh
+    tensors.
     ``verify=True`` checks each read against its slot checksum.
 
     ``cached_indices`` caches only those indices of ``dataset`` — one node's
@@ -767,10 +784,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         ``counted``: the cache already counted these misses in the file.
         """
         self._misses += len(indices)
-        raw = self._fetch(indices)
-        if not self._deterministic:
-            self._check_deterministic(self._sources(indices[:1])[0], raw[0])
-        samples = self._store(indices, raw)
+        samples = self._store(indices, self._fetch(indices), first_miss=not self._deterministic and bool(self.check))
         if not counted and self._cache is not None:
             self._cache.count(misses=len(indices))
         return samples
@@ -790,14 +804,22 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             )
         self._deterministic = True
 
-    def _store(self, indices: list[int], raw: list[Any]) -> list[Any]:
+    def _store(self, indices: list[int], raw: list[Any], *, first_miss: bool = False) -> list[Any]:
+        """Store freshly loaded samples (checked against the schema first); return them as a read would.
+
+        ``first_miss``: once the batch passed the schema checks, its first sample is loaded once
+        more and compared, before anything is created or stored.
+        """
+        first = self._sources(indices[:1])[0]
         cache = self._opened()
         if cache is None:
             # Nobody created the file yet: the whole batch is checked against the schema first,
             # so a batch whose shapes vary (without fields=) leaves no file behind.
-            fields = self._first_fields(raw[0], self._sources(indices[:1])[0])
+            fields = self._first_fields(raw[0], first)
             schema = _Schema(fields, self.path)
             columns = self._columns(schema, indices, raw)
+            if first_miss:
+                self._check_deterministic(first, raw[0])
             cache = self._create(fields, _text_budget(schema, columns, self._cache_length()))
             assert self._schema is not None
             if self._schema.names != schema.names:  # another process created it, its fields in another order
@@ -805,10 +827,12 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
                 columns = self._columns(schema, indices, raw)
         else:
             if not self._checked:
-                self._check_schema(raw[0], self._sources(indices[:1])[0])
+                self._check_schema(raw[0], first)
             assert self._schema is not None
             schema = self._schema
             columns = self._columns(schema, indices, raw)
+            if first_miss:
+                self._check_deterministic(first, raw[0])
         stored = cache.put_many(indices, dict(zip(schema.names, columns, strict=True)))
         self._written += int(np.count_nonzero(stored))
         return self._build(schema, columns)
@@ -871,7 +895,9 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
                             leaf = convert_leaf(leaf, field, name)
                         except (TypeError, ValueError) as error:
                             raise _ConversionError(type(error), f"dataset[{index}]: {error}") from None
-                    if isinstance(leaf, (torch.Tensor, np.ndarray, np.generic)):
+                    if field.text is not None:
+                        column.append(coerce_value(_text_or_leaf(leaf), field, name))
+                    elif isinstance(leaf, (torch.Tensor, np.ndarray, np.generic)):
                         column.append(check_leaf(leaf, field, name))
                     else:
                         column.append(coerce_value(leaf, field, name))
@@ -970,7 +996,8 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             collated = False
         token = uuid.uuid4().hex
         _LOADING[token] = self
-        return torch.utils.data.DataLoader(
+        # On a disk the main process also hints batches ahead of the workers (_lookahead.py).
+        return loader_for(self)(
             Batched(self, collated=collated, token=token),
             batch_size=batch_size,
             shuffle=shuffle,
@@ -1200,10 +1227,24 @@ def _tensors(sample: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(value)
 
 
+def _text_or_leaf(leaf: Any) -> Any:
+    """A numpy string scalar (or 0-d string array) as the ``str``/``bytes`` it holds; other leaves as they are."""
+    text = as_text(leaf)
+    return leaf if text is None else text
+
+
 def _some_ready(cache: Cache, count: int) -> list[int]:
-    """Up to ``count`` READY positions, spread at random over the file (this process's own draw)."""
-    probe = np.random.default_rng().choice(cache.length, size=min(cache.length, 16 * count), replace=False)
+    """Up to ``count`` READY positions, drawn at random (this process's own draw).
+
+    A few random probes find them in a well-filled cache; a sparse one is scanned (a byte per slot).
+    """
+    rng = np.random.default_rng()
+    probe = rng.choice(cache.length, size=min(cache.length, 16 * count), replace=False)
     ready = probe[cache.contains_many(probe)]
+    if len(ready) < count and len(probe) < cache.length:
+        everything = np.arange(cache.length)
+        filled = everything[cache.contains_many(everything)]
+        ready = rng.choice(filled, size=min(count, len(filled)), replace=False) if len(filled) else filled
     return sorted(int(i) for i in ready[:count])
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -77,3 +78,13 @@ def normalize(sample: Any) -> Any:
     """The same, out of place."""
     image, label = sample
     return image - 1, label
+
+
+class NumpyStrings(Dataset[Any]):
+    """A string column as Hugging Face datasets' numpy format gives it: 0-d string arrays and numpy scalars."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"text": np.array(f"row {i} " * i), "raw": np.bytes_(b"x" * i), "label": np.int64(i)}

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from pipelines import Pixels, Random, Texts, Unresized, normalize, normalize_in_place
+from pipelines import NumpyStrings, Pixels, Random, Texts, Unresized, normalize, normalize_in_place
 from torch.utils.data import DataLoader, default_collate
 
 from mmapcache import Cache, CacheError, Field, SchemaMismatchError, StaleCacheError
@@ -79,6 +79,14 @@ def test_text_longer_than_the_default_room_is_served_uncached(tmp_path: Path) ->
         for i in range(40):
             assert ds[i]["text"] == Texts(40, long_after=20)[i]["text"]
     assert 8 <= ds.cache.filled < 40  # some long ones found no room, and were still exact
+
+
+def test_numpy_strings_are_text(tmp_path: Path) -> None:
+    ds = CachedDataset(NumpyStrings(), tmp_path / "t.mmc", key="np-strings")
+    assert ds[3]["text"] == "row 3 row 3 row 3 "
+    assert ds[4]["raw"] == b"xxxx"
+    assert [s["text"] for s in ds.__getitems__([0, 1])] == ["", "row 1 "]
+    assert ds.cache.fields["text"] == Field((None,), str)
 
 
 def test_the_core_refuses_text_of_the_wrong_kind(tmp_path: Path) -> None:
@@ -181,6 +189,14 @@ def test_changed_preprocessing_is_stale_and_check_0_skips_it(tmp_path: Path) -> 
     assert torch.equal(unchecked[0][0], Pixels()[0][0]), "check=0: the cached sample, unchecked"
     same = CachedDataset(Pixels(), tmp_path / "c.mmc", key="px/v1", check=8)
     assert torch.equal(same[5][0], Pixels()[5][0])
+
+
+def test_stale_content_is_caught_in_a_sparse_cache(tmp_path: Path) -> None:
+    """A cache with a few filled slots among many is still checked (random probes fall back to a scan)."""
+    CachedDataset(Pixels(n=5000), tmp_path / "c.mmc", key="px/v1", check=0).__getitems__([4321])
+    with pytest.raises(StaleCacheError) as caught:
+        CachedDataset(Pixels(n=5000, version=1), tmp_path / "c.mmc", key="px/v1")[0]
+    assert caught.value.index == 4321
 
 
 def test_stale_content_is_caught_in_dataloader_workers(tmp_path: Path) -> None:

@@ -1,4 +1,8 @@
-"""CachedDataset: real DataLoaders (fork, spawn, forkserver workers), real processes, real files."""
+"""CachedDataset: real DataLoaders (fork, spawn, forkserver workers), real processes, real files.
+
+Tests that count loads from the dataset pass ``check=0``: the stale and determinism checks load a few
+samples more per process (tests/test_pipelines.py tests them).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Subset
 from torch_helpers import NoGetitems, Recorded, accesses, as_collated, check_batch, identity, reference, same
 
-from mmapcache import Cache, SchemaMismatchError, default_dir
+from mmapcache import Cache, SchemaMismatchError, StaleCacheError, default_dir
 from mmapcache.torch import CachedDataset
 
 HERE = Path(__file__).resolve().parent
@@ -39,7 +43,7 @@ def _env() -> dict[str, str]:
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_dataloader_workers(context: str, cache_dir: Path) -> None:
     log = cache_dir / "accesses"
-    ds = CachedDataset(Recorded(N, log), cache_dir / "c.mmc", key="recorded/v1")
+    ds = CachedDataset(Recorded(N, log), cache_dir / "c.mmc", key="recorded/v1", check=0)
 
     def loader(**kwargs: Any) -> DataLoader[Any]:
         return DataLoader(ds, num_workers=2, multiprocessing_context=context, **kwargs)
@@ -69,14 +73,14 @@ def test_dataloader_workers(context: str, cache_dir: Path) -> None:
 def test_dataloader_without_getitems(cache_dir: Path) -> None:
     """The per-sample path (no __getitems__) fills and serves the same samples."""
     log = cache_dir / "accesses"
-    ds = NoGetitems(Recorded(N, log), key="recorded/v1")
+    ds = NoGetitems(Recorded(N, log), key="recorded/v1", check=0)
     for _ in range(2):
         seen = [i for batch in DataLoader(ds, batch_size=8, shuffle=True, num_workers=2) for i in check_batch(batch)]
         assert sorted(seen) == list(range(N))
     assert sorted(i for _, _, i in accesses(log)) == list(range(N))
     # The same file serves the batched path too.
     assert ds.cache.filled == N
-    fast = CachedDataset(Recorded(N, log), key="recorded/v1")
+    fast = CachedDataset(Recorded(N, log), key="recorded/v1", check=0)
     assert fast.path == ds.path
     for batch in DataLoader(fast, batch_size=32):
         check_batch(batch)
@@ -246,7 +250,7 @@ class Bad(torch.utils.data.Dataset[Any]):
     def __getitem__(self, i: int) -> Any:
         x = torch.zeros(3)
         return {
-            "str": (x, "cat"),
+            "set": (x, {"cat"}),
             "none": {"image": x, "label": None},
             "ragged": (torch.zeros(i + 1), i),
             "deep": (x, ([x],)),
@@ -261,7 +265,7 @@ class Bad(torch.utils.data.Dataset[Any]):
 @pytest.mark.parametrize(
     ("kind", "error", "words"),
     [
-        ("str", TypeError, ["'1'", "str", "supported"]),
+        ("set", TypeError, ["'1'", "set", "supported"]),
         ("none", TypeError, ["'label'", "NoneType", "supported"]),
         ("ragged", ValueError, ["'0'", "shape", "fixed"]),
         ("deep", TypeError, ["'1/0'", "nested more than one level"]),
@@ -298,8 +302,11 @@ def test_schema_mismatch_tells_what_to_do(cache_dir: Path) -> None:
     path = cache_dir / "c.mmc"
     old = CachedDataset(Shaped(4), path, key="images/v1")
     old.__getitems__([0, 1])
-    # Same key, other preprocessing: found at the first miss.
-    new = CachedDataset(Shaped(8), path, key="images/v1")
+    # Same key, other preprocessing: found when the cache is first used (the content check)...
+    with pytest.raises(StaleCacheError, match=r"\(8, 8\)"):
+        CachedDataset(Shaped(8), path, key="images/v1")[0]
+    # ... or, with check=0, at the first miss.
+    new = CachedDataset(Shaped(8), path, key="images/v1", check=0)
     assert same(new[0], old[0])  # a hit: the key says it is the same content
     with pytest.raises(SchemaMismatchError) as info:
         new[5]
@@ -337,7 +344,7 @@ def test_default_path_from_key() -> None:
 
 def test_partial_caching_with_max_bytes(cache_dir: Path) -> None:
     log = cache_dir / "accesses"
-    ds = CachedDataset(Recorded(N, log), key="partial", max_bytes="12KiB")
+    ds = CachedDataset(Recorded(N, log), key="partial", max_bytes="12KiB", check=0)
     for batch in DataLoader(ds, batch_size=10, shuffle=True, num_workers=2):
         check_batch(batch)
     capacity = ds.cache.capacity
@@ -464,7 +471,7 @@ def test_verify_treats_a_damaged_slot_as_a_miss(copy: bool, cache_dir: Path, cap
     with Cache(path) as cache:
         cache._mapped.arrays["0"][3, 0, 0, 0] ^= 0xFF  # type: ignore[union-attr]  # flip bits behind the protocol's back
     log = cache_dir / "accesses"
-    ds = CachedDataset(Recorded(N, log), path, key="damaged", copy=copy, verify=True)
+    ds = CachedDataset(Recorded(N, log), path, key="damaged", copy=copy, verify=True, check=0)
     samples = ds.__getitems__([2, 3, 4])
     for i, sample in zip([2, 3, 4], samples, strict=True):
         assert same(sample, as_collated(i))
@@ -479,7 +486,7 @@ def test_verify_treats_a_damaged_slot_as_a_miss(copy: bool, cache_dir: Path, cap
 
 def test_fill_in_process_and_with_workers(cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     log = cache_dir / "accesses"
-    ds = CachedDataset(Recorded(N, log), key="fill")
+    ds = CachedDataset(Recorded(N, log), key="fill", check=0)
     ds[3]
     assert ds.fill(batch_size=10) == N - 1
     assert "filling" in capsys.readouterr().err  # the tqdm bar
@@ -488,7 +495,7 @@ def test_fill_in_process_and_with_workers(cache_dir: Path, capsys: pytest.Captur
     totals = {"total_hits": 0, "total_misses": 1, "total_written": N, "processes": 1}
     assert ds.stats() == {"hits": 0, "misses": 1, "written": N, **totals, "filled": N, "capacity": N, "length": N}
 
-    other = CachedDataset(Recorded(N, log), key="fill-workers")
+    other = CachedDataset(Recorded(N, log), key="fill-workers", check=0)
     before = len(accesses(log))
     assert other.fill(num_workers=2, batch_size=8, progress=False) == N
     filled_by = accesses(log)[before:]
