@@ -64,7 +64,6 @@ from ._errors import CacheError, CacheInUseError, SchemaMismatchError, StaleCach
 from ._field import Field, FieldsLike, normalize_fields
 from ._file import remove
 from ._format import indices_digest, slot_nbytes
-from ._lookahead import loader_for
 from ._paths import default_dir
 from ._sampler import NodeShardSampler
 from ._slots import STRONGLY_ORDERED
@@ -996,8 +995,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             collated = False
         token = uuid.uuid4().hex
         _LOADING[token] = self
-        # On a disk the main process also hints batches ahead of the workers (_lookahead.py).
-        return loader_for(self)(
+        return torch.utils.data.DataLoader(
             Batched(self, collated=collated, token=token),
             batch_size=batch_size,
             shuffle=shuffle,
