@@ -151,9 +151,12 @@ class Run:
             self.observer = self.zygote.fork()
         self._remove_files(Path(path).name)
 
-    def replace(self, w: int) -> Process:
-        """Kill worker ``w`` and put a fresh process in its place."""
-        self.workers[w].kill()
+    def replace(self, w: int, *, kill: bool = True) -> Process:
+        """Kill worker ``w`` (or let it close its dataset and exit) and put a fresh process in its place."""
+        if kill:
+            self.workers[w].kill()
+        else:
+            self.workers[w].stop()
         self.workers[w] = self.zygote.fork()
         return self.workers[w]
 
@@ -168,6 +171,15 @@ class Run:
                     shutil.rmtree(entry, ignore_errors=True)
                 else:
                     entry.unlink(missing_ok=True)
+
+
+def _collapsed(steps: list[str]) -> list[str]:
+    """The steps with each run of identical ones said once: "worker 0 closes ... again (3 times)"."""
+    out: list[str] = []
+    for step, run in itertools.groupby(steps):
+        count = len(list(run))
+        out.append(step if count == 1 else f"{step} ({count} times)")
+    return out
 
 
 def _rotated(indices: Sequence[int], shift: int) -> list[int]:
@@ -270,7 +282,7 @@ def machine_class(run: Run) -> type[RuleBasedStateMachine]:
         def _fail(self, line: str, details: str = "") -> NoReturn:
             if run.failed_at is None:
                 run.failed_at, run.failed_example = time.monotonic(), run.summary.examples
-            steps = [*self.story, line]
+            steps = _collapsed([*self.story, line])
             story = "\n".join(f"  {n}. {step}" for n, step in enumerate(steps, 1))
             story = f"{story}\n{details}".rstrip()
             if run.shortest is None or len(steps) < run.shortest[0]:
@@ -294,9 +306,9 @@ def machine_class(run: Run) -> type[RuleBasedStateMachine]:
             run.summary.steps += 1
             self.story.append(line)
 
-        def _fresh_process(self, w: int) -> None:
-            """A fresh process takes worker ``w``'s place and makes the dataset."""
-            run.replace(w)
+        def _fresh_process(self, w: int, *, kill: bool = True) -> None:
+            """A fresh process takes worker ``w``'s place (which is killed, or asked to exit) and makes the dataset."""
+            run.replace(w, kill=kill)
             run.summary.reopens += 1
             self.holding[w] = False
             self._ask(w, f"a fresh process, worker {w}, makes the dataset", "open", self.path)
@@ -379,7 +391,7 @@ def machine_class(run: Run) -> type[RuleBasedStateMachine]:
         def restart(self, w: int) -> None:
             """Worker ``w`` exits cleanly; a fresh process makes the dataset."""
             self._step(f"worker {w} exits; a fresh process replaces it")
-            self._fresh_process(w)
+            self._fresh_process(w, kill=False)
 
         @rule(w=workers)
         @_recorded

@@ -271,8 +271,8 @@ class Process:
         """Whether a reply is waiting (without reading it)."""
         return self.conn.poll()
 
-    def reply(self, timeout: float = TIMEOUT) -> Any:
-        """The result of the command sent last; :class:`StepError` if it raised, the process died or hung."""
+    def _receive(self, timeout: float, expected: str) -> Any:
+        """The next message, which must have status ``expected``; :class:`StepError` otherwise, or if none comes."""
         if not self.conn.poll(timeout):
             self.broken = True
             raise StepError(f"did not answer within {timeout:.0f} s (a hang: a deadlock, or a lock never released?)")
@@ -283,21 +283,18 @@ class Process:
             raise StepError("died (crashed, or killed by a signal)") from None
         if status == "error":
             raise StepError(value[0], value[1])
+        if status != expected:
+            self.broken = True
+            raise StepError(f"answered {status!r} instead of {expected!r}")
         return value[0]
+
+    def reply(self, timeout: float = TIMEOUT) -> Any:
+        """The result of the command sent last; :class:`StepError` if it raised, the process died or hung."""
+        return self._receive(timeout, "ok")
 
     def wait_started(self) -> float:
         """Wait for the "started" a load sends when asked to announce itself; the ``time.monotonic()`` it started."""
-        if not self.conn.poll(TIMEOUT):
-            self.broken = True
-            raise StepError(f"did not start within {TIMEOUT:.0f} s")
-        try:
-            status, *value = self.conn.recv()
-        except (EOFError, OSError):
-            self.broken = True
-            raise StepError("died (crashed, or killed by a signal)") from None
-        if status != "started":
-            raise StepError(value[0] if status == "error" else f"answered {status!r} instead of starting", *value[1:])
-        started: float = value[0]
+        started: float = self._receive(TIMEOUT, "started")
         return started
 
     def call(self, op: str, *args: Any) -> Any:
