@@ -148,6 +148,17 @@ def test_a_deadline_stops_starting_examples() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_seed_repeats_the_steps() -> None:
+    first, second = (check_concurrent_access(toy, blob, max_examples=3, seed=7) for _ in range(2))
+    assert (first.steps, first.races, first.kills, first.forks) == (
+        second.steps,
+        second.races,
+        second.kills,
+        second.forks,
+    )
+
+
+@pytest.mark.timeout(120)
 def test_one_process_runs_without_races() -> None:
     summary = check_concurrent_access(toy, blob, processes=1, max_examples=5, kill=False)
     assert summary.races == 0
