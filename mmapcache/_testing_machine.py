@@ -161,8 +161,8 @@ class Run:
         return self.workers[w]
 
     def learn(self, seconds: float, count: int) -> None:
-        # A decaying maximum: kills aim at the slow loads (the misses that write), not at the hits.
-        self.per_sample = max(0.8 * self.per_sample, seconds / max(count, 1))
+        # A moving average of recent loads, which a kill step's load is likely to resemble.
+        self.per_sample = 0.5 * self.per_sample + 0.5 * seconds / max(count, 1)
 
     def _remove_files(self, name: str) -> None:
         for entry in self.directory.iterdir():
@@ -330,10 +330,16 @@ def machine_class(run: Run) -> type[RuleBasedStateMachine]:
             racers=st.integers(2, max(2, processes)),
             shifts=st.lists(st.integers(0, BATCH - 1), min_size=processes, max_size=processes),
             delays=st.lists(st.integers(0, 30), min_size=processes, max_size=processes),
+            kill_first=st.none() | st.integers(0, 100) if run.kill else st.none(),
         )
         @_recorded
-        def load_at_once(self, indices: list[int], racers: int, shifts: list[int], delays: list[int]) -> None:
-            """Several workers load the same indices at the same instant, each in its own order and delay."""
+        def load_at_once(
+            self, indices: list[int], racers: int, shifts: list[int], delays: list[int], kill_first: int | None
+        ) -> None:
+            """Several workers load the same indices at the same instant, each in its own order and delay.
+
+            With ``kill_first``, worker 0 is killed that percent into its load, while the others load.
+            """
             racers = min(racers, processes)
             run.summary.races += 1
             start_at = time.monotonic() + 0.01
@@ -345,19 +351,33 @@ def machine_class(run: Run) -> type[RuleBasedStateMachine]:
                 parts.append(part)
                 run.workers[w].send("load", batch, False, start_at + delays[w] / 10_000, False)
             line = "at once: " + ", ".join(parts)
+            first = 0
+            if kill_first is not None:
+                wait_until(start_at + delays[0] / 10_000 + run.per_sample * len(indices) * kill_first / 100)
+                finished = run.workers[0].answered()
+                run.workers[0].kill()
+                run.summary.kills += 1
+                run.summary.kills_mid_load += not finished
+                line += f"; worker 0 is killed {kill_first}% into its load"
+                line += " (after it finished)" if finished else " (mid-load)"
+                first = 1
             answers: list[dict[str, Any] | StepError] = []
-            for w in range(racers):  # every answer is read before any is judged: none stays in a pipe
+            for w in range(first, racers):  # every answer is read before any is judged: none stays in a pipe
                 try:
                     answers.append(run.workers[w].reply())
                 except StepError as error:
                     answers.append(error)
-            for w, answer in enumerate(answers):
+            for w, answer in enumerate(answers, first):
                 if isinstance(answer, StepError):
                     self._fail(f"{line} → worker {w} {answer.summary}", answer.details)
                 self._checked(f"{line} → worker {w}", answer, batches_of[w])
                 self.holding[w] = True
             self.loaded.update(indices)
-            self._step(line)
+            if kill_first is not None:
+                self._step(line + "; a fresh process replaces it")
+                self._fresh_process(0)
+            else:
+                self._step(line)
 
         @precondition(lambda self: run.kill)
         @rule(w=workers, indices=batches, percent=st.integers(0, 100))
