@@ -139,12 +139,14 @@ def scale_tables(scale: Results) -> str:
             [
                 fmt_bytes(r["size"]),
                 r["slots"],
+                f"{r['create_s']:.3g}",
                 *[f"{r[k]['us']['median']:.3g}" for k in names],
                 _q(r[names[0]]["time_vs_mmap"]),
             ]
             for r in opened
         ]
-        text += "\n\n" + _md(["size", "slots", *[f"{k} µs" for k in names], f"{names[0]} / mmap"], rows)
+        headers = ["size", "slots", "create s", *[f"{k} µs" for k in names], f"{names[0]} / mmap"]
+        text += "\n\n" + _md(headers, rows)
     for size, why in scale["open"].get("skipped", {}).items():
         text += f"\n\nSkipped {size}: {why}."
     return text
