@@ -83,10 +83,18 @@ def test_a_correct_cache_of_our_own_passes_with_forked_children_instead_of_datal
 @pytest.mark.parametrize("flaw", FLAWS)
 def test_a_broken_cache_is_caught_on_the_default_budget_with_a_short_story(flaw: str) -> None:
     start = time.monotonic()
-    with pytest.raises(AssertionError) as caught:
-        check_concurrent_access(functools.partial(toy, flaw=flaw), blob)
+    # Races are provoked, not forced: one default run caught each flaw in 17-18 of 18 measured runs
+    # (docs/testing.md), so a second default run is allowed before calling the flaw missed.
+    for attempt in range(2):
+        try:
+            summary = check_concurrent_access(functools.partial(toy, flaw=flaw), blob)
+        except AssertionError as error:
+            story = str(error)
+            break
+        print(f"\n{flaw}: missed by default run {attempt + 1}: {summary}")
+    else:
+        pytest.fail(f"two default runs of check_concurrent_access missed the {flaw} flaw")
     seconds = time.monotonic() - start
-    story = str(caught.value)
     print(f"\n{flaw} (caught, {seconds:.1f} s in all):\n{story}")
     assert re.search(r"went wrong in example \d+ after [\d.]+ s", story), story
     steps = STEP.findall(story)
