@@ -36,6 +36,23 @@ BATCH = 8  # indices in one load, at most
 UNIVERSE = 32  # loads draw from the first indices only: overlapping loads are what break caches
 STEPS = 20  # steps in one example, at most
 SHRINK_SECONDS = 30.0  # time given to shrinking a failure before its best story is replayed
+SHRINK_ENV = "MMAPCACHE_TESTING_SHRINK_SECONDS"  # overrides it (e.g. shorter in CI)
+
+
+def shrink_seconds() -> float:
+    """The time shrinking a failure may take: ``$MMAPCACHE_TESTING_SHRINK_SECONDS``, else 30 s."""
+    given = os.environ.get(SHRINK_ENV)
+    if given is None:
+        return SHRINK_SECONDS
+    try:
+        seconds = float(given)
+    except ValueError:
+        raise ValueError(f"{SHRINK_ENV}={given!r} is not a number of seconds") from None
+    if not seconds >= 0:
+        raise ValueError(f"{SHRINK_ENV}={given!r}: give a number of seconds, 0 or more")
+    return seconds
+
+
 REPLAYS = 1  # while shrinking, a sequence of steps that passed is run again this many times
 
 
@@ -82,6 +99,7 @@ class Run:
         self.started = time.monotonic()
         self.deadline = None if deadline is None else self.started + deadline
         self.failed_at: float | None = None  # when the first failure happened (shrinking starts then)
+        self.shrink_seconds = shrink_seconds()  # read once, before the first example: a bad value fails early
         self.failed_example = 0
         self.shortest: tuple[int, str] | None = None  # the failing story of fewest steps seen
         self.replays = 0  # runs of a shrink candidate's steps after the first
@@ -129,7 +147,7 @@ class Run:
         if self.failed_at is None:
             if self.deadline is not None and now > self.deadline and self.summary.examples:
                 return None
-        elif now > self.failed_at + SHRINK_SECONDS and not current_build_context().is_final:
+        elif now > self.failed_at + self.shrink_seconds and not current_build_context().is_final:
             return None  # shrinking had its time: keep the story found so far
         if replay:
             self.replays += 1

@@ -37,6 +37,12 @@ def _no_leftovers() -> list[str]:
     return [name for name in os.listdir(mmapcache.default_dir()) if name.startswith("check-")]
 
 
+@pytest.fixture
+def short_shrinking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shrinking gets 8 s instead of 30 (what CI would set): the stories stay short enough, the suite fast."""
+    monkeypatch.setenv("MMAPCACHE_TESTING_SHRINK_SECONDS", "8")
+
+
 # -- correct caches pass ------------------------------------------------------------------
 
 
@@ -81,6 +87,7 @@ def test_a_correct_cache_of_our_own_passes_with_forked_children_instead_of_datal
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flaw", FLAWS)
+@pytest.mark.usefixtures("short_shrinking")
 def test_a_broken_cache_is_caught_on_the_default_budget_with_a_short_story(flaw: str) -> None:
     start = time.monotonic()
     # Races are provoked, not forced: one default run caught each flaw in 17-18 of 18 measured runs
@@ -106,13 +113,14 @@ def test_a_broken_cache_is_caught_on_the_default_budget_with_a_short_story(flaw:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.usefixtures("short_shrinking")
 def test_a_dataset_that_raises_fails_with_the_step_and_the_workers_traceback() -> None:
     with pytest.raises(AssertionError) as caught:
         check_concurrent_access(Failing, Failing.truth, max_examples=10)
     story = str(caught.value)
     assert "raised OSError: cannot read sample 7" in story
     assert "Traceback" in story  # the worker's, after the steps
-    # Shrunk (30 s of it) to steps the last of which loads index 7.
+    # Shrunk (8 s of it here) to steps the last of which loads index 7.
     steps = STEP.findall(story)
     assert 1 <= len(steps) <= 20, story
     last = re.findall(r"^  \d+\. (.*)$", story, re.M)[-1]
@@ -120,6 +128,7 @@ def test_a_dataset_that_raises_fails_with_the_step_and_the_workers_traceback() -
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.usefixtures("short_shrinking")
 def test_a_wrong_sample_without_any_concurrency_shrinks_to_a_short_story() -> None:
     with pytest.raises(AssertionError) as caught:
         check_concurrent_access(Miscounting, Miscounting.truth, max_examples=10, seed=1)
@@ -130,6 +139,13 @@ def test_a_wrong_sample_without_any_concurrency_shrinks_to_a_short_story() -> No
 
 
 # -- the contract's edges -----------------------------------------------------------------------
+
+
+def test_a_bad_shrink_time_is_refused_before_anything_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MMAPCACHE_TESTING_SHRINK_SECONDS", "soon")
+    with pytest.raises(ValueError, match="MMAPCACHE_TESTING_SHRINK_SECONDS='soon' is not a number of seconds"):
+        check_concurrent_access(toy, blob, max_examples=1)
+    assert _no_leftovers() == []
 
 
 def test_arguments_that_cannot_reach_the_processes_are_refused_up_front() -> None:
