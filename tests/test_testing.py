@@ -124,7 +124,8 @@ def test_a_dataset_that_raises_fails_with_the_step_and_the_workers_traceback() -
     steps = STEP.findall(story)
     assert 1 <= len(steps) <= 20, story
     last = re.findall(r"^  \d+\. (.*)$", story, re.M)[-1]
-    assert re.search(r"load(s|ing) \[[\d, ]*\b7\b[\d, ]*\]", last), last
+    # A load of 7 by one worker, or a race in which a worker loads it.
+    assert re.search(r"\[[\d, ]*\b7\b[\d, ]*\]", last), last
 
 
 @pytest.mark.timeout(300)
