@@ -568,10 +568,12 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Any:
-        at = self._positions(np.array([self._index(index)], np.intp))
-        if at is None:  # not one of cached_indices: read from the dataset every time
-            return self._uncached(self._indices([index]))[0]
-        i = int(at[0])
+        i = self._index(index)
+        if self.cached_indices is not None:  # a shard: its position in the file, if it is one of them
+            at = self._positions(np.array([i], np.intp))
+            if at is None:  # not one of cached_indices: read from the dataset every time
+                return self._uncached(np.array([i], np.intp))[0]
+            i = int(at[0])
         cache = self._opened()
         sample: Any = None
         counted = False  # whether Cache.get counted a miss already
@@ -616,9 +618,10 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         """
         if len(indices) == 0:
             return []
-        idx = self._positions(self._indices(indices))
+        given = self._indices(indices)
+        idx = self._positions(given)
         if idx is None:  # some are not among cached_indices: read those from the dataset
-            return self._partly_cached(self._indices(indices))
+            return self._partly_cached(given)
         cache = self._opened()
         if cache is None:  # nobody created the file yet: this batch creates it
             samples = self._load(idx.tolist(), counted=False)
@@ -647,7 +650,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         """
         assert self.transform is not None
         copy = _clone(sample)
-        tensors = [leaf for leaf in _tensors(copy)]
+        tensors = list(_tensors(copy))
         versions = [t._version for t in tensors]
         self.transform(copy)
         written = [k for k, (t, v) in enumerate(zip(tensors, versions, strict=True)) if t._version != v]
