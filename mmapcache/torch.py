@@ -569,11 +569,12 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
 
     def __getitem__(self, index: int) -> Any:
         i = self._index(index)
-        if self.cached_indices is not None:  # a shard: its position in the file, if it is one of them
-            at = self._positions(np.array([i], np.intp))
-            if at is None:  # not one of cached_indices: read from the dataset every time
+        shard = self.cached_indices
+        if shard is not None:  # a shard: its position in the file, if it is one of them
+            at = int(shard.searchsorted(i))
+            if at == len(shard) or shard[at] != i:  # not one of cached_indices: read from the dataset every time
                 return self._uncached(np.array([i], np.intp))[0]
-            i = int(at[0])
+            i = at
         cache = self._opened()
         sample: Any = None
         counted = False  # whether Cache.get counted a miss already
