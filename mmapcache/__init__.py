@@ -19,6 +19,7 @@ from ._errors import (
     UnsafeCacheFileError,
 )
 from ._field import Field
+from ._flight import Claims
 from ._file import in_use, remove
 from ._heap import VariableRegion
 from ._paths import default_dir
@@ -34,6 +35,7 @@ __all__ = [
     "CacheMissError",
     "CacheSpaceError",
     "CacheTimeoutError",
+    "Claims",
     "Counts",
     "DiskUsage",
     "Field",
