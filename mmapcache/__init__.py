@@ -19,8 +19,8 @@ from ._errors import (
     UnsafeCacheFileError,
 )
 from ._field import Field
-from ._flight import Claims
 from ._file import in_use, remove
+from ._flight import Claims
 from ._heap import VariableRegion
 from ._paths import default_dir
 from ._version import __version__

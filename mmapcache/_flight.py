@@ -240,7 +240,7 @@ class Claims:
         self._flight = flight
         self._pid = os.getpid()
         self._thread = threading.get_ident()
-        #: The slots held (sorted, unique): load these, then :meth:`put_many` them.
+        #: The slots held (each once, in the order asked for): load these, then :meth:`put_many` them.
         self.indices: np.ndarray[Any, np.dtype[np.intp]] = np.asarray(indices, np.intp)
         #: Slots among those asked for that another process or thread was loading (not held here).
         self.held: np.ndarray[Any, np.dtype[np.intp]] = np.asarray(held, np.intp)
@@ -330,17 +330,16 @@ def get_or_load_many(
         cache.count(hits=len(idx))
         return batch, loaded
     run = _Run(cache, flight, idx, batch, loaded, load)
-    misses = np.flatnonzero(~hits)
-    todo, inverse = np.unique(idx[misses], return_inverse=True)
-    for row, k in zip(misses.tolist(), inverse.reshape(-1).tolist(), strict=True):
-        run.rows.setdefault(int(todo[k]), []).append(row)
+    for row in np.flatnonzero(~hits).tolist():
+        run.rows.setdefault(int(idx[row]), []).append(row)
+    todo = list(run.rows)  # in the caller's order: concurrent callers in one order share the work
     ready: list[int] = []  # cached by another process since the first read: read them at the end
     held: list[int] = []  # being loaded elsewhere
     here: list[int] = []  # loaded here without holding (not cacheable, or nothing can be held)
     can_hold = cache._can_hold()
     states, capacity = cache._live().slots.state_bytes, cache.capacity
     holding: list[int] = []
-    for i in todo.tolist():
+    for i in todo:
         if i >= capacity or not can_hold:
             here.append(i)
         elif run.hold(i):

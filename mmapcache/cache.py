@@ -820,10 +820,9 @@ class Cache:
         if self._readonly:
             raise self._readonly_error("claim_many")
         idx = self._index_array(indices)
-        todo = np.unique(idx[idx < self._capacity])
         states = mapped.states
         mine, held = [], []
-        for i in todo.tolist():
+        for i in dict.fromkeys(idx[idx < self._capacity].tolist()):
             if states[i] == READY:
                 continue
             if self._hold(i):
@@ -848,7 +847,7 @@ class Cache:
             raise self._readonly_error("wait_for")
         timeout = _check_timeout(timeout)
         idx = self._index_array(indices)
-        todo = np.unique(idx[idx < self._capacity]).tolist()
+        todo = list(dict.fromkeys(idx[idx < self._capacity].tolist()))
         flight = self._flight()
         deadline = time.monotonic() + timeout
         for k, i in enumerate(todo):
