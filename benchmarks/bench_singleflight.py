@@ -28,7 +28,9 @@ from __future__ import annotations
 import json
 import multiprocessing
 import shutil
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -72,8 +74,10 @@ def loader(path: str, variant: str, batches: list[list[int]], go: str, args: dic
     wrong = 0
     with Cache.open(path) as cache:
         Path(f"{out}.ready").touch()
-        flag = Path(go)
+        flag, deadline = Path(go), time.monotonic() + 300
         while not flag.exists():  # every loader starts at the same instant, once all of them are up
+            if time.monotonic() > deadline:
+                raise SystemExit("no start signal within 300 s: the benchmark went away")
             time.sleep(0.0005)
         for batch in batches:
             if variant == "put":
@@ -115,6 +119,17 @@ def run_variant(directory: Path, variant: str, r: int, args: dict[str, Any]) -> 
     go = directory / f"{variant}-{r}.go"
     outs = [str(directory / f"{variant}-{r}-job{j}.json") for j in range(JOBS)]
     procs = [SPAWN.Process(target=job, args=(str(path), variant, batches, str(go), args, outs[j])) for j in range(JOBS)]
+    try:
+        return _finish(procs, variant, path, outs, go)
+    finally:
+        for proc in procs:  # interrupted, or a loader failed: no process outlives the round
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _finish(procs: list[Any], variant: str, path: Path, outs: list[str], go: Path) -> dict[str, Any]:
+    """Start the jobs, give the signal once every loader is up, wait for them; what they report."""
     for proc in procs:
         proc.start()
     ready = [Path(f"{out}.{k}.ready") for out in outs for k in range(LOADERS)]
@@ -164,6 +179,7 @@ def main() -> None:
         f"{JOBS} jobs x {LOADERS} loader processes, {settings['n']} samples of {settings['delay'] * 1e3:g} ms "
         f"({settings['load']}), batches of {settings['batch']}, same order; {rounds} interleaved rounds"
     )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERM runs the cleanup below too
     directory = Path(tempfile.mkdtemp(prefix="mmapcache-bench-", dir=args.dir))
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
     try:
