@@ -362,4 +362,12 @@ def test_check_concurrent_access_passes_a_dataset_loading_through_get_or_load_ma
     from mmapcache.testing import check_concurrent_access
 
     summary = check_concurrent_access(FlightDataset, truth, max_examples=6, kill=True, seed=3)
-    assert summary.examples >= 1
+    assert summary.kills_mid_load > 0
+
+
+@pytest.mark.slow
+def test_check_concurrent_access_passes_get_or_load_many_over_many_examples() -> None:
+    from mmapcache.testing import check_concurrent_access
+
+    summary = check_concurrent_access(FlightDataset, truth, processes=4, max_examples=60, kill=True)
+    assert summary.kills_mid_load > 0
