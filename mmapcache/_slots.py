@@ -90,11 +90,7 @@ class SlotTable:
 
     def claim(self, index: int) -> bool:
         """Take slot ``index`` for writing; False if another writer holds it or it is READY."""
-        offset = self._table_offset + index * self._record_size
-        if not self.locks.try_claim(offset):
-            return False
-        if self.states[index] == READY:
-            self.locks.release(offset)
+        if not self.hold(index):
             return False
         self.states[index] = WRITING
         self.synced[index] = 0  # before any byte of the new sample (see _boot.py)
