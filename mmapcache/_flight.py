@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._slots import READY, SlotTable
+from ._values import coerce_batch
+from ._variable import text_value
 
 if TYPE_CHECKING:
     from ._handle import Handle
@@ -426,14 +428,10 @@ class _Run:
         return [i for j, i in enumerate(indices) if not hits[j]]
 
     def _load(self, indices: list[int]) -> list[Any]:
-        from ._values import coerce_batch
-
         result = self.flight.timed(self.load, indices)
         return coerce_batch(as_batch(result, list(self.fields), len(indices)), self.fields, len(indices))
 
     def _place(self, indices: list[int], arrays: list[Any]) -> None:
-        from ._variable import text_value
-
         for (name, field), values in zip(self.fields.items(), arrays, strict=True):
             for j, i in enumerate(indices):
                 rows = self.rows[i]
