@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tracemalloc
 from collections import Counter
 from typing import Any
 
+import numpy as np
 import pytest
 
+from mmapcache._sampler import EXACT_MAX, _Bijection
 from mmapcache.torch import NodeShardSampler
 
 
@@ -72,6 +75,136 @@ def test_drop_last_and_no_shuffle() -> None:
     assert plain == {(0, 0): [0, 2, 4, 6, 8], (1, 0): [1, 3, 5, 7, 9]}
     with pytest.raises(ValueError, match="drop_last=True"):
         NodeShardSampler(Sized(3), num_nodes=2, node_rank=0, local_world_size=4, local_rank=0, drop_last=True)
+
+
+@pytest.mark.parametrize(("n", "nodes", "per_node"), [(1, 4, 2), (3, 4, 2), (5, 8, 1), (2, 3, 3)])
+def test_with_fewer_samples_than_nodes_every_rank_still_draws_its_len(n: int, nodes: int, per_node: int) -> None:
+    """A node whose shard is empty must draw as many indices as the others, or DDP's collectives hang."""
+    for epoch in range(2):
+        drawn = job(n, nodes, per_node, epoch)  # asserts len(list(sampler)) == len(sampler) on every rank
+        assert {len(v) for v in drawn.values()} == {1}
+        assert set(i for v in drawn.values() for i in v) == set(range(n)), "one epoch still covers the dataset"
+        assert all(0 <= i < n for v in drawn.values() for i in v)
+    empty = NodeShardSampler(Sized(n), num_nodes=nodes, node_rank=nodes - 1, local_world_size=1, local_rank=0)
+    assert empty.node_indices.tolist() == []
+    assert empty.node_indices.dtype == np.int64
+    with pytest.raises(ValueError, match="drop_last=True"):
+        NodeShardSampler(Sized(n), num_nodes=nodes, node_rank=0, local_world_size=1, local_rank=0, drop_last=True)
+    assert job(0, nodes, per_node) == {key: [] for key in job(0, nodes, per_node)}, "no samples: nothing, everywhere"
+
+
+def test_up_to_exact_max_the_shards_are_those_of_0_3_0() -> None:
+    """0.3.0 dealt numpy's seeded permutation of the whole dataset; its node caches stay warm."""
+    for n, nodes, seed in [(10, 3, 0), (1000, 4, 7), (EXACT_MAX, 8, 2**64 - 1)]:
+        order = np.random.default_rng(seed).permutation(n)
+        for node in range(nodes):
+            sampler = NodeShardSampler(
+                Sized(n), num_nodes=nodes, node_rank=node, local_world_size=1, local_rank=0, seed=seed
+            )
+            assert sampler.node_indices.tolist() == np.sort(order[node::nodes]).tolist()
+
+
+@pytest.mark.parametrize("n", [*range(1, 70), 127, 128, 129, 1000, 4097])
+def test_the_keyed_bijection_is_a_permutation_of_any_range(n: int) -> None:
+    for key in range(3):
+        keys = np.random.SeedSequence(key).generate_state(6, np.uint64).tolist()
+        values = _Bijection(n, keys)(np.arange(n, dtype=np.int64))
+        assert sorted(values.tolist()) == list(range(n))
+    with pytest.raises(ValueError, match="odd number of rounds"):
+        _Bijection(10, [1, 2, 3])
+
+
+BIG = EXACT_MAX * 2 + 12_345  # above EXACT_MAX: shards and epoch orders come from the keyed bijection
+
+
+def test_above_exact_max_the_shards_still_partition_the_dataset_evenly() -> None:
+    nodes = 7
+    shards = [
+        NodeShardSampler(
+            Sized(BIG), num_nodes=nodes, node_rank=k, local_world_size=1, local_rank=0, seed=5
+        ).node_indices
+        for k in range(nodes)
+    ]
+    sizes = [len(shard) for shard in shards]
+    assert max(sizes) - min(sizes) <= 1
+    everything = np.concatenate(shards)
+    everything.sort()
+    assert np.array_equal(everything, np.arange(BIG)), "disjoint, and together the whole dataset"
+    for shard in shards:
+        assert np.all(np.diff(shard) > 0), "sorted"
+        # A fair sample: as many of each sixteenth of the dataset as chance gives (binomial, 6 sigma).
+        counts = np.bincount(shard * 16 // BIG, minlength=16)
+        expected = len(shard) / 16
+        assert np.all(np.abs(counts - expected) < 6 * np.sqrt(expected)), counts
+
+
+def test_above_exact_max_an_epoch_is_a_fresh_permutation_of_the_shard() -> None:
+    ranks = 3
+    epochs = []
+    for epoch in range(2):
+        orders = []
+        for local in range(ranks):
+            sampler = NodeShardSampler(Sized(BIG), num_nodes=1, node_rank=0, local_world_size=ranks, local_rank=local)
+            sampler.set_epoch(epoch)
+            orders.append(np.fromiter(iter(sampler), np.int64, count=len(sampler)))
+        drawn = np.stack(orders, 1).ravel()  # the node's sequence: rank r holds places r, r + ranks, ...
+        assert np.array_equal(np.sort(drawn[:BIG]), np.arange(BIG)), "each index once, then padding"
+        assert np.array_equal(drawn[BIG:], drawn[: len(drawn) - BIG]), "padding repeats the start"
+        epochs.append(drawn[:BIG])
+    place = [np.argsort(order) for order in epochs]
+    for order in epochs:  # no trace of the index order in the epoch's order
+        assert abs(np.corrcoef(np.arange(BIG), order)[0, 1]) < 0.01
+    assert abs(np.corrcoef(place[0], place[1])[0, 1]) < 0.01, "epochs are independent"
+    assert abs(np.abs(place[1] - place[0]).mean() / BIG - 1 / 3) < 0.01, "a sample moves a third of an epoch"
+
+
+def test_a_rank_builds_its_shard_in_memory_and_time_proportional_to_the_shard() -> None:
+    """0.3.0 permuted the whole dataset in every rank: 2**27 samples took 1 GiB there, whatever the node count."""
+    n, nodes = 2**27, 256
+    tracemalloc.start()
+    try:
+        sampler = NodeShardSampler(Sized(n), num_nodes=nodes, node_rank=nodes - 1, local_world_size=8, local_rank=7)
+        first = next(iter(sampler))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    shard = sampler.node_indices.nbytes  # 4 MiB
+    assert shard == n // nodes * 8
+    assert peak < 2 * shard + 8 * 2**20, f"peak {peak / 2**20:.0f} MiB for a shard of {shard / 2**20:.0f} MiB"
+    assert first in set(sampler.node_indices.tolist())
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ({"seed": -1}, ValueError, r"seed must be an integer from 0 to 2\*\*64 - 1, not -1"),
+        ({"seed": 2**64}, ValueError, r"seed must be an integer from 0 to 2\*\*64 - 1, not 18446744073709551616"),
+        ({"seed": 1.0}, TypeError, r"seed must be an integer .* not 1\.0 \(float\)"),
+        ({"seed": "0"}, TypeError, r"seed must be an integer"),
+        ({"num_nodes": 2.5}, TypeError, r"num_nodes must be an integer, not 2\.5 \(float\)"),
+        ({"node_rank": 1.0}, TypeError, r"node_rank must be an integer, not 1\.0"),
+        ({"local_world_size": "2"}, TypeError, r"local_world_size must be an integer, not '2'"),
+        ({"local_rank": True}, TypeError, r"local_rank must be an integer, not True \(bool\)"),
+        ({"num_nodes": 0}, ValueError, r"num_nodes \(0\) and local_world_size \(2\) must be at least 1"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name_with_the_accepted_range(
+    arguments: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    topology: dict[str, Any] = {"num_nodes": 2, "node_rank": 1, "local_world_size": 2, "local_rank": 0}
+    with pytest.raises(error, match=message):
+        NodeShardSampler(Sized(10), **{**topology, **arguments})
+
+
+def test_set_epoch_takes_the_integers_a_seed_takes() -> None:
+    sampler = NodeShardSampler(Sized(10), seed=2**64 - 1)
+    sampler.set_epoch(np.uint64(2**64 - 1))  # numpy integers are integers
+    assert sampler.epoch == 2**64 - 1
+    assert sorted(sampler) == list(range(10))
+    for epoch, error in [(2**64, ValueError), (-1, ValueError), (1.5, TypeError), ("1", TypeError)]:
+        with pytest.raises(error, match="epoch must be an integer from 0 to 2\\*\\*64 - 1"):
+            sampler.set_epoch(epoch)  # type: ignore[arg-type]
+    assert sampler.epoch == 2**64 - 1, "a refused epoch changes nothing"
 
 
 def test_bad_topologies_are_refused() -> None:
