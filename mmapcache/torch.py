@@ -329,8 +329,8 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         """The :class:`~mmapcache.Cache`, opened now if needed (created from ``dataset[0]`` if missing)."""
         cache = self._opened()
         if cache is None:
-            if len(self) == 0:
-                raise ValueError("cannot create a cache for an empty dataset")
+            if self._cache_length() == 0:
+                raise ValueError("cannot create a cache of no samples (an empty dataset, or cached_indices empty)")
             self._load([0], counted=False)
             cache = self._cache
             assert cache is not None
@@ -359,6 +359,8 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
 
     def _open_file(self) -> Cache | None:
         """The existing file, or None: missing, or refuted (removed here, to be created anew)."""
+        if self._cache_length() == 0:
+            return None  # an empty shard has no file
         deadline = time.monotonic() + _REFUTED_WAIT
         while True:
             try:
@@ -668,8 +670,10 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         """Samples of indices outside ``cached_indices``: from the dataset, as a cached read returns them."""
         self._misses += len(idx)
         raw = self._fetch_indices(idx.tolist())
-        cache = self.cache  # its schema converts them (creating it from the first cached index if needed)
-        cache.count(misses=len(idx))
+        if self._cache_length() == 0:  # an empty shard (fewer samples than nodes): no file, every read uncached
+            self._schema = self._schema or _Schema(self._first_fields(raw[0], int(idx[0])), self.path)
+        else:
+            self.cache.count(misses=len(idx))  # its schema converts them (creating it from a cached index if needed)
         assert self._schema is not None
         samples = self._build(self._schema, self._columns(self._schema, idx.tolist(), raw, positions=False))
         return samples if self.transform is None else [self.transform(sample) for sample in samples]
@@ -1134,6 +1138,8 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         before = self._written
+        if self._cache_length() == 0:
+            return 0  # an empty shard: nothing to fill
         if self._opened() is None and len(self):
             # Create the file from a whole first chunk: samples whose shapes vary are found before it exists.
             first = list(range(min(batch_size, self._cache_length())))
@@ -1294,8 +1300,6 @@ def _index_set(indices: Any, length: int) -> np.ndarray[Any, np.dtype[np.int64]]
             "cached_indices must be a sequence of integer indices (e.g. NodeShardSampler(...).node_indices), "
             f"not {type(indices).__name__} of {given.dtype} with shape {given.shape}"
         )
-    if given.size == 0:
-        raise ValueError("cached_indices is empty: give the indices this cache holds, or None for all of them")
     bad = given[(given < 0) | (given >= length)]
     if bad.size:
         raise IndexError(
