@@ -60,6 +60,7 @@ from ._batches import (
     new_batch,
     pad_collate,
 )
+from ._compare import difference
 from ._errors import CacheError, CacheInUseError, SchemaMismatchError, StaleCacheError
 from ._field import Field, FieldsLike, normalize_fields
 from ._file import remove
@@ -68,7 +69,6 @@ from ._paths import default_dir
 from ._sampler import NodeShardSampler
 from ._slots import STRONGLY_ORDERED
 from ._structure import Structure, name_leaves
-from ._testing_compare import difference
 from ._torch_values import (
     SUPPORTED,
     LeafShapeError,
