@@ -10,10 +10,10 @@ standard library are looked through):
 * **functions** and **modules** crossed: distinct functions entered, and the
   modules that define them;
 * **climbs**: calls that go back up, against the modules' imports: a frame of
-  module ``A`` calls a function of module ``B`` although ``A`` does not import
-  ``B`` — a callback handed down (``B`` imports ``A``, or a third module passed
-  ``B``'s function or object to ``A``), or a lower layer reaching into a higher
-  one. A layered design calls only into what it imports. Counted once per call
+  module ``A`` calls a function of module ``B`` although ``B`` is not below
+  ``A`` (``A`` imports it neither directly nor through the modules it imports)
+  — a callback handed down, or a lower layer reaching into a higher one. A
+  layered design calls only into what lies below it. Counted once per call
   site (caller function, callee function), however often the batch repeats it;
   ``calls`` counts every such call;
 * **re-entries**: calls into a module that is already on the stack below a
@@ -55,7 +55,7 @@ class Samples:
 
 
 def imports(package: Path) -> dict[str, set[str]]:
-    """The mmapcache modules each module of ``package`` imports (anywhere in it: lazy imports count)."""
+    """The mmapcache modules below each module of ``package``: imported by it, directly or not (lazy imports count)."""
     graph: dict[str, set[str]] = {}
     for path in sorted(package.rglob("*.py")):
         parts = path.relative_to(package.parent).with_suffix("").parts
@@ -71,7 +71,17 @@ def imports(package: Path) -> dict[str, set[str]]:
             elif isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
         graph[name] = {module for module in found if module.split(".")[0] == "mmapcache"}
-    return graph
+    below: dict[str, set[str]] = {}
+    for name in graph:  # what each module imports, directly or through the modules it imports
+        seen: set[str] = set()
+        todo = list(graph[name])
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo.extend(graph.get(module, ()))
+        below[name] = seen
+    return below
 
 
 class Tracer:
@@ -109,9 +119,8 @@ class Tracer:
                 if any(module == m for m, _ in self.stack):
                     self.reentries.append(" > ".join(m for m, _ in [*self.stack, (module, function)]))
             self.stack.append((module, function))
-        elif event == "return" and self.depth:
-            if self.depth.pop():
-                self.stack.pop()
+        elif event == "return" and self.depth and self.depth.pop():
+            self.stack.pop()
 
     def trace(self, call: Callable[[], object]) -> dict[str, Any]:
         sys.setprofile(self)

@@ -1,55 +1,49 @@
-"""torch values <-> storage arrays: everything mmapcache knows about torch's types, in one leaf module.
+"""The leaves of a sample: what may be one, the field it makes, and ONE rule for whether it fits a field.
 
-It imports torch, numpy and :mod:`mmapcache._field` only — never the core's
-higher layers (``cache.py``, ``_values.py``) nor :mod:`mmapcache.torch`, so
-the dependency points one way (as ``safetensors.torch`` does). The core
-(:mod:`mmapcache._values`) imports it lazily, only when it meets a tensor or
-has to convert numbers into a dtype numpy lacks; it never imports torch
-itself. :mod:`mmapcache.torch` (``CachedDataset``) imports it for the same
-conversions and for its leaf policy.
-
-torch dtypes numpy lacks (bfloat16, complex32, the float8 family, ...) are
-stored as their raw bits in an unsigned integer of the same width
-(``Field.dtype``); a same-width unsigned array or tensor given for such a field
-*is* those bits, not numbers to convert.
+A leaf is a tensor, a numpy array or scalar, or a Python bool/int/float/str/
+bytes (:func:`is_leaf`). :func:`leaf_field` is the field a first sample's leaf
+makes; :func:`fit` is the only place that decides whether a leaf fits a field
+(tensors and arrays keep its dtype exactly and fit its shape; Python scalars
+and text follow the core's casting rules, :func:`mmapcache._values.coerce_value`);
+:func:`misfit` asks it for a whole sample without raising. :func:`write_column`
+and :func:`variable_column` then copy the fitted leaves of a batch once into
+storage arrays.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from ._field import Field
-from ._tensors import BITS, as_tensor, torch_dtype
+from .._field import Field
+from .._structure import name_leaves
+from .._tensors import BITS, as_tensor, torch_dtype
+from .._values import coerce_value
 
 __all__ = [
     "SUPPORTED",
     "LeafShapeError",
     "as_text",
     "check_declared",
-    "check_leaf",
     "convert_leaf",
+    "fit",
     "is_leaf",
     "leaf_field",
     "leaf_hint",
     "leaf_shape",
-    "torch_dtype",
+    "misfit",
     "variable_column",
     "write_column",
 ]
-
-_BITS = BITS
 
 SUPPORTED = (
     "a torch.Tensor, a numpy array or scalar, a Python bool/int/float/str/bytes, "
     "or a tuple/list/dict of those (nested at most one level)"
 )
-
-
-# -- CachedDataset's leaves: what a sample may hold, and one dtype policy on a miss -------
 
 
 def is_leaf(value: Any) -> bool:
@@ -168,14 +162,55 @@ def check_declared(field: Field, name: str) -> None:
         raise TypeError(f"field {name!r}: dtype {field.dtype_name} has no torch equivalent; supported: {SUPPORTED}")
 
 
-def check_leaf(leaf: torch.Tensor | np.ndarray[Any, Any] | np.generic, field: Field, name: str) -> Any:
-    """A tensor or array leaf, checked against ``field``: ready for :func:`write_column` / :func:`variable_column`.
+def fit(leaf: Any, field: Field, name: str) -> Any:
+    """``leaf`` checked against ``field``: ready for :func:`write_column` / :func:`variable_column`.
 
     Tensors and arrays must keep the field's dtype exactly — a silent cast
     would change the data — and fit its shape (a ``None`` dimension takes any
-    size; a mismatch raises :class:`LeafShapeError`). (Python scalars are not
-    checked here: they follow the core's casting rules, ``mmapcache._values``.)
+    size; a mismatch raises :class:`LeafShapeError`). Text and Python scalars
+    follow the core's casting rules (:func:`mmapcache._values.coerce_value`).
+    TypeError/ValueError naming the field otherwise.
     """
+    if field.text is not None:
+        text = as_text(leaf)
+        return coerce_value(leaf if text is None else text, field, name)
+    if isinstance(leaf, (torch.Tensor, np.ndarray, np.generic)):
+        return _exact(leaf, field, name)
+    return coerce_value(leaf, field, name)
+
+
+def misfit(sample: Any, fields: Mapping[str, Field]) -> tuple[type[Exception], str] | None:
+    """Why ``sample`` does not fit ``fields`` (an error type and a message naming the field), or None.
+
+    The names of its leaves must be the fields' (in any order), and each leaf must :func:`fit` its field.
+    """
+    try:
+        leaves = name_leaves(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
+    except (TypeError, ValueError) as error:
+        return type(error), str(error)
+    if list(leaves) != list(fields) and set(leaves) != set(fields):
+        missing = [name for name in fields if name not in leaves]
+        extra = [name for name in leaves if name not in fields]
+        parts = []
+        if missing:
+            parts.append(f"the sample has no {', '.join(map(repr, missing))}")
+        if extra:
+            parts.append(f"no field is given for {', '.join(map(repr, extra))}")
+        return ValueError, (
+            f"the sample's leaves are {list(leaves)} (named by their place in it, see mmapcache.torch), "
+            f"the fields {list(fields)}: {'; '.join(parts)}"
+        )
+    for name, leaf in leaves.items():
+        try:
+            fit(leaf, fields[name], name)
+        except LeafShapeError as error:
+            return ValueError, str(error)
+        except (TypeError, ValueError) as error:
+            return type(error), str(error)
+    return None
+
+
+def _exact(leaf: torch.Tensor | np.ndarray[Any, Any] | np.generic, field: Field, name: str) -> Any:
     if isinstance(leaf, torch.Tensor):
         if leaf.dtype != torch_dtype(field):
             _wrong_dtype(str(leaf.dtype).removeprefix("torch."), field.dtype_name, name)
@@ -214,7 +249,7 @@ def write_column(leaves: list[Any], field: Field) -> np.ndarray[Any, Any]:
     if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
         torch.stack(leaves, out=as_tensor(out, field))
         return out
-    bits = _BITS[field.dtype.itemsize] if field.torch_dtype is not None else None
+    bits = BITS[field.dtype.itemsize] if field.torch_dtype is not None else None
     arrays = [_storage(leaf, bits) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     np.stack(arrays, out=out)
     return out
@@ -226,7 +261,7 @@ def variable_column(leaves: list[Any], field: Field) -> list[np.ndarray[Any, Any
     ``put_many`` takes the list as is (one array per row); the copies are
     also what the miss hands back, so it never shares memory with the dataset.
     """
-    bits = _BITS[field.dtype.itemsize] if field.torch_dtype is not None else None
+    bits = BITS[field.dtype.itemsize] if field.torch_dtype is not None else None
     return [
         np.array(_storage(leaf, bits) if isinstance(leaf, torch.Tensor) else leaf, dtype=field.dtype, order="C")
         for leaf in leaves
