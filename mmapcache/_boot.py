@@ -23,7 +23,10 @@ every slot (8 bytes a slot: 5 MB for 100 GB of 147 KB samples) and compares
 every READY slot that is not synced with its checksum, reading its bytes
 from the disk with read-ahead (``_cold``). Slots that differ are reset to
 EMPTY and filled again like any miss; slots that match are marked synced (they
-were just read back from the disk); then the running boot id is written. The
+were just read back from the disk). The variable region's allocation counter
+may have missed the disk while slots that use the region reached it: it is
+moved past the end of every value kept, so that no new value is placed over
+one. Then the running boot id is written. The
 cost is the bytes written since the last :func:`sync_slots`, read at device speed:
 nothing for a cache synced after its fill, the whole cache (100 GB: about
 30 s at 3 GB/s) for one never synced.
@@ -111,11 +114,15 @@ def check_boot(
     *,
     lock: Callable[[], contextlib.AbstractContextManager[Any]],
     readahead: Readahead | None,
+    reconcile: Callable[[], object] | None = None,
 ) -> Checked | None:
     """After a reboot, compare every READY slot not synced with its checksum; reset those that differ.
 
     ``None`` when the file's boot id is the running kernel's (no scan).
     ``lock`` excludes other checkers; the caller must have write access.
+    ``reconcile`` runs once the slots are settled, before the boot id is
+    written: it brings what the slots depend on (the variable region's
+    allocation counter) in line with the slots that were kept.
     """
     if page.current():
         return None
@@ -124,6 +131,8 @@ def check_boot(
             return None
         suspect = np.flatnonzero((np.asarray(slots.states) == READY) & (np.asarray(slots.synced) == 0))
         torn = _compare(slots, parts, suspect, readahead)
+        if reconcile is not None:
+            reconcile()
         page.record()
     if torn:
         log.warning(

@@ -183,15 +183,31 @@ class VariableColumn:
         result = self._region[offset : offset + nbytes].view(self.dtype).reshape(shape).copy()
         return result
 
-    def copy_many(self, indices: np.ndarray[Any, Any]) -> tuple[list[Any], np.ndarray[Any, Any]]:
-        """Fresh copies of the values of ``indices`` (rows of one new buffer), and which rows are impossible."""
+    def spans(self, indices: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], ...]:
+        """``(shapes, starts, counts, ends, bad)`` of the values of ``indices`` (int64 arrays; ``bad``: bool).
+
+        ``bad`` marks the descriptors :meth:`locate` finds impossible. No
+        overflow hides one: a shape whose element count cannot fit the region
+        is bad however large its product (counted in floating point first;
+        its ``count`` and ``end`` are then 0 and ``start``).
+        """
         shapes = self.dims[indices].astype(np.int64)
-        starts = self.offsets[indices].astype(np.int64)
-        counts = shapes.prod(axis=1) if self._ndim else np.ones(len(indices), np.int64)
+        starts = self.offsets[indices].astype(np.int64)  # offsets >= 2**63 become negative: bad
+        if self._ndim:
+            huge = shapes.astype(np.float64).prod(axis=1) * self._item > self._size
+            counts = np.where(huge, 0, shapes.prod(axis=1))
+        else:
+            huge, counts = np.zeros(len(indices), bool), np.ones(len(indices), np.int64)
+        bad = huge | (starts < 0) | (starts > self._size)
         ends = starts + counts * self._item
-        bad = (ends > self._size) | (starts < 0)
+        bad |= ends > self._size
         for axis, d in self._fixed_axes:
             bad |= shapes[:, axis] != d
+        return shapes, starts, counts, ends, bad
+
+    def copy_many(self, indices: np.ndarray[Any, Any]) -> tuple[list[Any], np.ndarray[Any, Any]]:
+        """Fresh copies of the values of ``indices`` (rows of one new buffer), and which rows are impossible."""
+        shapes, starts, counts, ends, bad = self.spans(indices)
         values: list[Any] = [None] * len(indices)
         good = np.flatnonzero(~bad)
         if not len(good):

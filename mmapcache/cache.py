@@ -12,6 +12,7 @@ import socket
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec
 
@@ -33,8 +34,8 @@ from ._locks import flock_holders, lock_exclusive_soon
 from ._sizes import parse_bytes
 from ._slots import EMPTY, READY, STRONGLY_ORDERED, SlotTable
 from ._values import coerce_batch, coerce_sample
-from ._variable import VariableColumn, text_value, texts, value_bytes
-from ._verify import Problem, failed_rows, intact, intact_parts, slot_problems
+from ._variable import VariableColumn, text_value, texts
+from ._verify import Problem, failed_rows, intact, intact_parts, region_problems, slot_problems
 
 __all__ = ["Cache", "Problem"]
 
@@ -754,7 +755,7 @@ class Cache:
         mapped = self._live()
         if mapped.heap is None:
             return None
-        return VariableRegion(mapped.heap.size, int(mapped.heap.claimed[0]), _bytes_used(mapped))
+        return VariableRegion(mapped.heap.size, int(mapped.heap.claimed[0]), _region_use(mapped)[0])
 
     def clear(self) -> None:
         """Mark every slot empty. Refuses with :class:`CacheInUseError` while any other handle is open."""
@@ -777,6 +778,11 @@ class Cache:
                         mapped.slots.synced[:] = 0
                         if mapped.heap is not None:
                             mapped.heap.reset()
+                        if mapped.boot is not None:
+                            # On a disk, before anyone refills: a crash must not find the old
+                            # synced READY records beside new bytes (a synced slot is never
+                            # checked after a reboot).
+                            os.fdatasync(fd)
                     finally:
                         fcntl.flock(fd, fcntl.LOCK_SH)
                     return
@@ -830,6 +836,14 @@ class Cache:
             problems = self._header_problems(handle.fd)
             ranges = (lambda ready: _value_ranges(mapped, ready)) if mapped.variables else None
             problems += slot_problems(mapped.slots, mapped.parts, fix=fix, ranges=ranges)
+            if mapped.heap is not None:
+                used, end = _region_use(mapped)
+                found = region_problems(mapped.heap.size, int(mapped.heap.claimed[0]), used, end)
+                problems += [replace(p, fixed=fix and mapped.heap.cover(end)) for p in found]
+            if fix and mapped.boot is not None and any(p.fixed for p in problems):
+                # Reset slots may have been synced: their new state must be on the disk before
+                # their bytes are written again (see clear()).
+                os.fdatasync(handle.fd)
         return problems
 
     def _header_problems(self, fd: int) -> list[Problem]:
@@ -943,7 +957,14 @@ def _check_after_reboot(path: Path, mapped: _Mapped, *, readonly: bool, timeout:
         return
     if not readonly:
         lock = functools.partial(creation_lock, path, timeout)
-        check_boot(mapped.boot, mapped.slots, mapped.parts, lock=lock, readahead=mapped.readahead)
+        check_boot(
+            mapped.boot,
+            mapped.slots,
+            mapped.parts,
+            lock=lock,
+            readahead=mapped.readahead,
+            reconcile=functools.partial(_cover_values, mapped),
+        )
         return
     try:  # resetting torn slots takes write access: a writable handle checks, then we read
         Cache(path, timeout=timeout).close()
@@ -1074,17 +1095,42 @@ def _creation_info() -> dict[str, Any]:
     }
 
 
-def _bytes_used(mapped: _Mapped) -> int:
-    """Bytes of the variable region that READY slots' values hold."""
+def _region_use(mapped: _Mapped) -> tuple[int, int]:
+    """``(used, end)``: bytes of the variable region that READY slots' values hold, and where the last ends.
+
+    Values whose descriptors are impossible (see ``VariableColumn.spans``) are left out.
+    """
     ready = np.flatnonzero(np.asarray(mapped.slots.states) == READY)
-    return sum(value_bytes(column.dims[ready], column.dtype.itemsize) for column in mapped.variables)
+    used = end = 0
+    for column in mapped.variables:
+        _, _, counts, ends, bad = column.spans(ready)
+        good = ~bad
+        used += int(counts[good].sum()) * column.dtype.itemsize
+        if good.any():
+            end = max(end, int(ends[good].max()))
+    return used, end
 
 
 def _value_ranges(mapped: _Mapped, ready: np.ndarray[Any, Any]) -> list[tuple[int, int, int]]:
     """``(start, end, slot)`` in the variable region of every variable value of the ``ready`` slots."""
     spans = []
     for column in mapped.variables:
-        starts = column.offsets[ready].astype(np.int64)
-        ends = starts + column.dims[ready].astype(np.int64).prod(axis=1) * column.dtype.itemsize
-        spans += list(zip(starts.tolist(), ends.tolist(), ready.tolist(), strict=True))
+        _, starts, _, ends, bad = column.spans(ready)
+        good = ~bad
+        spans += list(zip(starts[good].tolist(), ends[good].tolist(), ready[good].tolist(), strict=True))
     return spans
+
+
+def _cover_values(mapped: _Mapped) -> None:
+    """After a reboot: make the allocation counter cover every value kept (its page may have missed the disk)."""
+    heap = mapped.heap
+    if heap is None:
+        return
+    before = int(heap.claimed[0])
+    if heap.cover(_region_use(mapped)[1]):
+        log.warning(
+            "the allocation counter of the variable region (%d bytes handed out) did not cover the values "
+            "kept after the reboot; moved to %d bytes so that new values never overwrite them",
+            before,
+            int(heap.claimed[0]),
+        )

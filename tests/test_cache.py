@@ -788,3 +788,30 @@ def test_a_forked_child_fills_its_own_extent(cache_dir: Path) -> None:
         assert cache.verify() == [], "no two slots share bytes"
         for i in range(40):
             assert_ragged(cache[i], i)
+
+
+def test_verify_finds_an_allocation_counter_behind_the_values_or_beyond_the_region(cache_dir: Path) -> None:
+    with Cache.open(cache_dir / "r.mmc", RAGGED, length=10, max_bytes="1MiB") as cache:
+        for i in range(1, 8):
+            cache.put(i, ragged(i))
+        assert cache._mapped is not None and cache._mapped.heap is not None
+        claimed = cache._mapped.heap.claimed
+        region = cache.variable_region
+        assert region is not None and 0 < region.used <= region.claimed
+        claimed[0] = 16  # as if the allocation page had missed the disk: new values would reuse live bytes
+        problems = [p for p in cache.verify() if p.kind == "region"]
+        assert len(problems) == 1 and "claimed" in problems[0].message, problems
+        assert f"use {region.used} bytes" in problems[0].message
+        fixed = cache.verify(fix=True)
+        assert [p.fixed for p in fixed if p.kind == "region"] == [True]
+        assert cache.verify() == []
+        assert int(claimed[0]) >= region.used
+        assert cache.put(9, ragged(9))
+        for i in (*range(1, 8), 9):
+            assert_ragged(cache[i], i)
+        claimed[0] = region.size + 4096  # beyond the region
+        problems = [p for p in cache.verify() if p.kind == "region"]
+        assert len(problems) == 1 and "beyond" in problems[0].message, problems
+        cache.verify(fix=True)
+        assert int(claimed[0]) == region.size, "a counter beyond the region is brought back to its end"
+        assert cache.verify() == []

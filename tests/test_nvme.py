@@ -368,3 +368,107 @@ def test_sync_marks_every_filled_slot_and_a_new_claim_clears_it(disk_dir: Path) 
         assert not synced.any()
         with pytest.raises(PermissionError):
             Cache(path, readonly=True).sync()
+
+
+def _after_reboot(code: str, tmp: Path) -> dict[str, Any]:
+    """Run ``code`` (its last line prints JSON) in a process that sees another kernel boot id."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to fake a reboot")
+    fake = tmp / "boot_id"
+    fake.write_text(str(uuid.uuid4()) + "\n")
+    script = tmp / "after_reboot.py"
+    script.write_text(textwrap.dedent(code))
+    command = f"mount --bind {fake} /proc/sys/kernel/random/boot_id && exec {sys.executable} {script}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    report: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+    return report
+
+
+RAGGED = {"v": ((None,), "u1")}
+
+
+def ragged(i: int) -> np.ndarray[Any, Any]:
+    return np.full(1000 + i, i, np.uint8)
+
+
+REFILL_AFTER_REBOOT = """
+    import json, numpy as np
+    from mmapcache import Cache
+    with Cache({path!r}) as cache:
+        for i in range({half}, {n}):
+            cache.put(i, {{"v": np.full(1000 + i, i, np.uint8)}})
+        wrong = [i for i in range({n}) if i in cache and not (cache[i]["v"] == i).all()]
+        print(json.dumps({{"wrong": wrong, "ready": [i for i in range({n}) if i in cache]}}))
+"""
+
+
+def test_after_a_reboot_new_values_never_reuse_the_bytes_of_values_that_survived(disk_dir: Path) -> None:
+    path, n, half = disk_dir / "r.mmc", 16, 8
+    with Cache(path, RAGGED, n, max_bytes="1MiB") as cache:
+        for i in range(half):
+            cache.put(i, {"v": ragged(i)})
+        assert cache.sync() == half
+        allocator = cache._layout.allocator_offset
+    # The crash this models: the slots reached the disk, the allocation page did not.
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, bytes(8), allocator)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    report = _after_reboot(REFILL_AFTER_REBOOT.format(path=str(path), n=n, half=half), disk_dir)
+    assert report["ready"] == list(range(n))
+    assert report["wrong"] == [], "values written after the reboot overwrote values that were served as hits"
+    with Cache(path) as cache:
+        assert cache.verify() == []
+
+
+def _dirty(mm: Any, offset: int) -> bool:
+    """Whether the page cache page under ``offset`` of the shared mapping ``mm`` is dirty (not yet on the disk)."""
+    import ctypes
+
+    mm[offset]  # map it
+    anchor = ctypes.c_char.from_buffer(mm, offset)
+    address = ctypes.addressof(anchor)
+    del anchor
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(address // 4096 * 8)
+        frame = int.from_bytes(pagemap.read(8), "little") & ((1 << 55) - 1)
+    with open("/proc/kpageflags", "rb") as flags:
+        flags.seek(frame * 8)
+        return bool(int.from_bytes(flags.read(8), "little") & (1 << 4))  # KPF_DIRTY
+
+
+def test_clear_on_a_disk_is_durable_before_anything_reuses_the_space(disk_dir: Path) -> None:
+    import mmap
+
+    if os.geteuid() != 0 or not Path("/proc/kpageflags").exists():
+        pytest.skip("needs root to read page flags")
+    path, n = disk_dir / "r.mmc", 16
+    with Cache(path, RAGGED, n, max_bytes="1MiB") as cache:
+        for i in range(n):
+            cache.put(i, {"v": ragged(i)})
+        assert cache.sync() == n  # every slot synced: after a crash they would be trusted unchecked
+        layout = cache._layout
+        cache.clear()
+        # A crash from here on must not find the synced READY records on the disk: the region
+        # is about to be reused, and a synced slot is never read back to be checked.
+        fd = os.open(path, os.O_RDWR)  # a writable mapping (ctypes needs one); only read through
+        try:
+            mm = mmap.mmap(fd, layout.file_size)
+            try:
+                assert not _dirty(mm, layout.table_offset), "the emptied slot table is not on the disk yet"
+                assert not _dirty(mm, layout.allocator_offset), "the reset allocation counter is not on the disk yet"
+            finally:
+                mm.close()
+        finally:
+            os.close(fd)
+        assert cache.put(3, {"v": ragged(3)})
