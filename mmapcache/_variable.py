@@ -24,11 +24,28 @@ import numpy as np
 from ._field import Field
 from ._format import PAYLOAD_ALIGNMENT, descriptor_nbytes
 
-__all__ = ["VariableColumn", "shape_bytes", "text_value", "texts", "value_bytes"]
+__all__ = ["MAX_DIMENSION", "VariableColumn", "check_dimensions", "shape_bytes", "text_value", "texts", "value_bytes"]
 
 _DIM = np.dtype("<u4")
 _OFFSET = np.dtype("<u8")
 _LITTLE = sys.byteorder == "little"
+
+
+MAX_DIMENSION = 2**32 - 1  # a descriptor holds one uint32 per dimension
+
+
+def check_dimensions(name: str, values: Any) -> None:
+    """Refuse values of a variable field ``name`` with a dimension a descriptor cannot hold (``ValueError``).
+
+    ``values`` is one array or a list of them (a batch). Called before any
+    slot is claimed, so a refused value leaves every slot as it was.
+    """
+    for value in values if isinstance(values, list) else (values,):
+        if value.shape and max(value.shape) > MAX_DIMENSION:
+            raise ValueError(
+                f"field {name!r}: a value of shape {value.shape} has a dimension of {max(value.shape)}, more "
+                f"than the cache format holds (2**32 - 1 = {MAX_DIMENSION} per dimension); split the value"
+            )
 
 
 def value_bytes(dims: np.ndarray[Any, Any], itemsize: int) -> int:

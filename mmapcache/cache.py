@@ -34,7 +34,7 @@ from ._locks import flock_holders, lock_exclusive_soon
 from ._sizes import parse_bytes
 from ._slots import EMPTY, READY, STRONGLY_ORDERED, SlotTable
 from ._values import coerce_batch, coerce_sample
-from ._variable import VariableColumn, text_value, texts
+from ._variable import VariableColumn, check_dimensions, text_value, texts
 from ._verify import Problem, failed_rows, intact, intact_parts, region_problems, slot_problems
 
 __all__ = ["Cache", "Problem"]
@@ -671,6 +671,8 @@ class Cache:
         if i >= self._capacity or mapped.states[i] == READY:
             return False
         arrays = coerce_sample(sample, self._fields)
+        if mapped.variables:
+            self._check_dimensions(arrays)
         handle = self._handle
         with handle.write_lock:
             handle.check_usable(writing=True)
@@ -692,6 +694,8 @@ class Cache:
         if not len(todo):
             return stored
         arrays = coerce_batch(batch, self._fields, len(idx))
+        if mapped.variables:
+            self._check_dimensions(arrays)
         handle = self._handle
         with handle.write_lock:
             handle.check_usable(writing=True)
@@ -700,6 +704,12 @@ class Cache:
                 stored[row] = fill(mapped, int(idx[row]), arrays, row)
         self._board.add(written=int(np.count_nonzero(stored)))
         return stored
+
+    def _check_dimensions(self, arrays: list[Any]) -> None:
+        """Variable values must fit their descriptors: checked before any slot is claimed."""
+        for (name, field), values in zip(self._fields.items(), arrays, strict=True):
+            if field.variable:
+                check_dimensions(name, values)
 
     @staticmethod
     def _fill(mapped: _Mapped, index: int, arrays: list[np.ndarray[Any, Any]], row: int | None) -> bool:
