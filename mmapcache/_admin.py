@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ._counters import Usage, read_usage
+from ._counters import REFUTED, Usage, read_flags, read_usage
 from ._errors import CacheError, CacheFormatError, CacheInUseError, CacheTimeoutError, UnsafeCacheFileError
 from ._file import (
     LOCK_SUFFIX,
@@ -133,6 +133,8 @@ class CacheInfo:
     ``pids`` lists the processes holding it open where ``/proc/locks`` tells.
     ``filled`` counts READY slots, ``writing`` slots being written now or
     abandoned by a writer that died (the next writer reclaims them).
+    ``refuted``: a process found that the fields, inferred from a first
+    sample, do not fit the dataset (see ``Cache.refute``).
     """
 
     path: Path
@@ -155,10 +157,23 @@ class CacheInfo:
     usage: Usage | None = None
     variable: VariableRegion | None = None
     indices_digest: str | None = None  # the digest of the dataset index table (a shard's cache), if any
+    refuted: bool = False  # a process found the fields, inferred from a first sample, do not fit the dataset
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def uncounted_pids(self) -> tuple[int, ...]:
+        """Processes that have the cache open but count its use only in themselves (not in ``usage``).
+
+        Readonly handles, and handles that found every usage record taken
+        (their counts join the totals when they close). Known where
+        ``/proc/locks`` tells who has the file open.
+        """
+        if self.usage is None or not self.usage.shared:
+            return ()
+        return tuple(pid for pid in self.pids if pid not in self.usage.processes)
 
     @property
     def fill(self) -> float | None:
@@ -193,6 +208,8 @@ class CacheInfo:
             "usage": self.usage.to_dict() if self.usage is not None else None,
             "variable": self.variable.to_dict() if self.variable is not None else None,
             "indices_digest": self.indices_digest,
+            "refuted": self.refuted,
+            "uncounted_pids": list(self.uncounted_pids),
         }
 
 
@@ -438,22 +455,25 @@ def _inspect(path: Path, location: _Location) -> tuple[CacheInfo, Exception | No
         try:
             header, layout = read_header(fd, str(path))
             filled, writing = _count_states(fd, header)
-            usage = _read_usage(fd, layout)
+            usage, flags = _read_usage(fd, layout)
             variable = _read_variable_region(fd, header, layout)
         except (CacheError, OSError) as error:
             return _broken(path, location, error, st=st, in_use=in_use, pids=pids), error
     finally:
         os.close(fd)
     healthy = _healthy(path, location, st, header, in_use, pids, filled, writing)
-    return replace(healthy, usage=usage, variable=variable), None
+    return replace(healthy, usage=usage, variable=variable, refuted=bool(flags & REFUTED)), None
 
 
-def _read_usage(fd: int, layout: Layout) -> Usage:
-    """The usage counters, read with pread; live owners found with a lock probe (no mapping, no writes)."""
+def _read_usage(fd: int, layout: Layout) -> tuple[Usage, int]:
+    """The usage counters and the file's flags, read with pread; live owners found with a lock probe.
+
+    No mapping, no writes.
+    """
     if not layout.counter_records:
-        return read_usage(None, layout, SlotLocks(fd))
+        return read_usage(None, layout, SlotLocks(fd)), 0
     region = os.pread(fd, layout.counter_records * COUNTER_RECORD_SIZE, layout.counters_offset)
-    return read_usage(region, layout, SlotLocks(fd))
+    return read_usage(region, layout, SlotLocks(fd)), read_flags(region, layout)
 
 
 def _usage(fd: int, st: os.stat_result) -> tuple[bool, tuple[int, ...]]:
