@@ -271,3 +271,53 @@ def test_a_correct_cached_dataset_passes_a_long_run() -> None:
 def test_a_correct_cache_of_our_own_passes_a_long_run() -> None:
     summary = check_concurrent_access(functools.partial(toy, nbytes=Blobs().nbytes), blob, max_examples=400)
     print(f"\nlong run, ToyCache: {summary}")
+
+
+@pytest.mark.timeout(90)
+def test_a_deadline_bounds_the_whole_call_however_many_examples_are_allowed() -> None:
+    start = time.monotonic()
+    summary = check_concurrent_access(toy, blob, max_examples=10**9, deadline=2, processes=2)
+    took = time.monotonic() - start
+    assert took < 2 + 5, f"deadline 2 s, the call took {took:.1f} s ({summary})"
+    assert summary.samples > 0
+    assert _no_leftovers() == []
+
+
+@pytest.mark.timeout(90)
+def test_a_run_out_of_time_at_once_still_compares_samples() -> None:
+    # Hypothesis's first example is its simplest: worker 0 remakes the dataset 20 times, loading nothing.
+    summary = check_concurrent_access(toy, blob, max_examples=50, deadline=0.001, processes=1, kill=False, seed=1)
+    assert summary.samples > 0, summary
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "match"),
+    [
+        ({"deadline": "5"}, TypeError, "deadline must be a number of seconds .* not str '5'"),
+        ({"deadline": True}, TypeError, "deadline must be a number"),
+        ({"deadline": float("nan")}, ValueError, "deadline must be a positive, finite"),
+        ({"deadline": float("inf")}, ValueError, "deadline must be a positive, finite"),
+        ({"processes": 2.0}, TypeError, "processes must be an int, not float"),
+        ({"processes": 33}, ValueError, "processes must be at most 32"),
+        ({"max_examples": "10"}, TypeError, "max_examples must be an int"),
+        ({"kill": "no"}, TypeError, "kill must be True or False"),
+        ({"seed": 1.5}, TypeError, "seed must be an int or None"),
+    ],
+)
+def test_bad_arguments_get_a_clear_error_before_anything_runs(
+    arguments: dict[str, object], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        check_concurrent_access(toy, blob, **arguments)  # type: ignore[arg-type]
+    assert _no_leftovers() == []
+
+
+def test_bad_arguments_to_the_strategies_get_a_clear_error() -> None:
+    with pytest.raises(TypeError, match="max_fields must be an int, not str"):
+        fields(max_fields="3")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_fields must be a positive int"):
+        fields(max_fields=0)
+    with pytest.raises(TypeError, match="variable must be True, False or None"):
+        fields(variable="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        samples(5)  # type: ignore[arg-type]
