@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
-import logging
 import pickle
 from pathlib import Path
 from typing import Any
@@ -795,13 +795,16 @@ def test_verify_finds_an_allocation_counter_behind_the_values_or_beyond_the_regi
     with Cache.open(cache_dir / "r.mmc", RAGGED, length=10, max_bytes="1MiB") as cache:
         for i in range(1, 8):
             cache.put(i, ragged(i))
-        assert cache._mapped is not None and cache._mapped.heap is not None
+        assert cache._mapped is not None
+        assert cache._mapped.heap is not None
         claimed = cache._mapped.heap.claimed
         region = cache.variable_region
-        assert region is not None and 0 < region.used <= region.claimed
+        assert region is not None
+        assert 0 < region.used <= region.claimed
         claimed[0] = 16  # as if the allocation page had missed the disk: new values would reuse live bytes
         problems = [p for p in cache.verify() if p.kind == "region"]
-        assert len(problems) == 1 and "claimed" in problems[0].message, problems
+        assert len(problems) == 1, problems
+        assert "claimed" in problems[0].message
         assert f"use {region.used} bytes" in problems[0].message
         fixed = cache.verify(fix=True)
         assert [p.fixed for p in fixed if p.kind == "region"] == [True]
@@ -812,7 +815,8 @@ def test_verify_finds_an_allocation_counter_behind_the_values_or_beyond_the_regi
             assert_ragged(cache[i], i)
         claimed[0] = region.size + 4096  # beyond the region
         problems = [p for p in cache.verify() if p.kind == "region"]
-        assert len(problems) == 1 and "beyond" in problems[0].message, problems
+        assert len(problems) == 1, problems
+        assert "beyond" in problems[0].message
         cache.verify(fix=True)
         assert int(claimed[0]) == region.size, "a counter beyond the region is brought back to its end"
         assert cache.verify() == []
@@ -833,8 +837,10 @@ def test_a_descriptor_whose_shape_product_overflows_is_a_damaged_slot_for_every_
                 cache.get_many([1, 2, 3])
             assert raised.value.missing.tolist() == [2]
             values, hits = cache.read_many([1, 2, 3])
-            assert hits.tolist() == [True, False, True] and values["v"][1] is None
-        assert caplog.text.count("slot 2 of") == 3 and "cannot be in the file" in caplog.text
+            assert hits.tolist() == [True, False, True]
+            assert values["v"][1] is None
+        assert caplog.text.count("slot 2 of") == 3
+        assert "cannot be in the file" in caplog.text
         assert [(p.kind, p.index) for p in cache.verify()] == [("variable", 2)]
 
 
