@@ -10,6 +10,7 @@ which becomes the message of the ``AssertionError`` when a step goes wrong.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import itertools
 import os
@@ -27,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from ._errors import CacheInUseError
 from ._file import remove
-from ._paths import default_dir
+from ._paths import CHECK_OWNER, CHECK_PREFIX, default_dir
 from ._testing_worker import Process, StepError, Zygote, wait_until
 
 __all__ = ["OutOfTime", "Run", "Summary", "machine_class"]
@@ -107,7 +108,10 @@ class Run:
         self.length = 0
         self.mmapcache = False  # whether the dataset keeps its samples in an mmapcache Cache
         self._names = itertools.count()
-        self.directory = Path(tempfile.mkdtemp(prefix="check-", dir=default_dir()))
+        self.directory = Path(tempfile.mkdtemp(prefix=CHECK_PREFIX, dir=default_dir()))
+        # Held while the check runs: `mmapcache gc` removes the directory of a check that died.
+        self._owner = os.open(self.directory / CHECK_OWNER, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._owner, fcntl.LOCK_EX)
         self.zygote = Zygote(make_dataset, oracle)
         self.workers: list[Process] = []
         self.observer: Process | None = None
@@ -133,6 +137,7 @@ class Run:
             process.stop()
         self.zygote.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+        os.close(self._owner)
         self.summary.seconds = time.monotonic() - self.started
 
     def out_of_time(self) -> bool:

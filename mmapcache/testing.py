@@ -27,9 +27,13 @@ expected. docs/testing.md explains what the check explores and what it cannot.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import pickle
-from collections.abc import Callable, Mapping
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 try:
@@ -95,6 +99,10 @@ def check_concurrent_access(
     up to ``MMAPCACHE_TESTING_SHRINK_SECONDS`` (30 s) more. ``processes`` is
     at most 32. ``seed`` makes the choice of steps repeatable (timing never is).
 
+    Run in the main thread, SIGTERM (with its default action) first stops
+    the processes and removes the check's directory, then ends the process as
+    usual; after a SIGKILL, ``mmapcache gc`` removes the directory.
+
     Returns a :class:`Summary` of what ran. Raises ``AssertionError`` with the
     shrunk steps when a sample is wrong, a stored one is lost, a process
     raises, dies or hangs (60 s), or a cache in use is removed; and when the
@@ -125,6 +133,47 @@ def check_concurrent_access(
                 f"{name} must be picklable to reach the worker processes (a module-level function, or "
                 f"functools.partial of one or of a class); pickling {value!r} failed: {error}"
             ) from None
+    with _cleaned_up_on_sigterm():
+        return _check(make_dataset, oracle, processes, max_examples, kill, seed, deadline)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: unwind (stopping the processes, removing the directory), then die of it.
+
+    A ``KeyboardInterrupt`` so that Hypothesis lets it through untouched.
+    """
+
+
+@contextlib.contextmanager
+def _cleaned_up_on_sigterm() -> Iterator[None]:
+    """While a check runs in the main thread with SIGTERM's default action: SIGTERM unwinds it first."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # die of it, as without the handler
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _check(
+    make_dataset: Callable[[str], Any],
+    oracle: Callable[[int], Any],
+    processes: int,
+    max_examples: int,
+    kill: bool,
+    seed: int | None,
+    deadline: float | None,
+) -> Summary:
     run = Run(make_dataset, oracle, processes=processes, kill=kill, deadline=deadline)
     try:
         run.start()

@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -321,3 +322,62 @@ def test_bad_arguments_to_the_strategies_get_a_clear_error() -> None:
         fields(variable="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         samples(5)  # type: ignore[arg-type]
+
+
+CHECK_FOREVER = """
+import sys
+sys.path.insert(0, {tests!r})
+from _testing_caches import blob, toy
+from mmapcache.testing import check_concurrent_access
+check_concurrent_access(toy, blob, max_examples=10**9, processes=2)
+"""
+
+
+def _start_a_check(directory: Path) -> tuple[subprocess.Popen[str], Path]:
+    """A check that runs until killed, in its own session, caching under ``directory``; and its directory."""
+    env = {**os.environ, "MMAPCACHE_DIR": str(directory), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    code = CHECK_FOREVER.format(tests=str(Path(__file__).parent))
+    process = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        checks = [p for p in directory.glob("check-*") if any(p.glob("example-*"))]
+        if checks:
+            return process, checks[0]
+        time.sleep(0.1)
+    process.kill()
+    raise AssertionError("the check made no example in 60 s")
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_check_leaves_a_directory_that_gc_sees_and_removes(tmp_path: Path) -> None:
+    process, check = _start_a_check(tmp_path)
+    assert mmapcache.gc(tmp_path, older_than=0).removed == (), "a running check's directory is never removed"
+    os.killpg(process.pid, signal.SIGKILL)  # the check and every process it started
+    process.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while True:
+        report = mmapcache.gc(tmp_path, dry_run=True)  # the default age: a dead check's directory goes at once
+        if report.removed or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # the killed processes' locks are released as they are reaped
+    assert [(r.path, r.kind) for r in report.removed] == [(check, "check")]
+    assert check.exists(), "a dry run removes nothing"
+    report = mmapcache.gc(tmp_path)
+    assert [(r.path, r.kind) for r in report.removed] == [(check, "check")]
+    assert not check.exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_check_ended_by_sigterm_removes_its_directory_and_processes(tmp_path: Path) -> None:
+    process, check = _start_a_check(tmp_path)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == -signal.SIGTERM
+    assert not check.exists()
+    assert list(tmp_path.glob("check-*")) == []
+    deadline = time.monotonic() + 10  # multiprocessing's resource tracker leaves once its pipe closes
+    while True:
+        left = subprocess.run(["pgrep", "-s", str(process.pid)], capture_output=True, text=True).stdout.split()
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert left == [], f"processes of the check still run: {left}"
