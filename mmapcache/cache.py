@@ -10,6 +10,7 @@ import operator
 import os
 import socket
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -31,6 +32,7 @@ from ._handle import Handle, closed_error
 from ._heap import VariableRegion, extent_size_for
 from ._holders import held_by
 from ._locks import flock_holders, lock_exclusive_soon
+from ._paths import filesystem_type, is_memory_filesystem
 from ._sizes import parse_bytes
 from ._slots import EMPTY, READY, STRONGLY_ORDERED, SlotTable
 from ._values import coerce_batch, coerce_sample
@@ -254,6 +256,8 @@ class Cache:
         try:
             mapped = _Mapped(handle, header, layout)
             _check_after_reboot(path, mapped, readonly=readonly, timeout=timeout)
+            if mapped.boot is None:
+                _warn_if_on_a_disk(path, header.version, os.fstat(opened.fd))
         except BaseException:
             handle.close()  # a failed open leaks no descriptor and no in-use lock
             raise
@@ -985,6 +989,25 @@ def _check_after_reboot(path: Path, mapped: _Mapped, *, readonly: bool, timeout:
             "without readonly=True (or run `mmapcache verify --fix PATH`) as a user who may write it",
             path=path,
         ) from None
+
+
+_warned_without_boot: set[tuple[int, int]] = set()
+
+
+def _warn_if_on_a_disk(path: Path, version: int, st: os.stat_result) -> None:
+    """Warn (once per file and process) about a file made in memory and used from a disk: no reboot check."""
+    kind = filesystem_type(path.parent)
+    if is_memory_filesystem(kind) or (st.st_dev, st.st_ino) in _warned_without_boot:
+        return
+    _warned_without_boot.add((st.st_dev, st.st_ino))
+    warnings.warn(
+        f"{path} is on a disk ({kind or 'unknown file system'}) but was made on a memory file system (format "
+        f"version {version}, without the boot page of version 5): after a crash or power loss mmapcache cannot "
+        "tell which of its slots reached the disk, and may serve samples whose bytes did not. Make it on the "
+        f"disk instead: remove it (`mmapcache rm {path}`) and let the next run create and fill it there",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _reopen_cache(path: str, readonly: bool, verify: bool, timeout: float) -> Cache:

@@ -19,6 +19,7 @@ import tempfile
 import textwrap
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -472,3 +473,21 @@ def test_clear_on_a_disk_is_durable_before_anything_reuses_the_space(disk_dir: P
         finally:
             os.close(fd)
         assert cache.put(3, {"v": ragged(3)})
+
+
+def test_a_cache_made_in_memory_and_used_from_a_disk_warns_that_reboots_go_unchecked(
+    disk_dir: Path, cache_dir: Path
+) -> None:
+    made = cache_dir / "c.mmc"
+    make_cache(made, 4)
+    moved = disk_dir / "c.mmc"
+    shutil.copyfile(made, moved)
+    with pytest.warns(RuntimeWarning, match=r"made on a memory file system .*version 2.*mmapcache rm"):
+        with Cache(moved) as cache:
+            assert cache._mapped is not None
+            assert cache._mapped.boot is None
+            assert np.array_equal(cache[3]["x"], sample(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Cache(moved, readonly=True).close()  # once per file and process
+        Cache(made).close()  # in memory: nothing to say
