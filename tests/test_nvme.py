@@ -483,10 +483,11 @@ def test_a_cache_made_in_memory_and_used_from_a_disk_warns_that_reboots_go_unche
     moved = disk_dir / "c.mmc"
     shutil.copyfile(made, moved)
     with pytest.warns(RuntimeWarning, match=r"made on a memory file system .*version 2.*mmapcache rm"):
-        with Cache(moved) as cache:
-            assert cache._mapped is not None
-            assert cache._mapped.boot is None
-            assert np.array_equal(cache[3]["x"], sample(3))
+        cache = Cache(moved)
+    with cache:
+        assert cache._mapped is not None
+        assert cache._mapped.boot is None
+        assert np.array_equal(cache[3]["x"], sample(3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Cache(moved, readonly=True).close()  # once per file and process
