@@ -115,6 +115,7 @@ def check_boot(
     lock: Callable[[], contextlib.AbstractContextManager[Any]],
     readahead: Readahead | None,
     reconcile: Callable[[], object] | None = None,
+    progress: Callable[[int, int], object] | None = None,
 ) -> Checked | None:
     """After a reboot, compare every READY slot not synced with its checksum; reset those that differ.
 
@@ -123,6 +124,9 @@ def check_boot(
     ``reconcile`` runs once the slots are settled, before the boot id is
     written: it brings what the slots depend on (the variable region's
     allocation counter) in line with the slots that were kept.
+    ``progress(done, total)`` is told how many suspect slots were compared,
+    before each slot (the caller publishes it for processes waiting on the
+    lock, and throttles it).
     """
     if page.current():
         return None
@@ -130,7 +134,13 @@ def check_boot(
         if page.current():  # another process checked while we waited
             return None
         suspect = np.flatnonzero((np.asarray(slots.states) == READY) & (np.asarray(slots.synced) == 0))
-        torn = _compare(slots, parts, suspect, readahead)
+        if len(suspect):
+            log.warning(
+                "%d slot(s) were filled and not synced before a reboot: comparing them with their checksums "
+                "(reading them from the disk) before they are served; other processes wait for this",
+                len(suspect),
+            )
+        torn = _compare(slots, parts, suspect, readahead, progress)
         if reconcile is not None:
             reconcile()
         page.record()
@@ -144,10 +154,17 @@ def check_boot(
     return Checked(len(suspect), tuple(torn))
 
 
-def _compare(slots: SlotTable, parts: Parts, suspect: np.ndarray[Any, Any], readahead: Readahead | None) -> list[int]:
+def _compare(
+    slots: SlotTable,
+    parts: Parts,
+    suspect: np.ndarray[Any, Any],
+    readahead: Readahead | None,
+    progress: Callable[[int, int], object] | None = None,
+) -> list[int]:
     """Check ``suspect`` slots in chunks, the next chunk's reads queued before this one is hashed."""
     torn = []
     chunks = [suspect[k : k + _CHUNK] for k in range(0, len(suspect), _CHUNK)]
+    done = 0
     for k, chunk in enumerate(chunks):
         if readahead is not None:
             if k == 0:
@@ -155,6 +172,9 @@ def _compare(slots: SlotTable, parts: Parts, suspect: np.ndarray[Any, Any], read
             if k + 1 < len(chunks):
                 readahead.hint(chunks[k + 1])
         for i in chunk.tolist():
+            if progress is not None:
+                progress(done, len(suspect))
+            done += 1
             found = parts(i)
             if found is not None and intact_parts(slots, i, found):
                 slots.synced[i] = 1  # just read back intact from the disk

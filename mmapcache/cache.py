@@ -25,7 +25,7 @@ from ._cold import prefetch_later, readahead_for
 from ._counters import REFUTED, Usage
 from ._errors import CacheError, CacheInUseError, CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike, normalize_fields
-from ._file import Expected, NewFile, OpenedFile, creation_lock, open_or_create, read_header
+from ._file import Expected, LockStatus, NewFile, OpenedFile, creation_lock, open_or_create, read_header
 from ._format import MAX_FILE_SIZE, Header, Layout, indices_digest, max_slots, slot_nbytes
 from ._gather import empty_aligned, gather
 from ._handle import Handle, closed_error
@@ -233,7 +233,10 @@ class Cache:
         limit the cacheable slots to indices ``< capacity`` (default: all
         ``length``); ``max_bytes`` budgets the per-slot data and slot records,
         the header and page padding come on top. They only apply when the file
-        is created. ``timeout`` bounds the wait for another creator.
+        is created. ``timeout`` bounds a wait for another process that
+        creates, removes or clears the file and makes no progress; a check
+        after a reboot in another process (a cache on a disk) is waited for
+        while it advances, and the wait is logged with its progress.
         ``verify=True`` checks every read against the slot's checksum and
         treats a mismatch as a miss.
 
@@ -971,14 +974,19 @@ def _check_after_reboot(path: Path, mapped: _Mapped, *, readonly: bool, timeout:
         return
     if not readonly:
         lock = functools.partial(creation_lock, path, timeout)
-        check_boot(
-            mapped.boot,
-            mapped.slots,
-            mapped.parts,
-            lock=lock,
-            readahead=mapped.readahead,
-            reconcile=functools.partial(_cover_values, mapped),
-        )
+        status = LockStatus(path, f"checks {path} after a reboot", "slots")
+        try:
+            check_boot(
+                mapped.boot,
+                mapped.slots,
+                mapped.parts,
+                lock=lock,
+                readahead=mapped.readahead,
+                reconcile=functools.partial(_cover_values, mapped),
+                progress=status.publish,
+            )
+        finally:
+            status.clear()
         return
     try:  # resetting torn slots takes write access: a writable handle checks, then we read
         Cache(path, timeout=timeout).close()

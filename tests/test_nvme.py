@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -492,3 +493,69 @@ def test_a_cache_made_in_memory_and_used_from_a_disk_warns_that_reboots_go_unche
         warnings.simplefilter("error")
         Cache(moved, readonly=True).close()  # once per file and process
         Cache(made).close()  # in memory: nothing to say
+
+
+CHECKER = """
+import os, sys
+with open(sys.argv[2], "w") as procs:  # into the throttled cgroup before the first read
+    procs.write(str(os.getpid()))
+from mmapcache import Cache
+Cache(sys.argv[1]).close()
+"""
+
+WAITER = """
+import json, logging, os, sys, time
+from mmapcache import Cache
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
+time.sleep(0.5)  # the checker has the lock by now
+start = time.monotonic()
+with Cache(sys.argv[1], timeout=1) as cache:
+    print(json.dumps({"waited": time.monotonic() - start, "filled": cache.filled}))
+"""
+
+AFTER_REBOOT_TWO = """
+import json, subprocess, sys
+checker = subprocess.Popen([sys.executable, "-c", {checker!r}, {path!r}, {procs!r}])
+waiter = subprocess.run([sys.executable, "-c", {waiter!r}, {path!r}], capture_output=True, text=True)
+checker.wait()
+print(json.dumps({{"checker": checker.pid, "status": waiter.returncode, "out": waiter.stdout, "err": waiter.stderr}}))
+"""
+
+
+@pytest.fixture
+def slow_disk_cgroup() -> Iterator[Path]:
+    """A blkio cgroup whose reads from the disk under /var/tmp are throttled to 4 MiB/s."""
+    root = Path("/sys/fs/cgroup/blkio")
+    if os.geteuid() != 0 or not (root / "blkio.throttle.read_bps_device").exists():
+        pytest.skip("needs root and the cgroup v1 blkio controller")
+    dev = os.stat(DISK).st_dev
+    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if (block / "partition").exists():  # throttles apply to the whole disk
+        block = block.resolve().parent
+    group = root / f"mmapcache-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "blkio.throttle.read_bps_device").write_text(f"{(block / 'dev').read_text().strip()} {4 * 2**20}")
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            (root / "cgroup.procs").write_text(pid)
+        group.rmdir()
+
+
+def test_after_a_reboot_other_processes_wait_for_the_check_and_say_how_far_it_is(
+    disk_dir: Path, slow_disk_cgroup: Path
+) -> None:
+    path, n = disk_dir / "c.mmc", 256  # 16 MiB never synced: about 4 s at 4 MiB/s
+    make_cache(path, n)
+    evict(path)
+    code = AFTER_REBOOT_TWO.format(
+        checker=CHECKER, waiter=WAITER, path=str(path), procs=str(slow_disk_cgroup / "cgroup.procs")
+    )
+    report = _after_reboot(code, disk_dir)
+    assert report["status"] == 0, report["err"]
+    assert json.loads(report["out"])["filled"] == n
+    assert json.loads(report["out"])["waited"] > 1, "the check took longer than the waiter's timeout"
+    assert f"pid {report['checker']}" in report["err"]
+    assert "after a reboot" in report["err"]
+    assert re.search(rf"\d+ of {n} slots", report["err"]), report["err"]
