@@ -290,14 +290,14 @@ def _tear(path: Path, slot: int) -> None:
         os.close(fd)
 
 
-def _read_after_reboot(path: Path, n: int, tmp: Path, *, readonly: bool = False) -> dict[str, Any]:
-    """Open the cache in a process that sees another kernel boot id (a private mount namespace)."""
+def _after_reboot(code: str, tmp: Path) -> dict[str, Any]:
+    """Run ``code`` (its last line prints JSON) in a process that sees another kernel boot id."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare to fake a reboot")
     fake = tmp / "boot_id"
     fake.write_text(str(uuid.uuid4()) + "\n")
-    script = tmp / "reader.py"
-    script.write_text(textwrap.dedent(READER.format(path=str(path), n=n, readonly=", readonly=True" * readonly)))
+    script = tmp / "after_reboot.py"
+    script.write_text(textwrap.dedent(code))
     command = f"mount --bind {fake} /proc/sys/kernel/random/boot_id && exec {sys.executable} {script}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
@@ -308,8 +308,14 @@ def _read_after_reboot(path: Path, n: int, tmp: Path, *, readonly: bool = False)
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    report: dict[str, Any] = json.loads(result.stdout)
-    assert report["boot"] == uuid.UUID(fake.read_text().strip()).hex
+    report: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+    return report
+
+
+def _read_after_reboot(path: Path, n: int, tmp: Path, *, readonly: bool = False) -> dict[str, Any]:
+    """Open the cache in a process that sees another kernel boot id (a private mount namespace)."""
+    report = _after_reboot(READER.format(path=str(path), n=n, readonly=", readonly=True" * readonly), tmp)
+    assert report["boot"] == uuid.UUID((tmp / "boot_id").read_text().strip()).hex
     return report
 
 
@@ -370,28 +376,6 @@ def test_sync_marks_every_filled_slot_and_a_new_claim_clears_it(disk_dir: Path) 
         assert not synced.any()
         with pytest.raises(PermissionError):
             Cache(path, readonly=True).sync()
-
-
-def _after_reboot(code: str, tmp: Path) -> dict[str, Any]:
-    """Run ``code`` (its last line prints JSON) in a process that sees another kernel boot id."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare to fake a reboot")
-    fake = tmp / "boot_id"
-    fake.write_text(str(uuid.uuid4()) + "\n")
-    script = tmp / "after_reboot.py"
-    script.write_text(textwrap.dedent(code))
-    command = f"mount --bind {fake} /proc/sys/kernel/random/boot_id && exec {sys.executable} {script}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", command],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    report: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
-    return report
 
 
 RAGGED = {"v": ((None,), "u1")}
