@@ -27,7 +27,9 @@ hex digits of the SHA-256 of ``N``, and ``N``'s extension (``.mmc``), short
 enough that every side name fits. The side files are:
 
 - ``<stem>.lock``: the creation lock (never deleted while in use; see
-  :func:`creation_lock`);
+  :func:`creation_lock`); its holder may write one line of JSON into it
+  saying what it does and how far it is (:class:`LockStatus`: the check
+  after a reboot does), which waiters log;
 - ``<stem>.tmp-<pid>-<8 hex>``: the file a creator builds before linking it
   to ``N``; only a holder of the creation lock makes or deletes one.
 
