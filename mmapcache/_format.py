@@ -228,6 +228,14 @@ boot (`/proc/sys/kernel/random/boot_id`); the rest of the page is zero.
   matched (their bytes were read back from the disk) and then write the
   running kernel's boot id into the page. Processes doing this SHOULD exclude
   each other (mmapcache holds the creation lock, `<stem>.lock`).
+- The allocation page can miss the disk while slots that use the variable
+  region reach it. Before writing the boot id, a process with write access
+  MUST raise `claimed` (rounded up to 16, at most `variable_size`) to cover
+  the end of every value of a READY slot it keeps, so that no value written
+  afterwards is placed over one of them.
+- A process that resets slots a crash could find synced (clearing the cache)
+  MUST make the reset reach stable storage (`fdatasync`) before any of their
+  bytes are written again.
 - Within one boot every process sees the same page cache, so a file whose
   boot id is the running kernel's is read as in other versions: its open
   costs no scan.

@@ -20,6 +20,11 @@ Why this is crash-safe, per record:
   is the slot published READY (the slot protocol in ``_slots.py``). A writer
   killed before that leaves the slot WRITING, which the next writer reclaims
   into space of its own; READY never points at bytes that were not written.
+* After a crash (a disk cache, format version 5) the allocation page may
+  have missed the disk while slots that use the region reached it: the check
+  after the reboot (``_boot.py``) moves ``claimed`` past the end of every value
+  it keeps (:meth:`Heap.cover`), and ``Cache.verify`` reports a counter behind
+  the values or beyond the region.
 * What a dead writer had claimed but not filled is lost until the cache is
   cleared: at most one extent per writer that died. ``claimed`` minus the
   bytes of READY values is that loss plus what live writers hold in reserve
@@ -145,6 +150,25 @@ class Heap:
     def forget_extent(self) -> None:
         """After fork, in the child: the current extent is the parent's."""
         self._pos = self._end = 0
+
+    def cover(self, end: int) -> bool:
+        """Make ``claimed`` cover the first ``end`` bytes and stay within the region; whether it moved.
+
+        For a counter that fell behind the values that use the region (its
+        page missed the disk before a crash while the slots reached it): no
+        new value may then be placed over a live one. A counter beyond the
+        region is brought back to its end (the region stays full).
+        """
+        self._locks.claim_wait(self._lock_offset)
+        try:
+            claimed = int(self.claimed[0])
+            wanted = min(max(claimed, place(end)), self.size)
+            if wanted == claimed:
+                return False
+            self.claimed[0] = wanted
+            return True
+        finally:
+            self._locks.release(self._lock_offset)
 
     def reset(self) -> None:
         """Everything was cleared (the caller holds the exclusive in-use lock): start from the beginning."""

@@ -24,11 +24,28 @@ import numpy as np
 from ._field import Field
 from ._format import PAYLOAD_ALIGNMENT, descriptor_nbytes
 
-__all__ = ["VariableColumn", "shape_bytes", "text_value", "texts", "value_bytes"]
+__all__ = ["MAX_DIMENSION", "VariableColumn", "check_dimensions", "shape_bytes", "text_value", "texts", "value_bytes"]
 
 _DIM = np.dtype("<u4")
 _OFFSET = np.dtype("<u8")
 _LITTLE = sys.byteorder == "little"
+
+
+MAX_DIMENSION = 2**32 - 1  # a descriptor holds one uint32 per dimension
+
+
+def check_dimensions(name: str, values: Any) -> None:
+    """Refuse values of a variable field ``name`` with a dimension a descriptor cannot hold (``ValueError``).
+
+    ``values`` is one array or a list of them (a batch). Called before any
+    slot is claimed, so a refused value leaves every slot as it was.
+    """
+    for value in values if isinstance(values, list) else (values,):
+        if value.shape and max(value.shape) > MAX_DIMENSION:
+            raise ValueError(
+                f"field {name!r}: a value of shape {value.shape} has a dimension of {max(value.shape)}, more "
+                f"than the cache format holds (2**32 - 1 = {MAX_DIMENSION} per dimension); split the value"
+            )
 
 
 def value_bytes(dims: np.ndarray[Any, Any], itemsize: int) -> int:
@@ -183,15 +200,31 @@ class VariableColumn:
         result = self._region[offset : offset + nbytes].view(self.dtype).reshape(shape).copy()
         return result
 
-    def copy_many(self, indices: np.ndarray[Any, Any]) -> tuple[list[Any], np.ndarray[Any, Any]]:
-        """Fresh copies of the values of ``indices`` (rows of one new buffer), and which rows are impossible."""
+    def spans(self, indices: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], ...]:
+        """``(shapes, starts, counts, ends, bad)`` of the values of ``indices`` (int64 arrays; ``bad``: bool).
+
+        ``bad`` marks the descriptors :meth:`locate` finds impossible. No
+        overflow hides one: a shape whose element count cannot fit the region
+        is bad however large its product (counted in floating point first;
+        its ``count`` and ``end`` are then 0 and ``start``).
+        """
         shapes = self.dims[indices].astype(np.int64)
-        starts = self.offsets[indices].astype(np.int64)
-        counts = shapes.prod(axis=1) if self._ndim else np.ones(len(indices), np.int64)
+        starts = self.offsets[indices].astype(np.int64)  # offsets >= 2**63 become negative: bad
+        if self._ndim:
+            huge = shapes.astype(np.float64).prod(axis=1) * self._item > self._size
+            counts = np.where(huge, 0, shapes.prod(axis=1))
+        else:
+            huge, counts = np.zeros(len(indices), bool), np.ones(len(indices), np.int64)
+        bad = huge | (starts < 0) | (starts > self._size)
         ends = starts + counts * self._item
-        bad = (ends > self._size) | (starts < 0)
+        bad |= ends > self._size
         for axis, d in self._fixed_axes:
             bad |= shapes[:, axis] != d
+        return shapes, starts, counts, ends, bad
+
+    def copy_many(self, indices: np.ndarray[Any, Any]) -> tuple[list[Any], np.ndarray[Any, Any]]:
+        """Fresh copies of the values of ``indices`` (rows of one new buffer), and which rows are impossible."""
+        shapes, starts, counts, ends, bad = self.spans(indices)
         values: list[Any] = [None] * len(indices)
         good = np.flatnonzero(~bad)
         if not len(good):

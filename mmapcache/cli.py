@@ -106,6 +106,8 @@ def _fill(item: CacheInfo) -> str:
     region = item.variable
     if region is not None and region.size:
         text += f", variable {100 * region.claimed / region.size:.0f}% claimed"
+    if item.refuted:
+        text += ", refuted"
     return text
 
 
@@ -174,10 +176,25 @@ def _reads(item: CacheInfo) -> str:
         return "not counted (format version 1)"
     total = usage.total
     rate = "" if total.hit_rate is None else f" ({100 * total.hit_rate:.1f}% hits)"
-    text = f"{total.hits} hits, {total.misses} misses{rate}, {total.written} slots written, by all processes"
+    text = f"{total.hits} hits, {total.misses} misses{rate}, {total.written} slots written"
+    uncounted = item.uncounted_pids
+    text += ", by all processes" if not uncounted else ", by the processes that count into the file"
     for pid, counts in sorted(usage.processes.items()):
         text += f"; pid {pid}: {counts.hits} hits, {counts.misses} misses, {counts.written} written"
+    if uncounted:
+        many = len(uncounted) != 1
+        text += (
+            f"; {len(uncounted)} more process{'es' if many else ''} {'have' if many else 'has'} it open and "
+            f"count{'' if many else 's'} only in {'themselves' if many else 'itself'} ({spelled_pids(uncounted)}: "
+            "readonly handles, or all 255 usage records taken; the latter add their counts when they close)"
+        )
     return text
+
+
+_REFUTED = (
+    "yes: a process found that the fields, inferred from a first sample, do not fit the dataset; the next "
+    "CachedDataset without fields= replaces the file once nobody has it open (or `mmapcache rm` it)"
+)
 
 
 def _filled(item: CacheInfo) -> str:
@@ -252,6 +269,7 @@ def format_info(item: CacheInfo, now: float) -> str:
         ),
         ("capacity", _capacity(item)),
         ("filled", _filled(item)),
+        *([("refuted", _REFUTED)] if item.refuted else []),
         *([("variable region", _variable(item))] if item.variable is not None else []),
         ("reads", _reads(item)),
         ("fields", fields[0]),
@@ -290,6 +308,8 @@ def format_gc(report: GcReport, now: float) -> str:
             what = "leftover of an unfinished creation"
         elif item.kind == "lock":
             what = f"lock file of a cache that no longer exists (made {_age(item.last_used, now)})"
+        elif item.kind == "check":
+            what = "directory of an mmapcache.testing check that was killed"
         else:
             what = f"last used {_age(item.last_used, now)}"
         damaged = " (damaged)" if item.kind == "corrupt" else ""

@@ -11,11 +11,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from _caches import DAY, Holder, age, make_cache
 
+import mmapcache
 import mmapcache.cli
 from mmapcache import Cache, Field
 from mmapcache._file import read_header
@@ -555,3 +557,34 @@ def test_info_and_ls_show_how_full_the_variable_region_is(cache_dir: Path) -> No
     assert "% claimed" in listed.stdout
     used = 4 * sum(range(100, 110))
     assert as_json["variable"] == {"size": region.size, "claimed": region.claimed, "used": used, "free": region.free}
+
+
+def test_info_says_which_processes_it_cannot_show_the_reads_of(cache_dir: Path, hold: Any) -> None:
+    path = cache_dir / "c.mmc"
+    with Cache.open(path, {"x": Field((4,), "u1")}, length=8) as cache:
+        cache.get(3)
+        reader = hold(path)  # a readonly handle counts only in its own process
+        shown = run("info", str(path))
+        as_json = json.loads(run("info", "--json", str(path)).stdout)
+    assert shown.returncode == 0, shown.stderr
+    assert "by all processes" not in shown.stdout
+    assert f"1 more process has it open and counts only in itself (pid {reader.pid}: readonly" in shown.stdout
+    assert as_json["uncounted_pids"] == [reader.pid]
+
+
+def test_ls_and_info_show_a_refuted_cache(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    with Cache.open(path, {"x": Field((4,), "u1")}, length=8) as cache:
+        cache.refute()
+    shown, listed = run("info", str(path)), run("ls", str(cache_dir))
+    assert shown.returncode == 0, shown.stderr
+    assert listed.returncode == 0, listed.stderr
+    assert "refuted" in shown.stdout
+    assert "do not fit" in shown.stdout
+    assert "refuted" in listed.stdout
+    assert json.loads(run("info", "--json", str(path)).stdout)["refuted"] is True
+    assert mmapcache.info(path).refuted
+    other = cache_dir / "d.mmc"
+    Cache.open(other, {"x": Field((4,), "u1")}, length=8).close()
+    assert "refuted" not in run("info", str(other)).stdout
+    assert not mmapcache.info(other).refuted
