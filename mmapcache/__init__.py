@@ -21,6 +21,7 @@ from ._errors import (
 from ._field import Field
 from ._file import in_use, remove
 from ._heap import VariableRegion
+from ._jagged import Jagged
 from ._paths import default_dir
 from ._version import __version__
 from .cache import Cache, Problem
@@ -38,6 +39,7 @@ __all__ = [
     "DiskUsage",
     "Field",
     "GcReport",
+    "Jagged",
     "Problem",
     "ReadonlyCacheError",
     "SchemaMismatchError",
