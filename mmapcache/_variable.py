@@ -77,6 +77,7 @@ class VariableColumn:
         "_row_bytes",
         "_rows",
         "_size",
+        "_table",
         "_tail",
         "_typed",
         "_unit",
@@ -97,6 +98,10 @@ class VariableColumn:
         table = np.ndarray((capacity, width), np.uint8, buffer=buffer, offset=offset)
         self.offsets: np.ndarray[Any, Any] = table[:, :8].view(_OFFSET)[:, 0]
         self.dims: np.ndarray[Any, Any] = table[:, 8 : 8 + 4 * ndim].view(_DIM)
+        # Whole descriptors as one item each: a batch reads them with one fancy index.
+        self._table: np.ndarray[Any, Any] = np.ndarray(
+            (capacity,), np.dtype((np.void, width)), buffer=buffer, offset=offset
+        )
         # Fast scalar access: word k of slot i is at i * words_per_slot + k.
         raw = memoryview(buffer)[offset : offset + capacity * width]
         self._offsets_mv = raw.cast("Q") if _LITTLE and capacity else None
@@ -226,8 +231,9 @@ class VariableColumn:
         """
         count = len(indices)
         wanted = indices if rows is None else indices[rows]
-        shapes = self.dims[wanted].astype(np.int64)
-        starts = self.offsets[wanted].astype(np.int64)
+        found = self._table[wanted].view(np.uint8).reshape(len(wanted), self._table.itemsize)
+        starts = found[:, :8].view(_OFFSET)[:, 0].astype(np.int64)
+        shapes = found[:, 8 : 8 + 4 * self._ndim].view(_DIM).astype(np.int64)
         head = self._head
         units = shapes[:, 0].copy() if head == 1 else shapes[:, :head].prod(axis=1)
         nbytes = units * self._unit
