@@ -759,7 +759,8 @@ class Cache:
         mapped = self._live()
         if mapped.heap is None:
             return None
-        return VariableRegion(mapped.heap.size, int(mapped.heap.claimed[0]), _bytes_used(mapped))
+        heap = mapped.heap
+        return VariableRegion(heap.size, int(heap.claimed[0]), _bytes_used(mapped), int(heap.refused[0]))
 
     def clear(self) -> None:
         """Mark every slot empty. Refuses with :class:`CacheInUseError` while any other handle is open."""

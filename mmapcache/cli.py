@@ -212,6 +212,7 @@ def _variable(item: CacheInfo) -> str:
     return (
         f"{format_bytes(region.claimed)} of {format_bytes(region.size)} claimed ({share:.1f}%), "
         f"{format_bytes(region.used)} in cached values, {format_bytes(region.free)} free"
+        + (f"; {region.refused} stores refused for lack of room (grow it: mmapcache resize)" if region.refused else "")
     )
 
 
