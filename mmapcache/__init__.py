@@ -23,6 +23,7 @@ from ._file import in_use, remove
 from ._heap import VariableRegion
 from ._jagged import Jagged
 from ._paths import default_dir
+from ._resize import Resized, resize
 from ._version import __version__
 from .cache import Cache, Problem
 
@@ -42,6 +43,7 @@ __all__ = [
     "Jagged",
     "Problem",
     "ReadonlyCacheError",
+    "Resized",
     "SchemaMismatchError",
     "StaleCacheError",
     "UnsafeCacheFileError",
@@ -55,4 +57,5 @@ __all__ = [
     "info",
     "list_caches",
     "remove",
+    "resize",
 ]
