@@ -120,17 +120,19 @@ def gather_runs(
     # 1. The grid: chunk c comes from the run holding output byte c * size.
     firsts = -(-bounds // size)  # the first chunk starting in each run
     grid = int(firsts[-1])
-    where = np.repeat(starts - bounds[:-1], np.diff(firsts))
-    where += np.arange(0, grid * size, size)
-    unsafe = np.flatnonzero(starts + np.diff(bounds) > last)
+    where = np.zeros(grid + 1, np.int64)  # one chunk more (from offset 0): slack for the last head
+    where[:grid] = np.repeat(starts - bounds[:-1], np.diff(firsts))
+    where[:grid] += np.arange(0, grid * size, size)
+    ends = starts + np.diff(bounds)
+    unsafe = np.flatnonzero(ends > last) if int(ends.max()) > last else ()
     if len(unsafe):
         np.minimum(where, last, out=where)
-    out = source[np.append(where, 0)].view(np.uint8)  # one chunk more: slack for the last head
+    out = source[where].view(np.uint8)
     # 2. The heads, in run order.
     heads = _chunks(out, size)
     heads[bounds[:-1]] = source[np.minimum(starts, last) if len(unsafe) else starts]
     # 3. Runs near the region's end, exactly.
-    for k in unsafe.tolist():
+    for k in np.asarray(unsafe, np.intp).tolist():
         a, b, start = int(bounds[k]), int(bounds[k + 1]), int(starts[k])
         out[a:b] = region[start : start + b - a]
     return out
