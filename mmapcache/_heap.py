@@ -167,8 +167,8 @@ class Heap:
             self._full_warned = True
             log.warning(
                 "the variable region of %s is full (%d bytes): further samples with variable-shape "
-                "fields are not cached and are read from the dataset each time. Grow it "
-                "with `mmapcache resize %s --max-bytes SIZE` (what is cached stays)",
+                "fields are not cached and are read from the dataset each time. Give it a larger max_bytes "
+                "with `mmapcache resize %s --max-bytes SIZE` or mmapcache.resize(): what is cached stays",
                 path,
                 self.size,
                 path,

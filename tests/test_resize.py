@@ -115,35 +115,22 @@ def test_a_handle_open_before_resize_keeps_reading_the_old_file(tmp_path: Path) 
     mmapcache.remove(path)
 
 
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(
+        [sys.executable, "-m", "mmapcache", *args], capture_output=True, text=True, env=env, check=False
+    )
+
+
 def test_mmapcache_resize_on_the_command_line(tmp_path: Path) -> None:
     path = tmp_path / "t.mmc"
     with Cache.open(path, FIELDS, N, max_bytes=N * 32 + 8192) as cache:
         stored = fill(cache, range(N))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    shown = subprocess.run(
-        [sys.executable, "-m", "mmapcache", "resize", str(path), "--max-bytes", "2MiB"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
+    shown = cli("resize", str(path), "--max-bytes", "2MiB")
     assert shown.returncode == 0, shown.stderr
     assert f"{len(stored)} cached samples kept" in shown.stdout
-    as_json = subprocess.run(
-        [sys.executable, "-m", "mmapcache", "resize", str(path), "--max-bytes", "4MiB", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    assert json.loads(as_json.stdout)["kept"] == len(stored)
-    refused = subprocess.run(
-        [sys.executable, "-m", "mmapcache", "resize", str(path), "--max-bytes", "1MiB"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
+    assert json.loads(cli("resize", str(path), "--max-bytes", "4MiB", "--json").stdout)["kept"] == len(stored)
+    refused = cli("resize", str(path), "--max-bytes", "1MiB")
     assert refused.returncode == 2
     assert "only grows" in refused.stderr
     mmapcache.remove(path)
