@@ -382,6 +382,7 @@ def bench_space(directory: Path, total: int, steps: int) -> dict[str, Any]:
     return {
         "samples": data.n,
         "field": repr(data.field),
+        "dtype": str(data.field.dtype),
         "lengths": {
             "median": float(np.median([s[0] for s in data.shapes])),
             "mean": float(np.mean([s[0] for s in data.shapes])),
