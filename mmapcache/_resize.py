@@ -28,6 +28,7 @@ import errno
 import logging
 import mmap
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,8 +168,6 @@ def _plan(
 
 
 def _now() -> str:
-    import time
-
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
