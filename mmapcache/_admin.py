@@ -501,7 +501,7 @@ def _read_variable_region(fd: int, header: Header, layout: Layout) -> VariableRe
     """How full the variable region is, read with pread: the claimed counter, and READY values' bytes."""
     if not layout.variable_size:
         return None
-    (claimed,) = np.frombuffer(os.pread(fd, 8, layout.allocator_offset), np.dtype("<u8"))
+    claimed, refused = np.frombuffer(os.pread(fd, 16, layout.allocator_offset), np.dtype("<u8")).tolist()
     table = os.pread(fd, header.capacity * header.record_size, header.header_size)
     ready = np.frombuffer(table, np.uint8)[:: header.record_size] == READY
     used = 0
@@ -512,7 +512,7 @@ def _read_variable_region(fd: int, header: Header, layout: Layout) -> VariableRe
         raw = np.frombuffer(os.pread(fd, header.capacity * size, layout.field_offsets[name]), np.uint8)
         dims = raw.reshape(header.capacity, size)[:, 8 : 8 + 4 * len(spec.shape)].copy().view("<u4")
         used += value_bytes(dims[ready], spec.dtype.itemsize)
-    return VariableRegion(layout.variable_size, int(claimed), used)
+    return VariableRegion(layout.variable_size, claimed, used, refused)
 
 
 def _count_states(fd: int, header: Header) -> tuple[int, int]:

@@ -178,7 +178,11 @@ The value is the C-ordered array of that shape and the field's dtype,
 `prod(shape) * itemsize` bytes, which MUST lie within the variable region; it
 starts on a multiple of 16. The allocation page's first 8 bytes are
 `claimed`, uint64: the bytes of the variable region handed out so far, from
-its start.
+its start. Its next 8 bytes are `refused`, uint64: how many times a writer
+found no room for a value (informational, for people: nothing in reading or
+writing samples depends on it; older writers leave it 0). A
+writer adds to it only while holding the allocation lock (below); clearing
+the cache sets it to 0. The rest of the page is zero.
 
 - A writer takes space only by advancing `claimed`, and only while holding an
   exclusive `F_OFD_SETLKW` lock on the allocation page's first byte; it takes

@@ -31,6 +31,11 @@ Why this is crash-safe, per record:
   (``mmapcache info`` shows both numbers).
 * After ``fork`` a child must not write into its parent's extent: it forgets
   it and claims its own (see ``_handle.py``).
+
+A value that finds no room is not stored; the writer that found so (holding
+the lock already) adds one to the allocation page's ``refused`` word, so that
+every process, and ``mmapcache info``, sees how many stores the budget turned
+away (a sample refused in two epochs counts twice).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ __all__ = ["Heap", "VariableRegion", "extent_size_for", "place"]
 log = logging.getLogger("mmapcache")
 
 MiB = 2**20
+REFUSED_OFFSET = 8  # the allocation page's second word: stores refused for lack of room
 
 
 def extent_size_for(region_size: int) -> int:
@@ -70,24 +76,46 @@ class VariableRegion:
     ``size`` bytes in all; ``claimed`` handed out to writers in extents;
     ``used`` held by READY values. ``claimed - used`` is what writers hold in
     reserve, plus what writers that died or cleared slots left behind.
+    ``refused``: stores turned away because the region had no room for a
+    value, by every process since the file was created or cleared (a sample
+    refused in two epochs counts twice; 0 in files of writers older than
+    this counter). Grow the budget with :func:`mmapcache.resize`.
     """
 
     size: int
     claimed: int
     used: int
+    refused: int = 0
 
     @property
     def free(self) -> int:
         return self.size - self.claimed
 
     def to_dict(self) -> dict[str, int]:
-        return {"size": self.size, "claimed": self.claimed, "used": self.used, "free": self.free}
+        return {
+            "size": self.size,
+            "claimed": self.claimed,
+            "used": self.used,
+            "free": self.free,
+            "refused": self.refused,
+        }
 
 
 class Heap:
     """One handle's allocator in the variable region of a mapping."""
 
-    __slots__ = ("_end", "_full_warned", "_lock_offset", "_locks", "_pos", "claimed", "extent", "region", "size")
+    __slots__ = (
+        "_end",
+        "_full_warned",
+        "_lock_offset",
+        "_locks",
+        "_pos",
+        "claimed",
+        "extent",
+        "refused",
+        "region",
+        "size",
+    )
 
     def __init__(self, buffer: Any, layout: Layout, locks: SlotLocks) -> None:
         self.size, self.extent = layout.variable_size, layout.extent_size
@@ -96,6 +124,9 @@ class Heap:
         )
         self.claimed: np.ndarray[Any, np.dtype[np.uint64]] = np.ndarray(
             (1,), np.dtype("<u8"), buffer=buffer, offset=layout.allocator_offset
+        )
+        self.refused: np.ndarray[Any, np.dtype[np.uint64]] = np.ndarray(
+            (1,), np.dtype("<u8"), buffer=buffer, offset=layout.allocator_offset + REFUSED_OFFSET
         )
         self._locks, self._lock_offset = locks, layout.allocator_offset
         self._pos = self._end = 0  # this process's current extent, [pos, end)
@@ -128,6 +159,7 @@ class Heap:
             start = int(self.claimed[0])
             left = self.size - start
             if left < need:
+                self.refused[0] += 1  # under the lock: no update is lost
                 return None
             self.claimed[0] = start + min(run, left)
             return start
@@ -140,8 +172,8 @@ class Heap:
             self._full_warned = True
             log.warning(
                 "the variable region of %s is full (%d bytes): further samples with variable-shape "
-                "fields are not cached and are read from the dataset each time. Give a larger max_bytes "
-                "when creating the cache (remove it first: `mmapcache rm %s`)",
+                "fields are not cached and are read from the dataset each time. Give it a larger max_bytes "
+                "with `mmapcache resize %s --max-bytes SIZE` or mmapcache.resize(): what is cached stays",
                 path,
                 self.size,
                 path,
@@ -173,4 +205,5 @@ class Heap:
     def reset(self) -> None:
         """Everything was cleared (the caller holds the exclusive in-use lock): start from the beginning."""
         self.claimed[0] = 0
+        self.refused[0] = 0
         self._pos = self._end = 0

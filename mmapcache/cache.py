@@ -34,6 +34,7 @@ from ._gather import empty_aligned, gather
 from ._handle import Handle, closed_error
 from ._heap import VariableRegion, extent_size_for
 from ._holders import held_by
+from ._jagged import Jagged
 from ._locks import flock_holders, lock_exclusive_soon
 from ._paths import filesystem_type, is_memory_filesystem
 from ._sizes import parse_bytes
@@ -448,6 +449,11 @@ class Cache:
     ) -> dict[str, np.ndarray[Any, Any]]:
         """Stacked samples ``{field: array of shape (len(indices), *shape)}``, one gather per field.
 
+        A variable-shape field comes back as a :class:`Jagged`: a read-only
+        sequence of its rows (``len``, indexing, iteration, as a list of
+        arrays) held as one contiguous ``values`` array and ``offsets``,
+        filled by one gather; a text field as a list of ``str`` (``bytes``).
+
         With ``out`` — ``{field: ndarray}`` of shape ``(len(indices), *shape)``,
         the field's dtype, C-contiguous and writable, for every field — the
         rows are written into those buffers (nothing is allocated) and ``out``
@@ -488,7 +494,8 @@ class Cache:
         ``arrays`` maps each field to ``(len(indices), *shape)`` rows (``out``
         when given, see :meth:`get_many`); ``hits[k]`` says whether row ``k``
         holds sample ``indices[k]``. Rows of misses are left as they were
-        (uninitialised in a fresh buffer). With ``verify``, a row that fails
+        (uninitialised in a fresh buffer); in a variable field's
+        :class:`Jagged` (or a text field's list) they are ``None``. With ``verify``, a row that fails
         its checksum is a miss. A cold epoch's batch is an ordinary partial
         hit, so this is the read for callers that fill misses themselves.
         ``count=False`` leaves the usage counters alone (for a caller that
@@ -542,7 +549,7 @@ class Cache:
         if not isinstance(out, Mapping) or out.keys() != fixed.keys():
             got = list(out) if isinstance(out, Mapping) else type(out).__name__
             variable = [name for name in self._fields if name not in fixed]
-            also = f" (variable-shape fields {variable} always come back as lists)" if variable else ""
+            also = f" (variable-shape fields {variable} always come back in new buffers: Jagged)" if variable else ""
             raise ValueError(f"out must map every fixed-shape field {list(fixed)} to an array{also}, got {got}")
         for name, field in fixed.items():
             buffer = out[name]
@@ -614,26 +621,25 @@ class Cache:
         out: dict[str, Any],
         rows: np.ndarray[Any, Any],
     ) -> tuple[dict[str, Any], np.ndarray[Any, Any]]:
-        """Add each variable field's values for ``rows`` of ``idx`` to ``out`` as lists; and the bad rows.
+        """Add each variable field's values for ``rows`` of ``idx`` to ``out``; and the bad rows.
 
-        A row is bad when a descriptor is impossible or (with ``verify``) the
-        slot fails its checksum; its entries are ``None``.
+        A numeric field becomes one :class:`Jagged` (one gather), a text field
+        a list of ``str``/``bytes``. A row is bad when a descriptor is
+        impossible or (with ``verify``) the slot fails its checksum; it is
+        missing there (``None``).
         """
-        lists: dict[str, list[Any]] = {}
+        batches: dict[str, Any] = {}
         bad = np.zeros(len(idx), bool)
         every = len(rows) == len(idx)  # rows are 0..n-1 in order (get_many, or read_many of all hits)
         for column in mapped.variables:
-            values, impossible = column.copy_many(idx if every else idx[rows])
+            jagged, impossible = column.gather(idx, None if every else rows)
             if column.field.text is not None:  # a text field: str or bytes
-                values, undecodable = texts(column.field.text, values)
+                values, undecodable = texts(column.field.text, list(jagged))
                 impossible = np.union1d(impossible, undecodable).astype(np.intp)
-            bad[rows[impossible]] = True
-            if every:
-                lists[column.name] = values
-                continue
-            lists[column.name] = [None] * len(idx)
-            for row, value in zip(rows.tolist(), values, strict=True):
-                lists[column.name][row] = value
+                batches[column.name] = values
+            else:
+                batches[column.name] = jagged
+            bad[impossible] = True
         for row in np.flatnonzero(bad).tolist():
             self._report_damage(int(idx[row]))
         if self._verify:
@@ -644,10 +650,9 @@ class Cache:
                     self._report_mismatch(i)
                     bad[row] = True
         failed = np.flatnonzero(bad)
-        for row in failed.tolist():
-            for values in lists.values():
-                values[row] = None
-        merged = {name: out[name] if name in out else lists[name] for name in self._fields}
+        if len(failed):
+            batches = {name: _without(values, failed) for name, values in batches.items()}
+        merged = {name: out[name] if name in out else batches[name] for name in self._fields}
         return merged, failed
 
     def _report_damage(self, index: int) -> None:
@@ -932,7 +937,8 @@ class Cache:
         mapped = self._live()
         if mapped.heap is None:
             return None
-        return VariableRegion(mapped.heap.size, int(mapped.heap.claimed[0]), _region_use(mapped)[0])
+        heap = mapped.heap
+        return VariableRegion(heap.size, int(heap.claimed[0]), _region_use(mapped)[0], int(heap.refused[0]))
 
     def clear(self) -> None:
         """Mark every slot empty. Refuses with :class:`CacheInUseError` while any other handle is open."""
@@ -1306,6 +1312,18 @@ def _creation_info() -> dict[str, Any]:
         "uid": os.geteuid(),
         "mmapcache": __version__,
     }
+
+
+def _without(values: Any, rows: np.ndarray[Any, Any]) -> Any:
+    """A variable field's batch with ``rows`` made missing (``None``): they failed their checks."""
+    if isinstance(values, Jagged):
+        kept = list(values)
+        for row in rows.tolist():
+            kept[row] = None
+        return Jagged.from_arrays(kept, dtype=values.dtype, tail=values.tail, ndim=values.shapes.shape[1])
+    for row in rows.tolist():
+        values[row] = None
+    return values
 
 
 def _region_use(mapped: _Mapped) -> tuple[int, int]:

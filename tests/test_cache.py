@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import mmapcache
-from mmapcache import Cache, CacheMissError, Field, ReadonlyCacheError, SchemaMismatchError
+from mmapcache import Cache, CacheMissError, Field, Jagged, ReadonlyCacheError, SchemaMismatchError
 
 FIELDS = {"image": Field((3, 8, 8), "uint8"), "label": Field((), "int64")}
 
@@ -665,7 +665,8 @@ def test_variable_fields_round_trip(cache_dir: Path) -> None:
         assert cache.put_many([1, 3, 5], {name: [ragged(i)[name] for i in (1, 3, 5)] for name in RAGGED}).all()
         assert_ragged(cache[4], 4)
         batch = cache.get_many([3, 8, 0])
-        assert isinstance(batch["tokens"], list)
+        assert isinstance(batch["tokens"], Jagged)
+        assert batch["tokens"].lengths.tolist() == [len(ragged(i)["tokens"]) for i in (3, 8, 0)]
         assert batch["label"].tolist() == [3, 8, 0]
         for row, i in enumerate([3, 8, 0]):
             assert_ragged({name: batch[name][row] for name in RAGGED}, i)

@@ -556,7 +556,13 @@ def test_info_and_ls_show_how_full_the_variable_region_is(cache_dir: Path) -> No
     assert f"claimed ({100 * region.claimed / region.size:.1f}%)" in shown.stdout
     assert "% claimed" in listed.stdout
     used = 4 * sum(range(100, 110))
-    assert as_json["variable"] == {"size": region.size, "claimed": region.claimed, "used": used, "free": region.free}
+    assert as_json["variable"] == {
+        "size": region.size,
+        "claimed": region.claimed,
+        "used": used,
+        "free": region.free,
+        "refused": 0,
+    }
 
 
 def test_info_says_which_processes_it_cannot_show_the_reads_of(cache_dir: Path, hold: Any) -> None:
@@ -588,3 +594,20 @@ def test_ls_and_info_show_a_refuted_cache(cache_dir: Path) -> None:
     Cache.open(other, {"x": Field((4,), "u1")}, length=8).close()
     assert "refuted" not in run("info", str(other)).stdout
     assert not mmapcache.info(other).refuted
+
+
+def test_info_shows_how_many_stores_the_variable_budget_refused(cache_dir: Path) -> None:
+    path = cache_dir / "full.mmc"
+    with Cache.open(path, {"tokens": Field((None,), "uint8")}, length=64, max_bytes=64 * 16 + 8192) as cache:
+        stored = [cache.put(i, {"tokens": np.zeros(3000, np.uint8)}) for i in range(6)]
+        region = cache.variable_region
+        assert region is not None
+        assert stored.count(False) == region.refused > 0
+    with Cache.open(path) as other:  # the count is in the file: every process sees it
+        again = other.variable_region
+        assert again is not None
+        assert again.refused == region.refused
+    shown = run("info", str(path))
+    assert shown.returncode == 0, shown.stderr
+    assert f"{region.refused} stores refused for lack of room" in shown.stdout
+    assert json.loads(run("info", "--json", str(path)).stdout)["variable"]["refused"] == region.refused
