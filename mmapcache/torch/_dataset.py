@@ -299,7 +299,10 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         """How the cache is used, by this process and by every process that uses the file.
 
         ``hits``, ``misses`` (reads that went to ``dataset``) and ``written``
-        (slots filled) count this process; ``total_hits``, ``total_misses``
+        (slots filled) count this process, and ``waited`` the hits among them
+        that were missing when this process looked and that it read once
+        another process — a worker, another job — had loaded them (single
+        flight: each sample is loaded once per node); ``total_hits``, ``total_misses``
         and ``total_written`` count every process that ever used the file —
         DataLoader workers, DDP ranks, other jobs — since it was created
         (they are kept in the file); ``processes`` is how many processes
@@ -316,6 +319,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             "hits": session.hits,
             "misses": session.misses,
             "written": session.written,
+            "waited": session.waited,
             "total_hits": usage.total.hits,
             "total_misses": usage.total.misses,
             "total_written": usage.total.written,
