@@ -99,8 +99,9 @@ def test_a_holder_killed_mid_load_leaves_its_samples_to_the_waiting_job(cache_di
     CachedDataset(Slow(8), path, key="slow/v1", check=0)[0]
     order = list(range(1, 8))
     # A slow holder (2 s a sample) takes the whole batch; the other job finds it held and waits.
+    unheard = SPAWN.Queue()  # the holder never reports: it is killed (kept alive here until it has started)
     holder = SPAWN.Process(
-        target=read_epochs, args=(str(path), 8, str(log), 2.0, order, None, SPAWN.Queue(), {"batch_size": 7})
+        target=read_epochs, args=(str(path), 8, str(log), 2.0, order, None, unheard, {"batch_size": 7})
     )
     holder.start()
     procs.append(holder)
