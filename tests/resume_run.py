@@ -21,7 +21,7 @@ from torch_helpers import Recorded, check_batch
 
 from mmapcache.torch import CachedDataset, NodeShardSampler
 
-LENGTH = 60
+LENGTH = 160
 BATCH = 4
 
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from resume_run import make_loader
+from resume_run import LENGTH, make_loader
 from torch_helpers import Recorded, accesses, check_batch
 
 from mmapcache.torch import CachedDataset
@@ -83,14 +83,14 @@ def test_a_run_killed_after_batch_k_resumes_with_exactly_the_remaining_batches(
     expected = [check_batch(batch) for batch in whole]
     assert len(expected) > K + 2
     if fill == "warm":
-        CachedDataset(Recorded(60), path, key="resume/v1").fill(progress=False)
+        CachedDataset(Recorded(LENGTH), path, key="resume/v1").fill(progress=False)
     checkpoint, saved = cache_dir / "state.pt", cache_dir / "saved"
     killed, resumed = cache_dir / "killed.jsonl", cache_dir / "resumed.jsonl"
     extra = ["--checkpoint", str(checkpoint), "--saved", str(saved)]
     _run([*common, *extra, "--out", str(killed), "--save-at", str(K)], kill_after=saved)
     if fill == "mid-fill":
-        filled = CachedDataset(Recorded(60), path, key="resume/v1", check=0).stats()["filled"]
-        assert 0 < filled < 60, "the run was killed with the cache part-filled"
+        filled = CachedDataset(Recorded(LENGTH), path, key="resume/v1", check=0).stats()["filled"]
+        assert 0 < filled < LENGTH, "the run was killed with the cache part-filled"
     _run([*common, *extra, "--out", str(resumed), "--resume"])
     assert _batches(killed)[:K] + _batches(resumed) == expected
     if fill == "warm":

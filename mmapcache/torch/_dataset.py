@@ -95,7 +95,14 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     differs), and the first miss of a process loads its sample twice (a
     :class:`~mmapcache.CacheError` when the two differ: random augmentation
     belongs in ``transform``). It costs ``check + 1`` sample loads per
-    process; ``check=0`` turns both checks off.
+    job: the processes a checking process starts (DataLoader workers,
+    spawned ranks) inherit its verdict with the dataset, and :meth:`loader`
+    checks in the main process before its workers start; ``check=0`` turns
+    both checks off.
+
+    A miss is loaded once per node: a sample another process (a worker,
+    another job) is loading is waited for and read from the file rather than
+    loaded again (single flight, see ``Cache.get_or_load_many``).
 
     ``transform`` runs after the cache on every access (random augmentation).
     ``copy=False`` returns zero-copy tensors over a read-only mapping of the
