@@ -297,25 +297,10 @@ def run_torch_variant(
 def run_torch(directory: Path, settings: dict[str, Any], rounds: int, ref: str) -> dict[str, Any]:
     """The torch-level rounds, before and after interleaved; their summary."""
     roots = {"before": before_package(directory, ref), "after": REPO}
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in TORCH_VARIANTS}
-    for r in range(rounds):
-        for name in rotated(TORCH_VARIANTS, r):
-            runs[name].append(run_torch_variant(directory, name, r, settings, roots))
-            got = runs[name][-1]
-            print(
-                f"  round {r} torch {name:6s} loads {got['loads']:5d}  jobs "
-                f"{', '.join(f'{t:.2f}' for t in got['job_seconds'])} s"
-            )
+    runs, summary = interleaved(
+        TORCH_VARIANTS, lambda name, r: run_torch_variant(directory, name, r, settings, roots), rounds, "torch "
+    )
     ratios = [a["seconds"] / b["seconds"] for b, a in zip(runs["before"], runs["after"], strict=True)]
-    summary = {
-        name: {
-            "loads": statistics.median(run["loads"] for run in runs[name]),
-            "seconds": statistics.median(run["seconds"] for run in runs[name]),
-            "wrong": sum(run["wrong"] for run in runs[name]),
-            "written": statistics.median(run["written"] for run in runs[name]),
-        }
-        for name in TORCH_VARIANTS
-    }
     rows = [
         [f"CachedDataset {name}", summary[name]["loads"], f"{summary[name]['seconds']:.2f}", summary[name]["written"]]
         for name in TORCH_VARIANTS
@@ -368,18 +353,19 @@ def main() -> None:
     write_results("bench_singleflight", results, quick=quick, path=args.json)
 
 
-def run_core(directory: Path, settings: dict[str, Any], rounds: int) -> dict[str, Any]:
-    """The core-level rounds, put and get_or_load_many interleaved; their summary."""
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+def interleaved(
+    names: tuple[str, ...], run_one: Any, rounds: int, label: str
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[str, Any]]]:
+    """``run_one(name, r)`` for every variant in every round (rotated order); the runs and their medians."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in rotated(VARIANTS, r):
-            runs[name].append(run_variant(directory, name, r, settings))
+        for name in rotated(names, r):
+            runs[name].append(run_one(name, r))
             got = runs[name][-1]
             print(
-                f"  round {r} {name:17s} loads {got['loads']:5d}  jobs "
+                f"  round {r} {label}{name:17s} loads {got['loads']:5d}  jobs "
                 f"{', '.join(f'{t:.2f}' for t in got['job_seconds'])} s"
             )
-    ratios = [f["seconds"] / p["seconds"] for p, f in zip(runs["put"], runs["get_or_load_many"], strict=True)]
     summary = {
         name: {
             "loads": statistics.median(run["loads"] for run in runs[name]),
@@ -387,8 +373,15 @@ def run_core(directory: Path, settings: dict[str, Any], rounds: int) -> dict[str
             "wrong": sum(run["wrong"] for run in runs[name]),
             "written": statistics.median(run["written"] for run in runs[name]),
         }
-        for name in VARIANTS
+        for name in names
     }
+    return runs, summary
+
+
+def run_core(directory: Path, settings: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """The core-level rounds, put and get_or_load_many interleaved; their summary."""
+    runs, summary = interleaved(VARIANTS, lambda name, r: run_variant(directory, name, r, settings), rounds, "")
+    ratios = [f["seconds"] / p["seconds"] for p, f in zip(runs["put"], runs["get_or_load_many"], strict=True)]
     ratio = statistics.median(ratios)
     rows = [
         [name, summary[name]["loads"], f"{summary[name]['seconds']:.2f}", summary[name]["written"]] for name in VARIANTS

@@ -11,7 +11,6 @@ import os
 import pickle
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +26,6 @@ from mmapcache.testing import check_concurrent_access
 from mmapcache.torch import CachedDataset
 
 N = 96
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Any]]:
-    """Processes a test starts; any still alive at the end are killed (a failed test leaves none behind)."""
-    started: list[Any] = []
-    yield started
-    for proc in started:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(10)
 
 
 def run_jobs(procs: list[Any], count: int, *args: Any, options: dict[str, Any]) -> list[dict[str, Any]]:
