@@ -133,6 +133,85 @@ def test_a_lossy_dtype_is_refused_naming_field_and_value(tmp_path: Path) -> None
         CachedDataset(lambda_free_complex(), tmp_path / "z.mmc", key="z", dtypes={".": torch.float32})[0]
 
 
+class Values(torch.utils.data.Dataset[Any]):
+    """Samples holding given values (one per sample), of a given dtype: for what ``dtypes=`` may store."""
+
+    def __init__(self, values: list[Any], dtype: torch.dtype) -> None:
+        self.values, self.dtype = values, dtype
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([0, self.values[i]], dtype=self.dtype)
+
+
+@pytest.mark.parametrize(
+    ("source", "value", "target"),
+    [
+        (torch.int8, -1, "uint8"),
+        (torch.uint8, 200, "int8"),
+        (torch.int32, -1, "uint32"),
+        (torch.int64, -1, "uint64"),
+        (torch.uint64, 2**64 - 1, "int64"),
+        (torch.int64, 2**40, "int32"),
+        (torch.int64, 2, "bool"),
+        (torch.float32, 3e9, "int32"),
+        (torch.float64, 2.0**63, "int64"),
+        (torch.float32, float("inf"), "int64"),
+        (torch.float32, float("nan"), "int16"),
+        (torch.float64, 0.5, "int64"),
+        (torch.int64, 2**63 - 1, "float64"),
+        (torch.uint64, 2**64 - 1, "float32"),
+        (torch.int64, 2**24 + 1, "float32"),
+        (torch.float64, 1e300, "float32"),
+    ],
+)
+def test_dtypes_refuses_every_value_the_storage_dtype_cannot_hold(
+    tmp_path: Path, source: torch.dtype, value: Any, target: str
+) -> None:
+    """No modular wrap between signed and unsigned integers, no overflow, no rounding: a ValueError naming all."""
+    ds = CachedDataset(Values([1, value], source), tmp_path / "c.mmc", key="v", dtypes={".": target}, check=0)
+    assert ds[0].tolist() == [0, 1]
+    with pytest.raises(ValueError, match=rf"dataset\[1\]: field '\.': the value .* cannot be stored as {target}"):
+        ds[1]
+    with Cache(ds.path, readonly=True) as cache:
+        assert 1 not in cache
+
+
+@pytest.mark.parametrize(
+    ("source", "values", "target"),
+    [
+        (torch.int64, [-128, 127], "int8"),
+        (torch.int64, [0, 255], "uint8"),
+        (torch.uint64, [2**63 - 1, 0], "int64"),
+        (torch.int8, [0, 127], "uint8"),
+        (torch.float64, [-(2.0**63), 2.0**62], "int64"),
+        (torch.float64, [0.0, 1.0], "bool"),
+        (torch.int64, [2**24, -(2**60)], "float32"),
+        (torch.float64, [float("inf"), float("nan")], "float16"),
+    ],
+)
+def test_dtypes_stores_every_value_the_storage_dtype_holds(
+    tmp_path: Path, source: torch.dtype, values: list[Any], target: str
+) -> None:
+    ds = CachedDataset(Values(values, source), tmp_path / "c.mmc", key="v", dtypes={".": target}, check=0)
+    for i, value in enumerate(values):
+        got = ds[i][1].item()
+        assert got == value or (got != got and value != value), (got, value)
+
+
+def test_the_core_refuses_integers_that_would_wrap(tmp_path: Path) -> None:
+    """Cache.put checks integer ranges (it never relies on a round trip): no wrap between signed and unsigned."""
+    cases = [(np.int8(-1), "uint8"), (np.uint8(200), "int8"), (np.int32(-1), "uint32"), (np.uint64(2**64 - 1), "int64")]
+    for k, (value, target) in enumerate(cases):
+        with Cache(tmp_path / f"c{k}.mmc", {"x": Field((1,), target)}, 2) as cache:
+            for given in (np.array([value]), torch.from_numpy(np.array([value])), [int(value)]):
+                with pytest.raises((TypeError, ValueError), match="field 'x'"):
+                    cache.put(0, {"x": given})
+            assert cache.filled == 0
+
+
 class lambda_free_complex(torch.utils.data.Dataset[Any]):  # noqa: N801 - reads as a call above
     def __len__(self) -> int:
         return 2
