@@ -40,6 +40,7 @@ _ARGUMENTS = (
     "cached_indices",
     "dtypes",
     "check",
+    "timeout",
 )
 # For a pickle that lacks some of them (made before they existed).
 _DEFAULTS: dict[str, Any] = {
@@ -52,6 +53,7 @@ _DEFAULTS: dict[str, Any] = {
     "cached_indices": None,
     "dtypes": None,
     "check": 2,
+    "timeout": 60.0,
 }
 
 
@@ -105,6 +107,12 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     tensors.
     ``verify=True`` checks each read against its slot checksum.
 
+    ``timeout`` (seconds, default 60) bounds each wait for another process
+    that holds the file's creation lock — creating or removing the file, or
+    checking a disk cache after a reboot (that wait lasts as long as the
+    check advances: see :meth:`Cache.open`) — before
+    :class:`~mmapcache.CacheTimeoutError`.
+
     ``cached_indices`` caches only those indices of ``dataset`` — one node's
     shard in a job spanning many nodes (see :class:`NodeShardSampler` and
     its ``node_indices``): the file holds ``len(cached_indices)`` slots and
@@ -133,6 +141,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         cached_indices: Sequence[int] | np.ndarray[Any, Any] | None = None,
         dtypes: Mapping[str, Any] | None = None,
         check: int = 2,
+        timeout: float = 60.0,
     ) -> None:
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, not {type(transform).__name__}")
@@ -148,6 +157,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             cached_indices=cached_indices,
             dtypes=dtypes,
             check=check,
+            timeout=timeout,
         )
         self.transform = transform
         self._start(settings)
@@ -159,6 +169,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         self.dataset, self.key, self.path = settings.dataset, settings.key, settings.path
         self.max_bytes, self.capacity = settings.max_bytes, settings.capacity
         self.copy, self.verify, self.check = settings.copy, settings.verify, settings.check
+        self.timeout = settings.timeout
         self.fields, self.cached_indices, self.dtypes = settings.fields, settings.cached_indices, settings.dtypes
 
     # -- pickling: the path and the arguments, never the data -------------------

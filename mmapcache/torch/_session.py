@@ -121,6 +121,7 @@ class Session:
                     key=settings.key,
                     verify=settings.verify,
                     dataset_indices=settings.cached_indices,
+                    timeout=settings.timeout,
                 )
             except FileNotFoundError:
                 return None
@@ -129,7 +130,7 @@ class Session:
             # A first try created it from a sample whose shapes the rest of the dataset does not share.
             cache.close()
             try:
-                remove(settings.path)
+                remove(settings.path, timeout=settings.timeout)
             except FileNotFoundError:
                 return None
             except CacheInUseError as error:
@@ -162,6 +163,7 @@ class Session:
                     max_bytes=settings.max_bytes if settings.max_bytes is not None else text_bytes,
                     verify=settings.verify,
                     dataset_indices=settings.cached_indices,
+                    timeout=settings.timeout,
                 )
                 self._adopt(cache, checked=True)
             assert self.cache is not None
@@ -171,7 +173,7 @@ class Session:
         self.schema = schema = Schema(cache.fields, self.settings.path)
         self.checked = checked
         if not self.settings.copy:
-            self.readonly = Cache.open(self.settings.path, readonly=True)
+            self.readonly = Cache.open(self.settings.path, readonly=True, timeout=self.settings.timeout)
             views = self.readonly.views
             with warnings.catch_warnings():
                 # The mapping is PROT_READ: torch cannot make a tensor read-only,
@@ -474,7 +476,7 @@ class Session:
         cache.refute()
         self.close()
         try:
-            remove(path)
+            remove(path, timeout=self.settings.timeout)
         except CacheInUseError:
             return (
                 "it is marked as not fitting the dataset, and the next try replaces it once the processes using "
