@@ -43,6 +43,19 @@ class Pixels(Dataset[Any]):
         return pixels, i % 10
 
 
+class Huge(Dataset[Any]):
+    """2**40 small samples (a dataset far larger than any cache of it); ``version`` changes them."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+
+    def __len__(self) -> int:
+        return 2**40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((4,), (i + self.version) % 251, dtype=torch.uint8)
+
+
 class Random(Dataset[Any]):
     """Random augmentation left in ``__getitem__``: a different sample each time."""
 

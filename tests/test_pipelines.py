@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from pipelines import NumpyStrings, Pixels, Random, Texts, Unresized, normalize, normalize_in_place
+from pipelines import Huge, NumpyStrings, Pixels, Random, Texts, Unresized, normalize, normalize_in_place
 from torch.utils.data import DataLoader, default_collate
 
 from mmapcache import Cache, CacheError, Field, SchemaMismatchError, StaleCacheError
@@ -276,6 +277,22 @@ def test_stale_content_is_caught_in_a_sparse_cache(tmp_path: Path) -> None:
     with pytest.raises(StaleCacheError) as caught:
         CachedDataset(Pixels(n=5000, version=1), tmp_path / "c.mmc", key="px/v1")[0]
     assert caught.value.index == 4321
+
+
+def test_the_stale_check_of_a_partial_cache_of_a_huge_dataset_draws_from_the_filled_slots(tmp_path: Path) -> None:
+    """The probes come from the slot table (O(check) memory), never from range(len(dataset))."""
+    CachedDataset(Huge(), tmp_path / "c.mmc", key="huge", capacity=50_000, check=0).__getitems__([7, 40_001])
+    tracemalloc.start()
+    try:
+        fresh = CachedDataset(Huge(), tmp_path / "c.mmc", key="huge", capacity=50_000)
+        assert fresh[2**40 - 1].tolist() == [(2**40 - 1) % 251] * 4  # opened and checked: both filled slots agree
+        with pytest.raises(StaleCacheError) as caught:
+            CachedDataset(Huge(version=1), tmp_path / "c.mmc", key="huge", capacity=50_000)[0]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert caught.value.index in (7, 40_001)
+    assert peak < 16 * 2**20, f"the check allocated {peak / 2**20:.0f} MiB"
 
 
 def test_stale_content_is_caught_in_dataloader_workers(tmp_path: Path) -> None:

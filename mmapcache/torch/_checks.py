@@ -91,19 +91,40 @@ def check_sample(sample: Any, index: int, found: dict[str, Field], settings: Set
         )
 
 
-def some_ready(cache: Cache, count: int) -> list[int]:
-    """Up to ``count`` READY positions, drawn at random (this process's own draw).
+_SCAN_CHUNK = 1 << 16  # slots whose states one step of the scan reads
+_SCAN_LIMIT = 1 << 22  # slots the scan reads at most (~30 ms): the check is a sample, never a sweep
 
-    A few random probes find them in a well-filled cache; a sparse one is scanned (a byte per slot).
+
+def some_ready(cache: Cache, count: int) -> list[int]:
+    """Up to ``count`` READY positions, drawn at random (this process's own draw), in O(``count``) memory.
+
+    Only the first ``capacity`` positions can be READY. ``16 * count`` random
+    probes of their states find enough in a well-filled cache; a sparse one
+    is then scanned in chunks of states from a random position onwards
+    (wrapping around), for at most ``_SCAN_LIMIT`` slots — a cache that sparse
+    and that large may be checked on fewer samples, or none.
     """
+    slots = cache.capacity
+    if count <= 0 or slots == 0:
+        return []
     rng = np.random.default_rng()
-    probe = rng.choice(cache.length, size=min(cache.length, 16 * count), replace=False)
+    probe = np.unique(rng.integers(0, slots, size=min(slots, 16 * count)))
     ready = probe[cache.contains_many(probe)]
-    if len(ready) < count and len(probe) < cache.length:
-        everything = np.arange(cache.length)
-        filled = everything[cache.contains_many(everything)]
-        ready = rng.choice(filled, size=min(count, len(filled)), replace=False) if len(filled) else filled
-    return sorted(int(i) for i in ready[:count])
+    if len(ready) < count and len(probe) < slots:
+        start = int(rng.integers(0, slots))
+        found = [ready]
+        have = len(ready)
+        for offset in range(0, min(slots, _SCAN_LIMIT), _SCAN_CHUNK):
+            chunk = (start + offset + np.arange(min(_SCAN_CHUNK, slots - offset))) % slots
+            hit = chunk[cache.contains_many(chunk)]
+            found.append(hit)
+            have += len(hit)
+            if have >= 16 * count:
+                break
+        ready = np.unique(np.concatenate(found))
+    if len(ready) > count:
+        ready = rng.choice(ready, size=count, replace=False)
+    return sorted(int(i) for i in ready)
 
 
 def check_stale(cached: Any, fresh: Any, index: int, settings: Settings) -> None:
