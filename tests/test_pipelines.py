@@ -15,7 +15,7 @@ import torch
 from pipelines import Huge, NumpyStrings, Pixels, Random, Texts, Unresized, normalize, normalize_in_place
 from torch.utils.data import DataLoader, default_collate
 
-from mmapcache import Cache, CacheError, Field, SchemaMismatchError, StaleCacheError
+from mmapcache import Cache, CacheError, Field, SchemaMismatchError, StaleCacheError, in_use
 from mmapcache.torch import CachedDataset
 
 HERE = Path(__file__).resolve().parent
@@ -339,7 +339,7 @@ def test_a_failed_first_try_in_workers_is_replaced_by_the_rerun(tmp_path: Path) 
     ds = CachedDataset(Unresized(), tmp_path / "c.mmc", key="img")
     ds.__getitems__(list(range(6)))
     holder = Cache(tmp_path / "c.mmc")  # another process of the first try, still running
-    with pytest.raises(ValueError, match="next try replaces it once the processes using it now have let go"):
+    with pytest.raises(ValueError, match="next try replaces it, even while the processes using it now still hold it"):
         ds[10]
     assert holder.refuted
     holder.close()
@@ -354,6 +354,53 @@ def test_a_failed_first_try_in_workers_is_replaced_by_the_rerun(tmp_path: Path) 
     )
     assert run.returncode == 0, run.stderr
     assert "Field((3, 6, 6), 'uint8')" in run.stdout
+
+
+def hold(path: Path) -> subprocess.Popen[str]:
+    """Another process (of a first try, still running) that has the cache at ``path`` open until its stdin closes."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import sys\nfrom mmapcache import Cache\nc = Cache({str(path)!r})\n"
+            "print('open', flush=True)\nsys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None
+    assert holder.stdout.readline() == "open\n"
+    return holder
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_refuted_cache_held_by_another_process_never_blocks_the_corrected_rerun(
+    tmp_path: Path, declared: bool
+) -> None:
+    """The rerun — with fields= declaring the shapes that vary, or with the resize fixed — replaces the held file."""
+    path = tmp_path / "c.mmc"
+    first = CachedDataset(Unresized(), path, key="img")
+    first.__getitems__(list(range(6)))
+    holder = hold(path)
+    try:
+        with pytest.raises(ValueError, match="the next try replaces it"):
+            first[10]
+        assert in_use(path)
+        if declared:
+            rerun = CachedDataset(
+                Unresized(), path, key="img", fields={".": Field((3, None, 6), "uint8")}, max_bytes="1MiB"
+            )
+            want = Unresized()
+        else:
+            rerun = CachedDataset(Unresized(resize=True), path, key="img")
+            want = Unresized(resize=True)
+        assert all(torch.equal(rerun[i], want[i]) for i in range(12))
+        assert rerun.stats()["filled"] == 12
+        assert not rerun.cache.refuted
+    finally:
+        holder.communicate("", timeout=30)
+    assert holder.returncode == 0
 
 
 # -- copy=False ---------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -37,8 +36,6 @@ from ._settings import Settings
 __all__ = ["Session"]
 
 log = logging.getLogger("mmapcache")
-
-_REFUTED_WAIT = 10.0  # seconds to wait for the holders of a refuted file to let go
 
 _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
 
@@ -112,9 +109,9 @@ class Session:
         settings = self.settings
         if settings.length == 0:
             return None  # an empty shard has no file
-        deadline = time.monotonic() + _REFUTED_WAIT
         while True:
             try:
+                named = os.stat(settings.path, follow_symlinks=False)
                 cache = Cache.open(
                     settings.path,
                     length=settings.length,
@@ -125,24 +122,20 @@ class Session:
                 )
             except FileNotFoundError:
                 return None
-            if not (cache.refuted and settings.fields is None):
+            if not cache.refuted:
                 return cache
-            # A first try created it from a sample whose shapes the rest of the dataset does not share.
+            # A first try created it from a sample whose shapes the rest of the dataset does not share: it
+            # is never used again, so it is replaced even while processes of that try still hold it (they
+            # keep their nameless copy). mmapcache never links a removed file again, so the name held the
+            # opened file if it names the same one before and after the open; only that one is removed —
+            # another process may have replaced it already.
             cache.close()
             try:
-                remove(settings.path, timeout=settings.timeout)
+                if not os.path.samestat(named, os.stat(settings.path, follow_symlinks=False)):
+                    continue
+                remove(settings.path, force=True, timeout=settings.timeout, same_as=named)
             except FileNotFoundError:
-                return None
-            except CacheInUseError as error:
-                if time.monotonic() > deadline:
-                    raise SchemaMismatchError(
-                        f"the cache at {settings.path} (key {settings.key!r}) was created with fields that do not "
-                        f"fit the dataset (a first try inferred them from one sample), and it is still open in "
-                        f"processes {error.pids}. Stop them (or close their datasets); the next use replaces it",
-                        path=settings.path,
-                    ) from None
-                time.sleep(0.05)
-                continue
+                continue  # replaced or removed meanwhile: open what the name holds now
             log.warning("removed %s: its fields were found not to fit the dataset; creating it anew", settings.path)
             return None
 
@@ -479,8 +472,8 @@ class Session:
             remove(path, timeout=self.settings.timeout)
         except CacheInUseError:
             return (
-                "it is marked as not fitting the dataset, and the next try replaces it once the processes using "
-                "it now have let go (nothing to remove by hand)."
+                "it is marked as not fitting the dataset, and the next try replaces it, even while the processes "
+                "using it now still hold it (nothing to remove by hand)."
             )
         except FileNotFoundError:
             pass
