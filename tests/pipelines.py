@@ -87,6 +87,24 @@ def normalize_in_place(sample: Any) -> Any:
     return image, label
 
 
+class EraseSometimes:
+    """A transform that writes to its input on every other call (like ``RandomErasing(p=0.5, inplace=True)``),
+    through ``.data`` or in place; it returns the sample and whether this call wrote."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, sample: Any) -> Any:
+        image, label = sample
+        self.calls += 1
+        wrote = self.calls % 2 == 0
+        if wrote and self.calls % 4 == 0:
+            image.data[...] = 0  # no trace in torch's version counter
+        elif wrote:
+            image.mul_(0)
+        return image, label, wrote
+
+
 def normalize(sample: Any) -> Any:
     """The same, out of place."""
     image, label = sample

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from pipelines import Huge, NumpyStrings, Pixels, Random, Texts, Unresized, normalize, normalize_in_place
+from pipelines import Huge, NumpyStrings, Pixels, Random, Texts, Unresized, normalize_in_place
 from torch.utils.data import DataLoader, default_collate
 
 from mmapcache import Cache, CacheError, Field, SchemaMismatchError, StaleCacheError, in_use
@@ -406,17 +406,42 @@ def test_a_refuted_cache_held_by_another_process_never_blocks_the_corrected_reru
 # -- copy=False ---------------------------------------------------------------------------------
 
 
-def test_copy_false_refuses_an_in_place_transform(tmp_path: Path) -> None:
-    CachedDataset(Pixels(), tmp_path / "c.mmc", key="px", dtypes={"0": "uint8"}).fill(progress=False)
-    ds = CachedDataset(
-        Pixels(), tmp_path / "c.mmc", key="px", dtypes={"0": "uint8"}, copy=False, transform=normalize_in_place
-    )
-    with pytest.raises(ValueError, match=r"writes to its input in place.*copy=False"):
-        ds[0]
-    with pytest.raises(ValueError, match="copy=False"):
-        list(DataLoader(ds, batch_size=4, num_workers=1))
-    fine = CachedDataset(Pixels(), tmp_path / "c.mmc", key="px", dtypes={"0": "uint8"}, copy=False, transform=normalize)
-    assert torch.equal(fine[2][0], Pixels()[2][0].to(torch.uint8) - 1)
+def test_copy_false_with_a_transform_that_writes_to_its_input_now_and_then(tmp_path: Path) -> None:
+    """The transform gets writable copies: no signal, no write reaches the file, later reads are exact."""
+    path = tmp_path / "c.mmc"
+    CachedDataset(Pixels(), path, key="px", dtypes={"0": "uint8"}).fill(progress=False)
+    before = stored(path)
+    code = f"""
+import torch
+from torch.utils.data import DataLoader
+from pipelines import EraseSometimes, Pixels
+from mmapcache.torch import CachedDataset
+ds = CachedDataset(Pixels(), {str(path)!r}, key="px", dtypes={{"0": "uint8"}}, copy=False, transform=EraseSometimes())
+want = [Pixels()[i][0].to(torch.uint8) for i in range(len(ds))]
+
+def exact(image, i, wrote):
+    assert torch.equal(image, torch.zeros_like(image) if wrote else want[i]), (i, wrote)
+
+for _ in range(3):
+    for i in range(len(ds)):
+        image, label, wrote = ds[i]
+        exact(image, i, wrote)
+    for i, (image, label, wrote) in zip(range(0, 24, 2), ds.__getitems__(list(range(0, 24, 2)))):
+        exact(image, i, wrote)
+loaders = [DataLoader(ds, batch_size=4, num_workers=2), ds.loader(batch_size=4, num_workers=2), ds.loader(batch_size=4)]
+for loader in loaders:
+    for k, (images, labels, wrote) in enumerate(loader):
+        for row in range(4):
+            exact(images[row], 4 * k + row, bool(wrote[row]))
+print("alive", ds.stats()["misses"])
+"""
+    run = fresh_process(code, tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["alive", "0"]
+    assert stored(path) == before, "no write reached the file"
+    plain = CachedDataset(Pixels(), path, key="px", dtypes={"0": "uint8"}, copy=False, transform=normalize_in_place)
+    assert torch.equal(plain[2][0], Pixels()[2][0].to(torch.uint8) - 1)
+    assert torch.equal(plain[2][0], Pixels()[2][0].to(torch.uint8) - 1), "the same process reads it intact again"
 
 
 # -- errors that point at the fix ----------------------------------------------------------------

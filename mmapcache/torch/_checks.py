@@ -1,5 +1,4 @@
-"""The checks a CachedDataset makes once per process: the right file, fresh content, a deterministic
-dataset, a transform that leaves its input alone.
+"""The checks a CachedDataset makes once per process: the right file, fresh content, a deterministic dataset.
 
 Each is a function of what it checks, raising the error that says what to do;
 the session (:mod:`._session`) decides when to call them.
@@ -8,11 +7,9 @@ the session (:mod:`._session`) decides when to call them.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-import torch
 
 from .._compare import difference
 from .._errors import CacheError, SchemaMismatchError, StaleCacheError
@@ -25,7 +22,6 @@ from ._settings import Settings
 __all__ = [
     "check_deterministic",
     "check_file",
-    "check_in_place",
     "check_sample",
     "check_stale",
     "some_ready",
@@ -164,51 +160,8 @@ def check_deterministic(first: Any, again: Any, index: int, settings: Settings) 
         )
 
 
-def check_in_place(transform: Callable[[Any], Any], sample: Any) -> None:
-    """``copy=False``: run the transform once on a writable copy; one that writes to its input is refused.
-
-    Zero-copy samples are read-only views of the shared file: an in-place
-    transform would crash the process with SIGSEGV. torch's version counters
-    tell whether the transform wrote to any tensor of the sample.
-    """
-    copy = _clone(sample)
-    tensors = list(_tensors(copy))
-    versions = [t._version for t in tensors]
-    transform(copy)
-    if any(t._version != v for t, v in zip(tensors, versions, strict=True)):
-        raise ValueError(
-            f"transform {transform!r} writes to its input in place (e.g. Normalize(inplace=True), "
-            "tensor.mul_(), x[...] = ...), but with copy=False the samples are read-only views of the shared "
-            "cache file: the write would kill the process with SIGSEGV. Use CachedDataset(..., copy=True) "
-            "(the default), or make the transform out of place (e.g. Normalize(inplace=False))"
-        )
-
-
 def _field_of(found: str) -> str | None:
     """The field a :func:`difference` message names (``sample[0]`` -> ``"0"``), if it names one."""
     match = re.match(r"sample((?:\[[^\]]*\])*)", found)
     parts = re.findall(r"\[([^\]]*)\]", match.group(1)) if match else []
     return "/".join(part.strip("'\"") for part in parts) or None
-
-
-def _clone(sample: Any) -> Any:
-    """``sample`` with every tensor cloned (writable), its structure kept."""
-    if isinstance(sample, torch.Tensor):
-        return sample.clone()
-    if isinstance(sample, dict):
-        return {key: _clone(value) for key, value in sample.items()}
-    if isinstance(sample, (tuple, list)):
-        return type(sample)(_clone(value) for value in sample)
-    return sample
-
-
-def _tensors(sample: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``sample``."""
-    if isinstance(sample, torch.Tensor):
-        yield sample
-    elif isinstance(sample, dict):
-        for value in sample.values():
-            yield from _tensors(value)
-    elif isinstance(sample, (tuple, list)):
-        for value in sample:
-            yield from _tensors(value)

@@ -17,7 +17,6 @@ import torch.utils.data
 
 from .._field import FieldsLike
 from ..cache import Cache
-from ._checks import check_in_place
 from ._collate import as_is
 from ._fill import fill
 from ._loader import Batched, Loader
@@ -102,9 +101,10 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     ``transform`` runs after the cache on every access (random augmentation).
     ``copy=False`` returns zero-copy tensors over a read-only mapping of the
     file (an in-place write to one crashes the process with SIGSEGV rather
-    than corrupting the shared cache; a ``transform`` that writes to its
-    input is refused with a ``ValueError`` first); the default returns fresh
-    tensors.
+    than corrupting the shared cache); the default returns fresh tensors.
+    With a ``transform``, the transform always receives fresh, writable
+    tensors (``copy=False`` then copies each sample before it, as
+    ``copy=True`` does): whatever it writes stays in its own copy.
     ``verify=True`` checks each read against its slot checksum.
 
     ``timeout`` (seconds, default 60) bounds each wait for another process
@@ -199,10 +199,9 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Any:
-        sample = self._session.get(index)
         if self.transform is None:
-            return sample
-        return self._transformed([sample])[0]
+            return self._session.get(index)
+        return self._transformed([self._session.get(index, fresh=True)])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The samples at ``indices``: one vectorized read for the hits, one batch write for the misses.
@@ -213,16 +212,16 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         """
         if len(indices) == 0:
             return []
-        samples = self._session.get_many(indices)
-        return samples if self.transform is None else self._transformed(samples)
+        if self.transform is None:
+            return self._session.get_many(indices)
+        return self._transformed(self._session.get_many(indices, fresh=True))
 
     def _transformed(self, samples: list[Any]) -> list[Any]:
+        # The samples are fresh tensors even with copy=False (fresh=True above): a transform may write to
+        # its input (in place, through .data, on some calls only), and a write to a view of the read-only
+        # mapping of the shared file would kill the process with SIGSEGV.
         transform = self.transform
         assert transform is not None
-        session = self._session
-        if not session.transform_checked and session.views is not None:
-            check_in_place(transform, samples[0])  # copy=False: a transform that writes to its input is refused
-            session.transform_checked = True
         return [transform(sample) for sample in samples]
 
     # -- whole batches -------------------------------------------------------------

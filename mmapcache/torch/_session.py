@@ -61,7 +61,6 @@ class Session:
         self.schema: Schema | None = None
         self.checked = False  # a sample from the dataset was compared with the cache's fields
         self.deterministic = False  # the dataset gave the same sample twice (checked once per process)
-        self.transform_checked = False  # copy=False: the transform was seen not to write to its input
         self.views: list[torch.Tensor | None] | None = None  # copy=False: tensors over a read-only mapping
         self.readonly: Cache | None = None
         self.lock = threading.Lock()
@@ -234,8 +233,11 @@ class Session:
 
     # -- reading -------------------------------------------------------------------
 
-    def get(self, index: Any) -> Any:
-        """The sample at dataset index ``index`` (validated like ``ds[i]``), from the file or loaded."""
+    def get(self, index: Any, *, fresh: bool = False) -> Any:
+        """The sample at dataset index ``index`` (validated like ``ds[i]``), from the file or loaded.
+
+        ``fresh``: fresh tensors even with ``copy=False`` (what a transform gets).
+        """
         i = self.settings.index(index)
         shard = self.settings.cached_indices
         if shard is not None:  # a shard: its position in the file, if it is one of them
@@ -249,7 +251,7 @@ class Session:
         if cache is not None:
             schema = self.schema
             assert schema is not None
-            views = self.views
+            views = None if fresh else self.views
             if views is None:
                 stored = cache.get(i)
                 if stored is not None:
@@ -273,8 +275,11 @@ class Session:
         self.hits += 1
         return sample
 
-    def get_many(self, indices: Sequence[int]) -> list[Any]:
-        """The samples at ``indices``: one vectorized read for the hits, one batch write for the misses."""
+    def get_many(self, indices: Sequence[int], *, fresh: bool = False) -> list[Any]:
+        """The samples at ``indices``: one vectorized read for the hits, one batch write for the misses.
+
+        ``fresh``: fresh tensors even with ``copy=False`` (what a transform gets).
+        """
         given = self.settings.indices(indices)
         idx = self.settings.positions(given)
         if idx is None:  # some are not among cached_indices: read those from the dataset
@@ -284,7 +289,7 @@ class Session:
             return self.load(idx.tolist(), counted=False)
         schema = self.schema
         assert schema is not None
-        if self.views is None:
+        if self.views is None or fresh:
             return schema.build([rows(column) for column in self.gather(cache, idx)])
         return self._read_views(cache, idx)
 
