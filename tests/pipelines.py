@@ -28,6 +28,23 @@ class Texts(Dataset[Any]):
         return {"text": text, "path": f"/data/{i:05d}.jpg".encode(), "label": i % 7, "ids": torch.arange(3) + i}
 
 
+class Documents(Dataset[Any]):
+    """``n`` documents (str) of about ``typical`` bytes each, except a first one of ``first`` bytes;
+    ``loads`` counts every ``__getitem__`` in this process."""
+
+    def __init__(self, n: int, first: int, typical: int = 1000) -> None:
+        self.n, self.first, self.typical = n, first, typical
+        self.loads = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        self.loads += 1
+        size = self.first if i == 0 else self.typical // 2 + (i * 7919) % self.typical
+        return {"text": (f"{i} " * size)[:size], "label": i}
+
+
 class Pixels(Dataset[Any]):
     """int64 "pixels" (as Hugging Face datasets upcasts uint8) of ``size`` x ``size``, plus a label."""
 

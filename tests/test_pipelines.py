@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from pipelines import Huge, NumpyStrings, Pixels, Random, Texts, Unresized, normalize_in_place
+from pipelines import Documents, Huge, NumpyStrings, Pixels, Random, Texts, Unresized, normalize_in_place
 from torch.utils.data import DataLoader, default_collate
 
 from mmapcache import Cache, CacheError, Field, SchemaMismatchError, StaleCacheError, in_use
@@ -71,15 +71,31 @@ def test_text_through_dataloader_workers_and_loader(tmp_path: Path, context: str
         assert cache.get_many([1, 2])["path"] == [want[1]["path"], want[2]["path"]]
 
 
-def test_text_longer_than_the_default_room_is_served_uncached(tmp_path: Path) -> None:
-    """The room for text is sized from the first batch; values that do not fit are read from the dataset."""
+def test_text_room_is_sized_from_a_spread_sample_and_the_sample_is_stored(tmp_path: Path) -> None:
+    """The first batch's texts are short, later ones long: the spread sample sees both, so every one fits."""
     ds = CachedDataset(Texts(40, long_after=20), tmp_path / "t.mmc", key="texts/v1")
-    first = ds.__getitems__(list(range(8)))  # creates the file from short texts
+    first = ds.__getitems__(list(range(8)))
     assert [s["text"] for s in first] == [Texts()[i]["text"] for i in range(8)]
-    for _ in range(2):
-        for i in range(40):
-            assert ds[i]["text"] == Texts(40, long_after=20)[i]["text"]
-    assert 8 <= ds.cache.filled < 40  # some long ones found no room, and were still exact
+    assert ds.cache.filled == 40, "the 40 samples loaded to size the file were stored"
+    for i in range(40):
+        assert ds[i]["text"] == Texts(40, long_after=20)[i]["text"]
+    assert ds.stats()["misses"] == 8
+
+
+@pytest.mark.parametrize("first", [256 * 1024, 10])
+def test_a_first_document_far_from_the_typical_size_does_not_size_the_file(tmp_path: Path, first: int) -> None:
+    """A large first document asked for length x its size; a small one left the rest without room."""
+    documents = Documents(2000, first=first)
+    ds = CachedDataset(documents, tmp_path / "d.mmc", key="docs", check=0)
+    assert ds[0]["text"] == Documents(2000, first=first)[0]["text"]
+    assert documents.loads == 65, "the first, and 64 samples spread over the dataset"
+    assert ds.cache.filled == 65
+    ds.fill(progress=False)
+    assert ds.cache.filled == 2000, "every document found room"
+    values = sum(len(Documents(2000, first=first)[i]["text"]) for i in range(2000))
+    stats = ds.stats()
+    assert values <= stats["variable_used"] <= stats["variable_bytes"] <= 2 * values + 2 * 2**20
+    assert stats["variable_free"] == stats["variable_bytes"] - stats["variable_claimed"]
 
 
 def test_numpy_strings_are_text(tmp_path: Path) -> None:

@@ -77,8 +77,12 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     sample. ``fields`` declares them instead, by the leaves' field names (see
     the module docstring), and may give dimensions that vary from sample to
     sample as ``None``: for ``(tokens, label)`` samples,
-    ``fields={"0": Field((None,), "int64"), "1": Field((), "int64")}``. Such
-    a cache needs ``max_bytes`` (it sizes the room for the variable values).
+    ``fields={"0": Field((None,), "int64"), "1": Field((), "int64")}``.
+    ``max_bytes`` sizes the room for the values of such fields (text
+    included); without it, 64 samples spread over the dataset are loaded
+    (and stored) before the file is created, and it gets room for 1.25
+    times their mean size per sample, capped by the free space (see
+    docs/torch.md).
 
     ``key`` names the cached content: the dataset and its deterministic
     preprocessing. Change it whenever they change: a cache is reused whenever
@@ -295,13 +299,28 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         (they are kept in the file); ``processes`` is how many processes
         count into it now; ``filled``, ``capacity`` and ``length`` describe
         the file. For one epoch's hit rate across workers, subtract the totals
-        before it from those after it.
+        before it from those after it. A cache with variable-shape fields
+        adds its variable region (see :class:`~mmapcache.VariableRegion`):
+        ``variable_bytes`` in all, ``variable_claimed`` handed out to writers,
+        ``variable_used`` held by filled slots' values, and ``variable_free``
+        — samples whose values find no room are served uncached.
 
         Opens the cache (creating it from ``dataset[0]`` if missing).
         """
         session = self._session
         cache = session.handle()
         usage = cache.usage()
+        region = cache.variable_region
+        variable = (
+            {}
+            if region is None
+            else {
+                "variable_bytes": region.size,
+                "variable_claimed": region.claimed,
+                "variable_used": region.used,
+                "variable_free": region.free,
+            }
+        )
         return {
             "hits": session.hits,
             "misses": session.misses,
@@ -313,6 +332,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             "filled": cache.filled,
             "capacity": cache.capacity,
             "length": cache.length,
+            **variable,
         }
 
     def __repr__(self) -> str:

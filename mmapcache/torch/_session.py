@@ -12,12 +12,13 @@ dataset's ``transform``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ from .._errors import CacheInUseError, SchemaMismatchError, StaleCacheError
 from .._field import Field
 from .._file import remove
 from .._format import slot_nbytes
+from .._heap import place
+from .._paths import free_bytes
+from .._sizes import format_bytes
 from .._slots import STRONGLY_ORDERED
 from ..cache import Cache
 from ._checks import check_deterministic, check_file, check_sample, check_stale, some_ready
@@ -442,11 +446,17 @@ class Session:
             stored = self._columns(schema, indices, raw)
             if first_miss:
                 self._check_deterministic(indices[0], raw[0])
-            cache = self._create(fields, _text_budget(schema, stored, self.settings.length))
+            sized = self._size_variable(schema, positions, stored)
+            cache = self._create(fields, None if sized is None else sized.budget)
             assert self.schema is not None
             if self.schema.names != schema.names:  # another process created it, its fields in another order
                 schema = self.schema
                 stored = self._columns(schema, indices, raw)
+                if sized is not None:
+                    sized = sized._replace(columns=self._columns(schema, sized.indices, sized.raw))
+            if sized is not None and sized.positions:  # the samples loaded for sizing are stored, not wasted
+                batch = dict(zip(schema.names, sized.columns, strict=True))
+                self.written += int(np.count_nonzero(cache.put_many(sized.positions, batch)))
         else:
             if not self.checked:
                 self._check_sample(raw[0], indices[0])
@@ -458,6 +468,72 @@ class Session:
         written = cache.put_many(positions, dict(zip(schema.names, stored, strict=True)))
         self.written += int(np.count_nonzero(written))
         return schema.samples(stored)
+
+    def _size_variable(self, schema: Schema, positions: list[int], stored: list[Any]) -> _Sized | None:
+        """The byte budget of a new file with variable fields and no ``max_bytes``, from a spread sample.
+
+        ``SIZING_SAMPLES`` positions spread evenly over the file (the middles of as
+        many equal parts; the first batch's rows among them are not loaded again)
+        are loaded, checked and measured: the budget is the
+        fixed parts of every slot, plus ``SIZING_HEADROOM`` times the mean bytes of
+        a sample's variable values times the slots, plus 1 MiB (writers claim the
+        region in extents). It is capped by the file system's free space (a warning
+        says so, and what to do). The loaded samples are returned, to be stored.
+        """
+        settings = self.settings
+        if settings.max_bytes is not None or not schema.ragged:
+            return None
+        slots = settings.length if settings.capacity is None else min(settings.capacity, settings.length)
+        drawn = min(slots, SIZING_SAMPLES)
+        spread = sorted({int((j + 0.5) * slots / drawn) for j in range(drawn)})  # the middles of equal parts
+        extra = sorted(set(spread) - set(positions))
+        loaded = self.fetch(extra) if extra else []  # loads the user pays once, at creation (stored below)
+        # A sample that does not fit the fields is left out: it raises when it is read, as it would have.
+        fitting = [(p, sample) for p, sample in zip(extra, loaded, strict=True) if self._fits(schema, p, sample)]
+        extra = [p for p, _ in fitting]
+        indices, raw = self.settings.sources(extra), [sample for _, sample in fitting]
+        columns = self._columns(schema, indices, raw) if extra else [[] for _ in schema.names]
+        variable = [k for k, v in enumerate(schema.variable) if v]
+        # The mean over the spread sample only: the first batch (often the dataset's first samples) is
+        # no sample of the dataset; those of its rows that are in the spread sample count.
+        rows = {position: row for row, position in enumerate(positions)}
+        mine = [rows[p] for p in spread if p in rows] if extra else list(range(len(positions)))
+        values = [place(value.nbytes) for k in variable for value in columns[k]]
+        values += [place(stored[k][row].nbytes) for k in variable for row in mine]
+        measured = len(extra) + len(mine)
+        mean = sum(values) / max(measured, 1)
+        fixed = slots * slot_nbytes(schema.fields)
+        budget = fixed + math.ceil(SIZING_HEADROOM * mean * slots) + 2**20
+        free = free_bytes(settings.path.parent)
+        if free is not None and budget > free * 0.9:
+            capped = int(free * 0.9)
+            names = [schema.names[k] for k in variable]
+            log.warning(
+                "%s: the values of the variable fields %s take %s a sample on average (%d samples drawn), "
+                "so caching all %d samples needs about %s, but %s has only %s free: the cache is made with "
+                "%s, and samples whose values find no room are read from the dataset every time (see "
+                "stats()['variable_free'] and `mmapcache info`). Give max_bytes= to choose the size, or set "
+                "MMAPCACHE_DIR to a larger file system",
+                settings.path,
+                names,
+                format_bytes(int(mean)),
+                measured,
+                slots,
+                format_bytes(budget),
+                settings.path.parent,
+                format_bytes(free),
+                format_bytes(capped),
+            )
+            budget = capped
+        return _Sized(budget, extra, columns, indices, raw)
+
+    def _fits(self, schema: Schema, position: int, sample: Any) -> bool:
+        """Whether the sample at file position ``position`` can be stored with ``schema``."""
+        try:
+            columns(schema, self.settings.sources([position]), [sample], self.settings.dtypes, declared=True)
+        except (TypeError, ValueError):
+            return False
+        return True
 
     def _columns(self, schema: Schema, indices: list[int], raw: list[Any]) -> list[Any]:
         """:func:`~._columns.columns`, with the advice (and the refuted file) for shapes that vary."""
@@ -508,16 +584,15 @@ class Session:
         )
 
 
-def _text_budget(schema: Schema, columns: list[Any], length: int) -> int | None:
-    """Bytes for a new file whose only variable fields are text and which got no ``max_bytes``.
+SIZING_SAMPLES = 64  # samples a new file with variable fields and no max_bytes is sized from
+SIZING_HEADROOM = 1.25  # room for the variable values: this many times the sample's mean
 
-    The fixed parts of every slot, plus room for text values twice the mean size of the
-    first batch's (each value padded to 16 bytes), and 1 MiB: text found longer later may not
-    fit, and such samples are served uncached rather than failing.
-    """
-    variable = [k for k, v in enumerate(schema.variable) if v]
-    if not variable or any(schema.texts[k] is None for k in variable):
-        return None
-    count = max(len(columns[variable[0]]), 1)
-    mean = sum(len(value) + 16 for k in variable for value in columns[k]) / count
-    return length * slot_nbytes(schema.fields) + int(2 * mean * length) + 2**20
+
+class _Sized(NamedTuple):
+    """A budget sized from a spread sample, and the samples loaded for it (stored once the file exists)."""
+
+    budget: int
+    positions: list[int]
+    columns: list[Any]
+    indices: list[int]
+    raw: list[Any]
