@@ -876,7 +876,9 @@ def in_use(path: str | os.PathLike[str]) -> bool:
         os.close(fd)
 
 
-def remove(path: str | os.PathLike[str], *, force: bool = False, timeout: float = 60.0) -> None:
+def remove(
+    path: str | os.PathLike[str], *, force: bool = False, timeout: float = 60.0, same_as: os.stat_result | None = None
+) -> None:
     """Delete the cache file at ``path`` and its side files.
 
     Refuses with :class:`CacheInUseError` while any process (this one
@@ -884,11 +886,15 @@ def remove(path: str | os.PathLike[str], *, force: bool = False, timeout: float 
     that have it mapped keep reading their now-nameless copy (the memory is
     freed when the last of them closes it), and new openers get a new file —
     so they no longer share. Refuses files that are not mmapcache files.
+    ``same_as``: delete only that file (``os.stat`` of it); if ``path`` now
+    names another one, ``FileNotFoundError`` and nothing is deleted.
     """
     target = Path(path)
     fd = _open_fd(target, readonly=True)
     try:
         st = os.fstat(fd)
+        if same_as is not None and not os.path.samestat(st, same_as):
+            raise FileNotFoundError(errno.ENOENT, f"{target} was replaced already", str(target))
         if not os.path.samestat(st, os.stat(target, follow_symlinks=False)):
             raise FileNotFoundError(errno.ENOENT, f"{target} was replaced while removing it", str(target))
         if st.st_uid != os.geteuid():
