@@ -34,7 +34,7 @@ from ._gather import empty_aligned, gather
 from ._handle import Handle, closed_error
 from ._heap import VariableRegion, extent_size_for
 from ._holders import held_by
-from ._jagged import Jagged
+from ._jagged import Jagged, rows_like
 from ._locks import flock_holders, lock_exclusive_soon
 from ._paths import filesystem_type, is_memory_filesystem
 from ._sizes import parse_bytes
@@ -1320,7 +1320,7 @@ def _without(values: Any, rows: np.ndarray[Any, Any]) -> Any:
         kept = list(values)
         for row in rows.tolist():
             kept[row] = None
-        return Jagged.from_arrays(kept, dtype=values.dtype, tail=values.tail, ndim=values.shapes.shape[1])
+        return rows_like(values, kept)
     for row in rows.tolist():
         values[row] = None
     return values
