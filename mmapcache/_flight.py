@@ -394,7 +394,9 @@ class _Run:
         self.fields = cache.fields
         # A read-only Jagged batch becomes a list of rows while rows are filled in (see finished).
         self.jagged = {name: values for name, values in batch.items() if isinstance(values, Jagged)}
-        self.batch = {name: list(values) if name in self.jagged else values for name, values in batch.items()}
+        self.batch: dict[str, Any] = {
+            name: list(values) if name in self.jagged else values for name, values in batch.items()
+        }
 
     def finished(self) -> dict[str, Any]:
         """The batch with every row filled, as a read returns it (variable fields: one Jagged each)."""
