@@ -20,9 +20,8 @@ from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
-from ._boot import BootPage, check_boot, sync_slots
-from ._checksum import checksum
-from ._cold import prefetch_later, readahead_for
+from ._boot import check_boot, sync_slots
+from ._cold import prefetch_later
 from ._counters import REFUTED, Usage
 from ._errors import CacheError, CacheInUseError, CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike, normalize_fields
@@ -34,99 +33,20 @@ from ._gather import empty_aligned, gather
 from ._handle import Handle, closed_error
 from ._heap import VariableRegion, extent_size_for
 from ._holders import held_by
-from ._jagged import Jagged, rows_like
 from ._locks import flock_holders, lock_exclusive_soon
+from ._mapping import Mapped
 from ._paths import filesystem_type, is_memory_filesystem
 from ._sizes import parse_bytes
-from ._slots import EMPTY, READY, STRONGLY_ORDERED, SlotTable
+from ._slots import EMPTY, READY, STRONGLY_ORDERED
 from ._values import coerce_batch, coerce_sample
-from ._variable import VariableColumn, check_dimensions, text_value, texts
-from ._verify import Problem, failed_rows, intact, intact_parts, region_problems, slot_problems
+from ._variable import check_dimensions
+from ._verify import Problem, region_problems, slot_problems
 
 __all__ = ["Cache", "Problem"]
 
 log = logging.getLogger("mmapcache")
 
 _MISSING: Any = object()
-
-
-class _Mapped:
-    """The views of an open cache's mapping, taken together so a call reads them once.
-
-    A method loads ``self._mapped`` once and works on that snapshot: ``close()``
-    only swaps the attribute for ``None``, and the mapping lives as long as any
-    snapshot (or array) refers to it, so a call racing ``close()`` in another
-    thread completes on valid memory or raises the closed-cache ``ValueError``
-    — it never reads unmapped memory.
-    """
-
-    __slots__ = (
-        "arrays",
-        "boot",
-        "heap",
-        "indices",
-        "items",
-        "order",
-        "raws",
-        "readahead",
-        "region",
-        "slots",
-        "states",
-        "variables",
-    )
-
-    def __init__(self, handle: Handle, header: Header, layout: Layout) -> None:
-        mm = handle.mm
-        assert mm is not None
-        capacity = header.capacity
-        self.slots = SlotTable(mm, layout, capacity, header.record_size, handle.locks)
-        self.states = self.slots.state_bytes
-        fixed = {name: field for name, field in header.fields.items() if not field.variable}
-        # Fixed fields: one array each, shape (capacity, *shape); their flat byte rows, for checksums.
-        self.arrays = {
-            name: np.ndarray((capacity, *field.fixed_shape), field.dtype, buffer=mm, offset=layout.field_offsets[name])
-            for name, field in fixed.items()
-        }
-        self.items = tuple(self.arrays.items())
-        self.raws = tuple(
-            np.ndarray((capacity, field.nbytes), np.uint8, buffer=mm, offset=layout.field_offsets[name])
-            for name, field in fixed.items()
-        )
-        # Variable fields: descriptors per slot, values in the variable region.
-        self.heap = handle.heap
-        self.region = self.heap.region if self.heap is not None else np.zeros(0, np.uint8)
-        self.variables = tuple(
-            VariableColumn(name, field, mm, layout.field_offsets[name], capacity, self.region)
-            for name, field in header.fields.items()
-            if field.variable
-        )
-        raws = dict(zip(fixed, self.raws, strict=True))
-        columns = {column.name: column for column in self.variables}
-        self.indices: np.ndarray[Any, np.dtype[np.uint64]] | None = None
-        if layout.indices_offset:
-            self.indices = np.ndarray((header.length,), "<u8", buffer=mm, offset=layout.indices_offset)
-            self.indices.flags.writeable = False
-        # Every field in file order: ("fixed", array, raw) or ("variable", column).
-        self.order: tuple[tuple[Any, ...], ...] = tuple(
-            (name, columns[name]) if name in columns else (name, self.arrays[name], raws[name])
-            for name in header.fields
-        )
-        # Read-ahead hints for a file on a disk; None in memory (tmpfs), where reads stay as they were.
-        self.readahead = readahead_for(handle.path, handle.fd, layout, header, self.variables)
-        self.boot = BootPage(mm, layout.boot_offset) if layout.boot_offset else None  # version 5: see _boot.py
-
-    def parts(self, index: int) -> list[np.ndarray[Any, Any]] | None:
-        """Slot ``index``'s checksum parts in field order (``None``: a variable descriptor is impossible)."""
-        parts: list[np.ndarray[Any, Any]] = []
-        for entry in self.order:
-            if len(entry) == 3:
-                parts.append(entry[2][index])
-                continue
-            found = entry[1].parts(index)
-            if found is None:
-                return None
-            parts.extend(found)
-        return parts
 
 
 _P = ParamSpec("_P")
@@ -261,7 +181,7 @@ class Cache:
             os.close(opened.fd)
             raise
         try:
-            mapped = _Mapped(handle, header, layout)
+            mapped = Mapped(handle, header, layout)
             _check_after_reboot(path, mapped, readonly=readonly, timeout=timeout)
             if mapped.boot is None:
                 _warn_if_on_a_disk(path, header.version, os.fstat(opened.fd))
@@ -281,7 +201,7 @@ class Cache:
         self._capacity = header.capacity
         self._handle = handle
         self._board = handle.board
-        self._mapped: _Mapped | None = mapped
+        self._mapped: Mapped | None = mapped
         self._finalizer = weakref.finalize(self, handle.close)
         self._closed = False
 
@@ -393,7 +313,7 @@ class Cache:
             if mapped.readahead is not None:  # a file on a disk: one request for the row, not a fault per page
                 mapped.readahead.before_read_one(i)
             if mapped.variables:
-                found = self._get_variable(mapped, i)
+                found = mapped.sample(i, self._verify)
                 if found is not None:
                     self._board.add(hits=1)
                     return found
@@ -404,33 +324,11 @@ class Cache:
             sample: dict[str, np.ndarray[Any, Any]] = {}
             for name, array in mapped.items:
                 sample[name] = array[i, ...].copy()
-            if not self._verify or self._intact(mapped, i, sample.values()):
+            if not self._verify or mapped.intact(i, sample.values()):
                 self._board.add(hits=1)
                 return sample
         self._board.add(misses=1)
         return default
-
-    def _get_variable(self, mapped: _Mapped, i: int) -> dict[str, np.ndarray[Any, Any]] | None:
-        """A READY sample of a cache with variable fields (``None``: it fails its checks, a miss)."""
-        sample: dict[str, np.ndarray[Any, Any]] = {}
-        for entry in mapped.order:
-            if len(entry) == 3:
-                sample[entry[0]] = entry[1][i, ...].copy()
-                continue
-            value: Any = entry[1].copy(i)
-            kind = entry[1].field.text
-            if value is not None and kind is not None:
-                value = text_value(kind, value)  # a text field: str or bytes
-            if value is None:
-                self._report_damage(i)
-                return None
-            sample[entry[0]] = value
-        if self._verify:
-            parts = mapped.parts(i)
-            if parts is None or not intact_parts(mapped.slots, i, parts):
-                self._report_mismatch(i)
-                return None
-        return sample
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray[Any, Any]]:
         sample = self.get(index, _MISSING)
@@ -478,7 +376,7 @@ class Cache:
             for name, array in mapped.items:
                 # mode="clip": numpy buffers take(out=) in mode="raise" (see _gather.py).
                 np.take(array, idx, axis=0, out=out[name], mode="clip")
-        out, bad = self._checked(mapped, idx, out, np.arange(len(idx)))
+        out, bad = mapped.checked(idx, out, np.arange(len(idx)), self._verify)
         if len(bad):
             self._board.add(misses=len(bad))
             why = "failed their checks" if mapped.variables else "failed their checksum"
@@ -517,32 +415,12 @@ class Cache:
             rows = np.flatnonzero(hits)
             for name, array in mapped.items:
                 out[name][rows] = array[idx[rows]]
-        out, bad = self._checked(mapped, idx, out, np.flatnonzero(hits))
+        out, bad = mapped.checked(idx, out, np.flatnonzero(hits), self._verify)
         hits[bad] = False
         if count:
             found = int(np.count_nonzero(hits))
             self._board.add(hits=found, misses=len(idx) - found)
         return out, hits
-
-    def _checked(
-        self, mapped: _Mapped, idx: np.ndarray[Any, Any], out: dict[str, Any], rows: np.ndarray[Any, Any]
-    ) -> tuple[dict[str, Any], np.ndarray[Any, Any]]:
-        """Finish a batch read of ``rows`` (gathered into ``out``): variable fields added, checks made.
-
-        Returns ``out`` with every field and the rows that failed (a damaged
-        variable descriptor, or with ``verify`` a checksum mismatch).
-        """
-        if mapped.variables:
-            return self._with_variables(mapped, idx, out, rows)
-        if not self._verify or not len(rows):
-            return out, np.zeros(0, np.intp)
-        if len(rows) == len(idx):  # every row: check the gathered arrays as they are
-            bad = failed_rows(mapped.slots, idx, list(out.values()))
-        else:
-            bad = rows[failed_rows(mapped.slots, idx[rows], [out[name][rows] for name in self._fields])]
-        for i in idx[bad].tolist():
-            self._report_mismatch(i)
-        return out, bad
 
     def _check_out(self, out: Any, count: int) -> None:
         fixed = {name: field for name, field in self._fields.items() if not field.variable}
@@ -608,69 +486,6 @@ class Cache:
         self._live()
         return self._board.usage()
 
-    def _intact(self, mapped: _Mapped, index: int, arrays: Any) -> bool:
-        if intact(mapped.slots, index, arrays):
-            return True
-        self._report_mismatch(index)
-        return False
-
-    def _with_variables(
-        self,
-        mapped: _Mapped,
-        idx: np.ndarray[Any, Any],
-        out: dict[str, Any],
-        rows: np.ndarray[Any, Any],
-    ) -> tuple[dict[str, Any], np.ndarray[Any, Any]]:
-        """Add each variable field's values for ``rows`` of ``idx`` to ``out``; and the bad rows.
-
-        A numeric field becomes one :class:`Jagged` (one gather), a text field
-        a list of ``str``/``bytes``. A row is bad when a descriptor is
-        impossible or (with ``verify``) the slot fails its checksum; it is
-        missing there (``None``).
-        """
-        batches: dict[str, Any] = {}
-        bad = np.zeros(len(idx), bool)
-        every = len(rows) == len(idx)  # rows are 0..n-1 in order (get_many, or read_many of all hits)
-        for column in mapped.variables:
-            jagged, impossible = column.gather(idx, None if every else rows)
-            if column.field.text is not None:  # a text field: str or bytes
-                values, undecodable = texts(column.field.text, list(jagged))
-                impossible = np.union1d(impossible, undecodable).astype(np.intp)
-                batches[column.name] = values
-            else:
-                batches[column.name] = jagged
-            bad[impossible] = True
-        for row in np.flatnonzero(bad).tolist():
-            self._report_damage(int(idx[row]))
-        if self._verify:
-            for row in rows[~bad[rows]].tolist():
-                i = int(idx[row])
-                parts = mapped.parts(i)
-                if parts is None or not intact_parts(mapped.slots, i, parts):
-                    self._report_mismatch(i)
-                    bad[row] = True
-        failed = np.flatnonzero(bad)
-        if len(failed):
-            batches = {name: _without(values, failed) for name, values in batches.items()}
-        merged = {name: out[name] if name in out else batches[name] for name in self._fields}
-        return merged, failed
-
-    def _report_damage(self, index: int) -> None:
-        log.warning(
-            "slot %d of %s describes a variable value that cannot be in the file; treated as a miss "
-            "(cache.verify(fix=True) or `mmapcache verify --fix` resets it)",
-            index,
-            self._path,
-        )
-
-    def _report_mismatch(self, index: int) -> None:
-        log.warning(
-            "slot %d of %s does not match its checksum; treated as a miss "
-            "(cache.verify(fix=True) or `mmapcache verify --fix` resets it)",
-            index,
-            self._path,
-        )
-
     # -- writing --------------------------------------------------------------
 
     def put(self, index: int, sample: Mapping[str, Any]) -> bool:
@@ -691,9 +506,7 @@ class Cache:
         handle = self._handle
         with handle.write_lock:
             handle.check_usable(writing=True)
-            stored = (
-                self._fill(mapped, i, arrays, None) if not mapped.variables else self._fill_any(mapped, i, arrays, None)
-            )
+            stored = mapped.fill(i, arrays, None) if not mapped.variables else mapped.fill_variable(i, arrays, None)
         if stored:
             self._board.add(written=1)
         return stored
@@ -714,9 +527,9 @@ class Cache:
         handle = self._handle
         with handle.write_lock:
             handle.check_usable(writing=True)
-            fill = self._fill if not mapped.variables else self._fill_any
+            fill = mapped.fill if not mapped.variables else mapped.fill_variable
             for row in todo.tolist():
-                stored[row] = fill(mapped, int(idx[row]), arrays, row)
+                stored[row] = fill(int(idx[row]), arrays, row)
         self._board.add(written=int(np.count_nonzero(stored)))
         return stored
 
@@ -725,54 +538,6 @@ class Cache:
         for (name, field), values in zip(self._fields.items(), arrays, strict=True):
             if field.variable:
                 check_dimensions(name, values)
-
-    @staticmethod
-    def _fill(mapped: _Mapped, index: int, arrays: list[np.ndarray[Any, Any]], row: int | None) -> bool:
-        slots = mapped.slots
-        if not slots.claim(index):
-            return False
-        try:
-            for (_, target), source in zip(mapped.items, arrays, strict=True):
-                target[index] = source if row is None else source[row]
-            slots.publish(index, checksum([raw[index] for raw in mapped.raws]))
-            return True
-        finally:
-            slots.release(index)
-
-    def _fill_any(self, mapped: _Mapped, index: int, arrays: list[Any], row: int | None) -> bool:
-        """``_fill`` for a cache with variable fields: values go to this writer's extent first."""
-        slots, heap = mapped.slots, mapped.heap
-        assert heap is not None
-        if not slots.claim(index):
-            return False
-        try:
-            values = [source if row is None else source[row] for source in arrays]
-            placed = self._place(mapped, heap, index, values)
-            if not placed:
-                slots.states[index] = EMPTY  # nothing was stored: the slot stays a miss
-                heap.warn_full(self._path)
-                return False
-            for entry, value in zip(mapped.order, values, strict=True):
-                if len(entry) == 3:
-                    entry[1][index] = value
-            parts = mapped.parts(index)
-            assert parts is not None  # just written within bounds
-            slots.publish(index, checksum(parts))
-            return True
-        finally:
-            slots.release(index)
-
-    @staticmethod
-    def _place(mapped: _Mapped, heap: Any, index: int, values: list[np.ndarray[Any, Any]]) -> bool:
-        """Write slot ``index``'s variable values into the region; False when it has no room."""
-        for entry, value in zip(mapped.order, values, strict=True):
-            if len(entry) == 3:
-                continue
-            offset = heap.allocate(value.nbytes) if value.nbytes else 0
-            if offset is None:
-                return False
-            entry[1].write(index, offset, value)
-        return True
 
     # -- single flight: one load per sample per node (see _flight.py) --------------
 
@@ -909,7 +674,7 @@ class Cache:
         """Store coerced rows at ``idx``: slots this thread holds (let go of each), or free ones (``held=False``)."""
         mapped = self._live()
         handle, flight = self._handle, self._flight()
-        fill = self._fill if not mapped.variables else self._fill_any
+        fill = mapped.fill if not mapped.variables else mapped.fill_variable
         stored = np.zeros(len(idx), bool)
         for row, i in enumerate(idx.tolist()):
             if i >= self._capacity or (not held and (mapped.states[i] == READY or flight.held_here(i))):
@@ -917,7 +682,7 @@ class Cache:
             try:
                 with handle.write_lock:
                     handle.check_usable(writing=True)
-                    stored[row] = fill(mapped, i, arrays, row)  # releases the slot's lock
+                    stored[row] = fill(i, arrays, row)  # releases the slot's lock
             finally:
                 if held:
                     flight.let_go(handle, mapped.slots, [i], filled=True)
@@ -938,7 +703,7 @@ class Cache:
         if mapped.heap is None:
             return None
         heap = mapped.heap
-        return VariableRegion(heap.size, int(heap.claimed[0]), _region_use(mapped)[0], int(heap.refused[0]))
+        return VariableRegion(heap.size, int(heap.claimed[0]), mapped.region_use()[0], int(heap.refused[0]))
 
     def clear(self) -> None:
         """Mark every slot empty. Refuses with :class:`CacheInUseError` while any other handle is open."""
@@ -1017,10 +782,10 @@ class Cache:
         with handle.write_lock:
             handle.check_usable(writing=fix)
             problems = self._header_problems(handle.fd)
-            ranges = (lambda ready: _value_ranges(mapped, ready)) if mapped.variables else None
+            ranges = mapped.value_ranges if mapped.variables else None
             problems += slot_problems(mapped.slots, mapped.parts, fix=fix, ranges=ranges)
             if mapped.heap is not None:
-                used, end = _region_use(mapped)
+                used, end = mapped.region_use()
                 found = region_problems(mapped.heap.size, int(mapped.heap.claimed[0]), used, end)
                 problems += [replace(p, fixed=fix and mapped.heap.cover(end)) for p in found]
             if fix and mapped.boot is not None and any(p.fixed for p in problems):
@@ -1075,7 +840,7 @@ class Cache:
 
     # -- helpers --------------------------------------------------------------
 
-    def _live(self) -> _Mapped:
+    def _live(self) -> Mapped:
         """The views of the mapping; ``ValueError`` once the cache is closed."""
         mapped = self._mapped
         if mapped is None:
@@ -1146,7 +911,7 @@ def _as_given(indices: Any, idx: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return given if given.dtype.kind == "u" else idx
 
 
-def _check_after_reboot(path: Path, mapped: _Mapped, *, readonly: bool, timeout: float) -> None:
+def _check_after_reboot(path: Path, mapped: Mapped, *, readonly: bool, timeout: float) -> None:
     """Before a file on a disk is used in a boot other than its last: check what a crash may have torn."""
     if mapped.boot is None or mapped.boot.current():
         return
@@ -1160,7 +925,7 @@ def _check_after_reboot(path: Path, mapped: _Mapped, *, readonly: bool, timeout:
                 mapped.parts,
                 lock=lock,
                 readahead=mapped.readahead,
-                reconcile=functools.partial(_cover_values, mapped),
+                reconcile=mapped.cover_values,
                 progress=status.publish,
             )
         finally:
@@ -1312,56 +1077,3 @@ def _creation_info() -> dict[str, Any]:
         "uid": os.geteuid(),
         "mmapcache": __version__,
     }
-
-
-def _without(values: Any, rows: np.ndarray[Any, Any]) -> Any:
-    """A variable field's batch with ``rows`` made missing (``None``): they failed their checks."""
-    if isinstance(values, Jagged):
-        kept = list(values)
-        for row in rows.tolist():
-            kept[row] = None
-        return rows_like(values, kept)
-    for row in rows.tolist():
-        values[row] = None
-    return values
-
-
-def _region_use(mapped: _Mapped) -> tuple[int, int]:
-    """``(used, end)``: bytes of the variable region that READY slots' values hold, and where the last ends.
-
-    Values whose descriptors are impossible (see ``VariableColumn.spans``) are left out.
-    """
-    ready = np.flatnonzero(np.asarray(mapped.slots.states) == READY)
-    used = end = 0
-    for column in mapped.variables:
-        _, _, counts, ends, bad = column.spans(ready)
-        good = ~bad
-        used += int(counts[good].sum()) * column.dtype.itemsize
-        if good.any():
-            end = max(end, int(ends[good].max()))
-    return used, end
-
-
-def _value_ranges(mapped: _Mapped, ready: np.ndarray[Any, Any]) -> list[tuple[int, int, int]]:
-    """``(start, end, slot)`` in the variable region of every variable value of the ``ready`` slots."""
-    spans = []
-    for column in mapped.variables:
-        _, starts, _, ends, bad = column.spans(ready)
-        good = ~bad
-        spans += list(zip(starts[good].tolist(), ends[good].tolist(), ready[good].tolist(), strict=True))
-    return spans
-
-
-def _cover_values(mapped: _Mapped) -> None:
-    """After a reboot: make the allocation counter cover every value kept (its page may have missed the disk)."""
-    heap = mapped.heap
-    if heap is None:
-        return
-    before = int(heap.claimed[0])
-    if heap.cover(_region_use(mapped)[1]):
-        log.warning(
-            "the allocation counter of the variable region (%d bytes handed out) did not cover the values "
-            "kept after the reboot; moved to %d bytes so that new values never overwrite them",
-            before,
-            int(heap.claimed[0]),
-        )
