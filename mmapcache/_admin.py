@@ -66,6 +66,7 @@ from ._paths import (
 from ._residency import resident_bytes
 from ._sizes import format_bytes, parse_duration
 from ._slots import READY, WRITING
+from ._times import iso_time
 from ._variable import value_bytes
 
 __all__ = [
@@ -81,7 +82,6 @@ __all__ = [
     "gc",
     "info",
     "is_lock_name",
-    "iso_time",
     "list_caches",
     "memory_limit",
     "orphan_lock",
@@ -97,11 +97,6 @@ LOW_FREE_FRACTION = 0.10
 _CHUNK_RECORDS = 2**20
 # cgroup v1 reports "no limit" as a page-rounded 2**63 - 1.
 _NO_LIMIT = 2**60
-
-
-def iso_time(timestamp: float) -> str:
-    """``timestamp`` as ISO 8601 UTC, to the second: ``2026-11-30T05:46:11Z``."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp))
 
 
 def error_message(error: BaseException) -> str:

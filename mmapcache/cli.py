@@ -34,7 +34,6 @@ from ._admin import (
     gc,
     info,
     is_lock_name,
-    iso_time,
     list_caches,
     orphan_lock,
     remove_orphan_lock,
@@ -45,6 +44,7 @@ from ._holders import spelled_pids
 from ._paths import SUFFIX, default_dir
 from ._resize import resize
 from ._sizes import format_age, format_bytes, parse_duration
+from ._times import iso_time
 from ._version import __version__
 from .cache import Cache, Problem
 
