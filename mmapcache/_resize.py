@@ -36,9 +36,10 @@ import numpy as np
 
 from ._boot import boot_page
 from ._errors import CacheSpaceError
-from ._file import _check_space, _fsync_dir, _preallocate, _write_all, creation_lock, new_temp_path
+from ._file import _check_space, _fsync_dir, _preallocate, _write_all, creation_lock
 from ._format import Header, Layout, compute_layout, descriptor_nbytes, new_header, pack_header
 from ._heap import extent_size_for, place
+from ._names import new_temp_path
 from ._paths import filesystem_type, is_memory_filesystem
 from ._plan import plan_capacity, plan_variable
 from ._sizes import format_bytes, parse_bytes
