@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import math
@@ -799,9 +800,8 @@ def remove(path: str | os.PathLike[str], *, force: bool = False, timeout: float 
         if st.st_uid != os.geteuid():
             check_file_stat(str(target), st)  # the same answer as opening it: another user's file
         _check_removable(fd, target, st)
-        with _removing(target), creation_lock(target, timeout):
-            if not lock_exclusive_soon(fd, holds_shared=False, path=str(target), timeout=timeout):
-                pids = flock_holders(st)
+        with _removing(target), exclusive_use(target, fd, holds_shared=False, timeout=timeout) as pids:
+            if pids is not None:
                 if not force:
                     raise CacheInUseError(
                         f"{target} is in use{held_by(pids)}, or pass force=True / --force to delete it anyway",
@@ -819,6 +819,29 @@ def remove(path: str | os.PathLike[str], *, force: bool = False, timeout: float 
     finally:
         os.close(fd)
     _fsync_dir(target.parent)
+
+
+@contextmanager
+def exclusive_use(path: Path, fd: int, *, holds_shared: bool, timeout: float) -> Iterator[list[int] | None]:
+    """Use the cache at ``path`` alone (to remove or clear it): ``None``, or the pids that have it open.
+
+    Takes the creation lock, then the exclusive ``flock`` on ``fd`` (waiting
+    up to ``timeout`` for handles that are closing). Both ``remove`` and
+    ``clear`` go through here, so that one never finds the cache unused while
+    the other switches locks: switching between a shared and the exclusive
+    flock is not atomic in the kernel, and only the creation lock, taken
+    first by both, closes that gap. When another process holds the file, the
+    body gets its pids (this process's included: a caller that holds its own
+    shared lock leaves itself out) and decides (refuse, or ``force``). A
+    descriptor that held the shared lock (``holds_shared``) gets it back.
+    """
+    with creation_lock(path, timeout):
+        alone = lock_exclusive_soon(fd, holds_shared=holds_shared, path=str(path), timeout=timeout)
+        try:
+            yield None if alone else flock_holders(os.fstat(fd))
+        finally:
+            if alone and holds_shared:
+                fcntl.flock(fd, fcntl.LOCK_SH)
 
 
 @contextmanager

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import inspect
 import logging
@@ -23,7 +22,7 @@ from ._cold import prefetch_later
 from ._counters import REFUTED, Usage
 from ._errors import CacheError, CacheInUseError, CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike
-from ._file import LockStatus, OpenedFile, creation_lock, open_or_create, read_header
+from ._file import LockStatus, OpenedFile, creation_lock, exclusive_use, open_or_create, read_header
 from ._flight import HELD_HERE as _HELD_HERE
 from ._flight import WAIT_TIMEOUT, Claims, Flight, get_or_load_many
 from ._format import Header, Layout, indices_digest
@@ -31,7 +30,6 @@ from ._gather import empty_aligned, gather
 from ._handle import Handle, closed_error
 from ._heap import VariableRegion
 from ._holders import held_by
-from ._locks import flock_holders, lock_exclusive_soon
 from ._mapping import Mapped
 from ._paths import filesystem_type, is_memory_filesystem
 from ._plan import plan
@@ -678,27 +676,20 @@ class Cache:
         with handle.write_lock:
             handle.check_usable(writing=True)
             fd = handle.fd
-            # Under the creation lock, which remove() takes first: switching between
-            # our shared and the exclusive flock is not atomic in the kernel, and a
-            # remove() probing in that instant would find the cache unused.
-            with creation_lock(self._path, self._timeout):
-                cleared = lock_exclusive_soon(fd, holds_shared=True, path=str(self._path), timeout=self._timeout)
-                if cleared:
-                    try:
-                        mapped.slots.states[:] = EMPTY
-                        mapped.slots.checksums[:] = 0
-                        mapped.slots.synced[:] = 0
-                        if mapped.heap is not None:
-                            mapped.heap.reset()
-                        if mapped.boot is not None:
-                            # On a disk, before anyone refills: a crash must not find the old
-                            # synced READY records beside new bytes (a synced slot is never
-                            # checked after a reboot).
-                            os.fdatasync(fd)
-                    finally:
-                        fcntl.flock(fd, fcntl.LOCK_SH)
+            with exclusive_use(self._path, fd, holds_shared=True, timeout=self._timeout) as holders:
+                if holders is None:
+                    mapped.slots.states[:] = EMPTY
+                    mapped.slots.checksums[:] = 0
+                    mapped.slots.synced[:] = 0
+                    if mapped.heap is not None:
+                        mapped.heap.reset()
+                    if mapped.boot is not None:
+                        # On a disk, before anyone refills: a crash must not find the old
+                        # synced READY records beside new bytes (a synced slot is never
+                        # checked after a reboot).
+                        os.fdatasync(fd)
                     return
-            pids = [p for p in flock_holders(os.fstat(fd)) if p != os.getpid()]
+        pids = [p for p in holders if p != os.getpid()]
         # No other process holds it: another handle in this one does.
         raise CacheInUseError(
             f"cannot clear {self._path}: it is in use{held_by(pids or [os.getpid()], other_handles=True)}",
