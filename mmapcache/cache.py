@@ -19,7 +19,7 @@ import numpy as np
 
 from ._boot import check_boot, sync_slots
 from ._cold import prefetch_later
-from ._counters import REFUTED, Usage
+from ._counters import REFUTED, Counts, Usage
 from ._errors import CacheError, CacheInUseError, CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike
 from ._file import LockStatus, OpenedFile, creation_lock, exclusive_use, open_or_create, read_header
@@ -230,6 +230,22 @@ class Cache:
     def created(self) -> dict[str, Any]:
         """Who created the file and when (informational metadata from the header)."""
         return dict(self._header.created)
+
+    @property
+    def uuid(self) -> str:
+        """The file's identity: 16 random bytes drawn when it was created (hex), never reused by another file.
+
+        Two handles with the same ``uuid`` have the same file open; a cache removed
+        and created again at the same path (or replaced by ``mmapcache.resize``)
+        has a new one.
+        """
+        return self._header.uuid.hex()
+
+    @property
+    def counts(self) -> Counts:
+        """This handle's own counts (hits, misses, slots written) so far, without reading other processes'."""
+        self._live()
+        return self._board.mine()
 
     @property
     def filled(self) -> int:

@@ -51,11 +51,11 @@ class Verdict:
     """
 
     process: tuple[int, int]
-    file: tuple[Any, ...] | None
+    file: str | None
     deterministic: bool
 
     @staticmethod
-    def here(file: tuple[Any, ...] | None, *, deterministic: bool) -> Verdict | None:
+    def here(file: str | None, *, deterministic: bool) -> Verdict | None:
         """This process's verdict; ``None`` when it found nothing to pass on (or cannot name itself)."""
         me = _process(os.getpid())
         if me is None or (file is None and not deterministic):
@@ -87,10 +87,9 @@ class Verdict:
         return False
 
 
-def file_identity(cache: Cache) -> tuple[Any, ...]:
-    """Which file ``cache`` is, across processes: its inode (reused once a file is removed) and creation record."""
-    st = os.fstat(cache._handle.fd)
-    return (st.st_dev, st.st_ino, tuple(sorted((str(k), str(v)) for k, v in cache.created.items())))
+def file_identity(cache: Cache) -> str:
+    """Which file ``cache`` is, across processes and path reuse: the random id drawn when it was created."""
+    return cache.uuid
 
 
 def _stat(pid: int) -> list[str] | None:

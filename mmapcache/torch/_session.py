@@ -78,7 +78,7 @@ class Session:
         self.schema: Schema | None = None
         self.checked = False  # a sample from the dataset was compared with the cache's fields
         self.deterministic = False  # the dataset gave the same sample twice (checked once per job)
-        self.fresh: tuple[Any, ...] | None = None  # the file whose content was found fresh (checked once per job)
+        self.fresh: str | None = None  # the file whose content was found fresh (checked once per job)
         if verdict is not None and verdict.inherited():  # a process of the job that checked: trust it
             self.deterministic, self.fresh = verdict.deterministic, verdict.file
         self.views: list[torch.Tensor | None] | None = None  # copy=False: tensors over a read-only mapping
@@ -652,7 +652,7 @@ class Session:
 
 def _written(cache: Cache) -> int:
     """Slots this handle has stored so far (the count it keeps in the file)."""
-    return cache._board.mine().written
+    return cache.counts.written
 
 
 class _VariesError(Exception):

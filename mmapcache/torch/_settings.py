@@ -21,6 +21,7 @@ import torch
 
 from .._field import Field, FieldsLike
 from .._format import indices_digest
+from .._names import SUFFIX
 from .._paths import default_dir
 from ._schema import declared_fields, storage_dtypes
 
@@ -152,7 +153,7 @@ def _default_path(key: str, shard: np.ndarray[Any, Any] | None = None) -> Path:
     named = hashlib.sha256(key.encode("utf-8"))
     if shard is not None:
         named.update(b"\0" + indices_digest(shard).encode("ascii"))
-    return default_dir() / f"{safe}-{named.hexdigest()[:12]}.mmc"
+    return default_dir() / f"{safe}-{named.hexdigest()[:12]}{SUFFIX}"
 
 
 def _index_set(indices: Any, length: int) -> np.ndarray[Any, np.dtype[np.int64]]:
