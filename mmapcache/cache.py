@@ -17,7 +17,7 @@ from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
-from ._boot import BootPage, check_boot, sync_slots
+from ._boot import BootPage, check_boot, current_boot_id, sync_slots
 from ._checksum import checksum
 from ._cold import prefetch_later, readahead_for
 from ._counters import REFUTED, Usage
@@ -30,6 +30,7 @@ from ._handle import Handle, closed_error
 from ._heap import VariableRegion, extent_size_for
 from ._holders import held_by
 from ._locks import flock_holders, lock_exclusive_soon
+from ._partitions import StreamRegion
 from ._sizes import parse_bytes
 from ._slots import EMPTY, READY, STRONGLY_ORDERED, SlotTable
 from ._values import coerce_batch, coerce_sample
@@ -65,6 +66,7 @@ class _Mapped:
         "region",
         "slots",
         "states",
+        "stream",
         "variables",
     )
 
@@ -107,6 +109,10 @@ class _Mapped:
         # Read-ahead hints for a file on a disk; None in memory (tmpfs), where reads stay as they were.
         self.readahead = readahead_for(handle.path, handle.fd, layout, header, self.variables)
         self.boot = BootPage(mm, layout.boot_offset) if layout.boot_offset else None  # version 5: see _boot.py
+        # Version 8: the cache of a stream (see _partitions.py).
+        self.stream = (
+            StreamRegion(mm, layout, capacity, self.slots.states, handle.locks) if layout.stream_offset else None
+        )
 
     def parts(self, index: int) -> list[np.ndarray[Any, Any]] | None:
         """Slot ``index``'s checksum parts in field order (``None``: a variable descriptor is impossible)."""
@@ -777,6 +783,8 @@ class Cache:
                         mapped.slots.synced[:] = 0
                         if mapped.heap is not None:
                             mapped.heap.reset()
+                        if mapped.stream is not None:
+                            mapped.stream.reset(current_boot_id())
                     finally:
                         fcntl.flock(fd, fcntl.LOCK_SH)
                     return
@@ -954,6 +962,14 @@ def _check_after_reboot(path: Path, mapped: _Mapped, *, readonly: bool, timeout:
             "without readonly=True (or run `mmapcache verify --fix PATH`) as a user who may write it",
             path=path,
         ) from None
+
+
+def attach_opened(path: Path, opened: OpenedFile, *, timeout: float) -> Cache:
+    """A writable cache over a file :func:`open_or_create` opened: for files ``Cache()`` does not create (streams)."""
+    cache = Cache.__new__(Cache)
+    cache._closed = True
+    cache._attach(path, opened, readonly=False, verify=False, timeout=timeout)
+    return cache
 
 
 def _reopen_cache(path: str, readonly: bool, verify: bool, timeout: float) -> Cache:
