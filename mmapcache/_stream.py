@@ -46,6 +46,7 @@ __all__ = [
     "plan_stream",
     "region",
     "stream_status",
+    "usable",
 ]
 
 log = logging.getLogger("mmapcache")
@@ -163,7 +164,7 @@ def plan_stream(
 
     ``length`` is the stream's length when it tells (``len(stream)``), else
     ``None``; ``value_bytes`` the bytes of the first element's variable
-    values. With a length, the file has a slot for every element plus a
+    values (each rounded up to 16, as the variable region places them). With a length, the file has a slot for every element plus a
     little room for the holes killed writers leave; ``max_bytes`` caps it.
     Without one, ``max_bytes`` decides. The variable region gets what the
     budget leaves; without a budget, twice the first element's values per
@@ -191,8 +192,8 @@ def plan_stream(
                 f"max_bytes={max_bytes!r} ({budget} bytes) is too small for one element ({per_slot} bytes)"
             )
         return StreamPlan(fields, slots, 0)
-    # The budget covers the slots and the values: plan slots for elements like the first, with 25% to spare.
-    slots = budget * 5 // (4 * (per_slot + value))
+    # The budget covers the slots and the values: as many slots as elements like the first fit.
+    slots = budget // (per_slot + value)
     if wanted is not None:
         slots = min(slots, wanted)
     region_size = _pages(budget - slots * per_slot, down=True)
@@ -269,6 +270,11 @@ def _create(path: Path, key: str, partition: Partition, plan: StreamPlan, timeou
     )
     opened = open_or_create(path, Expected(None, None, key, ""), new, readonly=False, timeout=timeout)
     return attach_opened(path, opened, timeout=timeout)
+
+
+def usable(cache: Cache, partition: Partition) -> bool:
+    """Whether a run partitioned like ``partition`` may use ``cache`` as it is (else :func:`open_stream` decides)."""
+    return _why_restart(cache, partition) is None
 
 
 def _why_restart(cache: Cache, partition: Partition) -> str | None:

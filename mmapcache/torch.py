@@ -88,7 +88,7 @@ from ._values import coerce_value
 from ._variable import text_value
 from .cache import Cache
 
-__all__ = ["CachedDataset", "NodeShardSampler", "Padded", "pad_collate"]
+__all__ = ["CachedDataset", "CachedStream", "NodeShardSampler", "Padded", "pad_collate"]
 
 log = logging.getLogger("mmapcache")
 
@@ -1439,3 +1439,6 @@ def _declaration(schema: _Schema, samples: list[Any]) -> str:
         for name, field in schema.fields.items()
     ]
     return "{" + ", ".join(entries) + "}"
+
+
+from ._torch_stream import CachedStream  # noqa: E402  (it builds on this module's helpers)
