@@ -164,8 +164,9 @@ def plan_stream(
 
     ``length`` is the stream's length when it tells (``len(stream)``), else
     ``None``; ``value_bytes`` the bytes of the first element's variable
-    values (each rounded up to 16, as the variable region places them). With a length, the file has a slot for every element plus a
-    little room for the holes killed writers leave; ``max_bytes`` caps it.
+    values (each rounded up to 16, as the variable region places them).
+    With a length, the file has a slot for every element plus a little
+    room for the holes killed writers leave; ``max_bytes`` caps it.
     Without one, ``max_bytes`` decides. The variable region gets what the
     budget leaves; without a budget, twice the first element's values per
     element.

@@ -121,11 +121,15 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         if isinstance(stream, torch.utils.data.Dataset) and not isinstance(stream, torch.utils.data.IterableDataset):
             raise TypeError(
                 f"{type(stream).__name__} is a map-style dataset: cache it with mmapcache.torch.CachedDataset, "
-                "which reads any index in any order; CachedStream is for streams (IterableDataset, generators)"
+                "which reads any index in any order; CachedStream is for streams (IterableDataset...)"
             )
         if not hasattr(stream, "__iter__"):
+            raise TypeError(f"stream must be an iterable (an IterableDataset...), not {type(stream).__name__}")
+        if isinstance(stream, Iterator):
             raise TypeError(
-                f"stream must be iterable (an IterableDataset, a generator...), not {type(stream).__name__}"
+                f"stream is a one-shot iterator ({type(stream).__name__}), but it is iterated again in each epoch "
+                "until the cache is complete, and in each DataLoader worker: pass an iterable instead (an "
+                "IterableDataset, or a class whose __iter__ is a generator function)"
             )
         if dtypes is not None and fields is not None:
             raise ValueError("give dtypes= or fields=, not both: fields= declares every field's dtype already")
@@ -138,7 +142,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         self.max_bytes = max_bytes
         self.shuffle = bool(shuffle)
         self.seed = seed
-        self.epoch = 0
+        self.epoch: int | None = None  # set_epoch's; None: each pass in a process draws the next
         self.path = Path(os.path.abspath(os.fspath(path))) if path is not None else _default_path(key)
         self._ranks: tuple[int, int] | None = None  # the main process's rank, handed to its workers
         self._init_process_state()
@@ -162,10 +166,10 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
     def set_epoch(self, epoch: int) -> None:
         """Draw the permutation of the next epoch from ``(seed, epoch)``: call it on every rank, every epoch.
 
-        Each further pass over the same object in one process (``num_workers=0``,
-        persistent workers) also draws a new one by itself; workers that are not
-        persistent start from the epoch set here, so the order repeats unless it is
-        set.
+        Without it, each pass over the object in one process draws the next one
+        by itself (``num_workers=0``, persistent workers); workers that are not
+        persistent start afresh each epoch, so there the order repeats unless the
+        epoch is set.
         """
         self.epoch = int(epoch)
 
@@ -220,7 +224,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         return self._fill(cache, partition)
 
     def _epoch(self) -> int:
-        return self.epoch + self._passes - 1
+        return self.epoch if self.epoch is not None else self._passes - 1
 
     def _read_epoch(self, cache: Cache, partition: Partition) -> Iterator[Any]:
         slots = epoch_slots(
@@ -397,6 +401,21 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
             return {"complete": False, "full": False, "stored": 0, "total": None, "uncached": None, **counts}
         uncached = None if status.total is None else status.total - status.stored
         return {**status.to_dict(), "uncached": uncached, **counts}
+
+    @property
+    def cache(self) -> Cache | None:
+        """The :class:`~mmapcache.Cache` holding the stream (``None`` until some process made the file).
+
+        The handle stays open in this process: while it does, a run with other
+        ranks or workers cannot restart a fill that is not complete.
+        """
+        with self._lock:
+            if self._cache is None or self._cache.closed:
+                try:
+                    self._adopt(Cache(self.path, key=self.key))
+                except FileNotFoundError:
+                    return None
+            return self._cache
 
     def _status(self, partition: Partition) -> StreamStatus | None:
         """The fill's status, without keeping an incomplete cache open (that would keep a restart from happening)."""
