@@ -36,7 +36,16 @@ from ._stream import (
     stream_status,
     usable,
 )
-from ._torch_values import LeafShapeError, check_leaf, convert_leaf, tensor_to_numpy
+from ._structure import name_leaves
+from ._torch_values import (
+    SUPPORTED,
+    LeafShapeError,
+    check_leaf,
+    convert_leaf,
+    is_leaf,
+    leaf_hint,
+    tensor_to_numpy,
+)
 from ._values import coerce_value
 from .cache import Cache
 from .torch import (
@@ -317,8 +326,15 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         )
 
     def _first_fields(self, sample: Any, index: int) -> dict[str, Field]:
+        """The fields to create the file with: ``fields=`` in the element's order (dict keys keep it), or its own."""
         if self.fields is not None:
-            return self.fields
+            order = name_leaves(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
+            if set(order) != set(self.fields):
+                raise ValueError(
+                    f"stream element {index} has the fields {list(order)}, but fields= declares {list(self.fields)} "
+                    "(named by their place in the sample: see mmapcache.torch)"
+                )
+            return {name: self.fields[name] for name in order}
         fields = infer_fields(sample)
         for name, dtype in (self.dtypes or {}).items():
             if name not in fields:
