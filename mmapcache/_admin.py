@@ -56,6 +56,7 @@ from ._paths import SUFFIX, check_file_stat, default_dir, filesystem_type, free_
 from ._residency import resident_bytes
 from ._sizes import format_bytes, parse_duration
 from ._slots import READY, WRITING
+from ._stream import StreamStatus, read_stream_status
 from ._variable import value_bytes
 
 __all__ = [
@@ -155,6 +156,7 @@ class CacheInfo:
     usage: Usage | None = None
     variable: VariableRegion | None = None
     indices_digest: str | None = None  # the digest of the dataset index table (a shard's cache), if any
+    stream: StreamStatus | None = None  # version 8: how far the fill of a cached stream got
 
     @property
     def ok(self) -> bool:
@@ -193,6 +195,7 @@ class CacheInfo:
             "usage": self.usage.to_dict() if self.usage is not None else None,
             "variable": self.variable.to_dict() if self.variable is not None else None,
             "indices_digest": self.indices_digest,
+            "stream": self.stream.to_dict() if self.stream is not None else None,
         }
 
 
@@ -440,12 +443,13 @@ def _inspect(path: Path, location: _Location) -> tuple[CacheInfo, Exception | No
             filled, writing = _count_states(fd, header)
             usage = _read_usage(fd, layout)
             variable = _read_variable_region(fd, header, layout)
+            stream = read_stream_status(fd, header, layout)
         except (CacheError, OSError) as error:
             return _broken(path, location, error, st=st, in_use=in_use, pids=pids), error
     finally:
         os.close(fd)
     healthy = _healthy(path, location, st, header, in_use, pids, filled, writing)
-    return replace(healthy, usage=usage, variable=variable), None
+    return replace(healthy, usage=usage, variable=variable, stream=stream), None
 
 
 def _read_usage(fd: int, layout: Layout) -> Usage:

@@ -24,6 +24,7 @@ next run (or a second job behind it on the same partition) takes over.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ from ._format import ELEMENT_RECORD_SIZE, PARTITION_RECORD_SIZE, Layout
 from ._locks import SlotLocks
 from ._slots import READY
 
-__all__ = ["ENDED", "FULL", "PartitionState", "StreamRegion"]
+__all__ = ["ENDED", "FULL", "PartitionState", "StreamRegion", "read_region"]
 
 ENDED, FULL = 1, 2  # partition flags
 _BOOT_ID_SIZE = 16
@@ -52,6 +53,13 @@ _PARTITION = np.dtype(
 _ELEMENT = np.dtype([("element", "<u8"), ("partition", "<u4"), ("zero", "<u4")])
 assert _PARTITION.itemsize == PARTITION_RECORD_SIZE
 assert _ELEMENT.itemsize == ELEMENT_RECORD_SIZE
+
+
+def read_region(fd: int, layout: Layout) -> tuple[int, np.ndarray[Any, Any]]:
+    """``(allocated, partition table)`` of the file behind ``fd``, read with ``pread`` (no mapping)."""
+    (allocated,) = np.frombuffer(os.pread(fd, 8, layout.stream_offset + _ALLOCATED), "<u8")
+    table = np.frombuffer(os.pread(fd, layout.partitions * PARTITION_RECORD_SIZE, layout.partitions_offset), _PARTITION)
+    return int(allocated), table
 
 
 @dataclass(frozen=True)

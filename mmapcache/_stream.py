@@ -27,10 +27,10 @@ from ._boot import current_boot_id
 from ._errors import CacheError, CacheInUseError, SchemaMismatchError, StaleCacheError
 from ._field import Field
 from ._file import Expected, NewFile, open_or_create, remove
-from ._format import ELEMENT_RECORD_SIZE, MAX_PARTITIONS, slot_nbytes
+from ._format import ELEMENT_RECORD_SIZE, MAX_PARTITIONS, Header, Layout, slot_nbytes
 from ._heap import extent_size_for
 from ._holders import held_by
-from ._partitions import ENDED, FULL, PartitionState, StreamRegion
+from ._partitions import ENDED, FULL, PartitionState, StreamRegion, read_region
 from ._sizes import parse_bytes
 from .cache import Cache, _creation_info, attach_opened
 
@@ -40,10 +40,12 @@ __all__ = [
     "StreamPlan",
     "StreamStatus",
     "checked_records",
+    "describe",
     "epoch_slots",
     "open_stream",
     "per_rank",
     "plan_stream",
+    "read_stream_status",
     "region",
     "stream_status",
     "usable",
@@ -135,17 +137,56 @@ def region(cache: Cache) -> StreamRegion:
 def stream_status(cache: Cache) -> StreamStatus:
     """How far the fill of the stream cached in ``cache`` got."""
     stream = region(cache)
-    ended = (stream.flags & ENDED) != 0
+    partitioning = cache._header.stream or (1, 1)
+    return _status(partitioning, int(stream.allocated[0]), stream.stored, stream.total, stream.flags, cache.capacity)
+
+
+def read_stream_status(fd: int, header: Header, layout: Layout) -> StreamStatus | None:
+    """The status of the stream cached in the file behind ``fd``, read with ``pread`` (``None``: no stream)."""
+    if not layout.stream_offset or header.stream is None:
+        return None
+    allocated, table = read_region(fd, layout)
+    return _status(header.stream, allocated, table["stored"], table["total"], table["flags"], header.capacity)
+
+
+def _status(
+    partitioning: tuple[int, int],
+    allocated: int,
+    stored: np.ndarray[Any, Any],
+    total: np.ndarray[Any, Any],
+    flags: np.ndarray[Any, Any],
+    capacity: int,
+) -> StreamStatus:
+    ended = (flags & ENDED) != 0
     complete = bool(ended.all())
     return StreamStatus(
-        partitioning=cache._header.stream or (1, 1),
+        partitioning=partitioning,
         complete=complete,
-        full=stream.full(),
-        stored=int(stream.stored.sum()),
-        total=int(stream.total.sum()) if complete else None,
+        full=bool(np.any(flags & FULL)),
+        stored=int(stored.sum()),
+        total=int(total.sum()) if complete else None,
         partitions_ended=int(ended.sum()),
-        slots_used=min(int(stream.allocated[0]), cache.capacity),
-        capacity=cache.capacity,
+        slots_used=min(allocated, capacity),
+        capacity=capacity,
+    )
+
+
+def describe(status: StreamStatus) -> str:
+    """One line for people (``mmapcache info``)."""
+    ranks, workers = status.partitioning
+    split = f"{ranks} rank(s) x {workers} worker(s)"
+    if status.cached:
+        return f"complete: {status.stored} elements, every epoch reads the file (filled by {split})"
+    if status.complete:
+        uncached = (status.total or 0) - status.stored
+        return (
+            f"complete but full: {status.stored} elements stored, {uncached} streamed uncached every epoch "
+            f"(partitioned as {split}; a larger max_bytes would hold them)"
+        )
+    partitions = ranks * workers
+    return (
+        f"filling: {status.stored} elements stored, {status.partitions_ended} of {partitions} partitions ended "
+        f"({split}){', full' if status.full else ''}"
     )
 
 
@@ -194,7 +235,7 @@ def plan_stream(
             )
         return StreamPlan(fields, slots, 0)
     # The budget covers the slots and the values: as many slots as elements like the first fit.
-    slots = budget // (per_slot + value)
+    slots = min(budget // (per_slot + value), (budget - 4096) // per_slot)  # the region takes whole pages
     if wanted is not None:
         slots = min(slots, wanted)
     region_size = _pages(budget - slots * per_slot, down=True)

@@ -44,6 +44,7 @@ from ._file import LOCK_SUFFIX, TEMP_MARK, remove
 from ._holders import spelled_pids
 from ._paths import SUFFIX, default_dir
 from ._sizes import format_age, format_bytes, parse_duration
+from ._stream import describe as describe_stream
 from ._version import __version__
 from .cache import Cache, Problem
 
@@ -253,6 +254,7 @@ def format_info(item: CacheInfo, now: float) -> str:
         ("capacity", _capacity(item)),
         ("filled", _filled(item)),
         *([("variable region", _variable(item))] if item.variable is not None else []),
+        *([("stream", describe_stream(item.stream))] if item.stream is not None else []),
         ("reads", _reads(item)),
         ("fields", fields[0]),
         *(("", line) for line in fields[1:]),

@@ -297,3 +297,22 @@ def test_clearing_a_stream_cache_forgets_the_fill(tmp_path: Path) -> None:
 def test_a_stream_without_length_or_budget_is_refused_with_what_to_pass() -> None:
     with pytest.raises(ValueError, match="pass max_bytes="):
         plan_stream(FIELDS, max_bytes=None, length=None, partitions=1)
+
+
+def test_info_says_how_far_the_fill_of_a_stream_got(tmp_path: Path) -> None:
+    import time as clock
+
+    from mmapcache import info
+    from mmapcache.cli import format_info
+
+    path = tmp_path / "s.mmc"
+    _run(path, Partition(0, 1, 0, 2), 20)
+    item = info(path)
+    assert item.stream is not None
+    assert (item.stream.complete, item.stream.stored, item.stream.partitions_ended) == (False, 20, 1)
+    assert "filling: 20 elements stored, 1 of 2 partitions ended (1 rank(s) x 2 worker(s))" in format_info(
+        item, clock.time()
+    )
+    _run(path, Partition(0, 1, 1, 2), 5)
+    assert info(path).to_dict()["stream"]["complete"] is True
+    assert "complete: 25 elements" in format_info(info(path), clock.time())
