@@ -8,7 +8,7 @@ one process (``num_workers=0``, where every cost shows):
   element shows most;
 * **tokens** — the same stream with a ``tokenizers`` BPE tokenizer mapped over
   it (int32 token ids of varying length, the kind of stream worth caching);
-* **images** — WebDataset tar shards of 64 x 64 JPEGs decoded to uint8 tensors.
+* **images** — WebDataset tar shards of 192 x 192 JPEGs decoded to uint8 tensors.
 
 Per stream, in interleaved rounds: iterating the stream (``plain``);
 iterating a ``CachedStream`` over it into a new file (``fill``, the first
@@ -18,7 +18,8 @@ permutation). Figures are medians over rounds of per-round ratios.
 
 LitData (``litdata.optimize`` then ``StreamingDataset``) runs in its own
 virtual environment (it depends on torchvision, which must not replace this
-environment's torch): ``--litdata-python /work/venv-litdata/bin/python``. It
+environment's torch): ``--litdata-python PATH``, by default
+``benchmarks/.venv-litdata/bin/python`` when it exists. It
 converts the token stream's elements offline, then its two epochs are timed
 in that process, beside ours in the same run.
 
@@ -47,9 +48,20 @@ from _common import HERE, bench_parser, machine_info, ratio, run_rounds, table, 
 from mmapcache import Field
 from mmapcache.torch import CachedStream
 
+# Made by hand (it is not set up by run.py): python -m venv benchmarks/.venv-litdata &&
+# benchmarks/.venv-litdata/bin/pip install torch==<this interpreter's torch version> litdata
+LITDATA_PYTHON = HERE / ".venv-litdata" / "bin" / "python"
+
 
 def _words(rng: random.Random) -> list[str]:
     return ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(5000)]
+
+
+def _photo(rng: np.random.Generator) -> np.ndarray[Any, Any]:
+    """A 192 x 192 RGB image with smooth gradients and some noise (JPEG-compresses like a photo)."""
+    y, x = np.mgrid[0:192, 0:192]
+    base = np.stack([x, y, (x + y) // 2], axis=-1) + rng.integers(0, 40, (1, 1, 3))
+    return np.clip(base + rng.normal(0, 8, (192, 192, 3)), 0, 255).astype(np.uint8)
 
 
 def make_data(root: Path, n: int, images: int) -> dict[str, Any]:
@@ -81,7 +93,7 @@ def make_data(root: Path, n: int, images: int) -> dict[str, Any]:
         with wds.TarWriter(shard) as writer:
             for i in range(k, images, 2):
                 buffer = io.BytesIO()
-                array = pixels.integers(0, 255, (64, 64, 3), dtype=np.uint8)
+                array = _photo(pixels)
                 Image.fromarray(array).save(buffer, format="JPEG", quality=90)
                 writer.write({"__key__": f"{i:07d}", "jpg": buffer.getvalue(), "cls": i % 10})
         shards.append(shard)
@@ -113,7 +125,7 @@ def streams(data: dict[str, Any]) -> dict[str, tuple[Callable[[], Iterable[Any]]
     return {
         "json": (json_stream, {"max_bytes": rows * 1536}),
         "tokens": (tokens_stream, {"fields": tokens_fields, "max_bytes": rows * 2048}),
-        "images": (images_stream, {"max_bytes": images * 20 * 1024}),
+        "images": (images_stream, {"max_bytes": images * 150 * 1024}),
     }
 
 
@@ -191,15 +203,25 @@ def litdata_epochs(python: str, data: dict[str, Any], root: Path) -> dict[str, A
 
 
 def main() -> None:
-    parser = bench_parser(__doc__ or "", quick="4000 rows, 2000 images, 3 rounds", rounds=(5, 3))
-    parser.add_argument("--litdata-python", help="the python of a virtual environment with litdata installed")
+    parser = bench_parser(__doc__ or "", quick="1500 rows, 300 images, 2 rounds", rounds=(5, 3))
+    parser.add_argument(
+        "--litdata-python",
+        default=str(LITDATA_PYTHON) if LITDATA_PYTHON.exists() else None,
+        help=f"the python of a virtual environment with litdata installed (default {LITDATA_PYTHON}, if it exists)",
+    )
     args = parser.parse_args()
-    n, images = (4000, 2000) if args.quick else (20000, 8000)
-    rounds = args.rounds or (3 if args.quick else 5)
+    n, images = (1500, 300) if args.quick else (20000, 4000)
+    rounds = args.rounds or (2 if args.quick else 5)
     root = Path(tempfile.mkdtemp(prefix="bench-stream-", dir=args.dir))
     try:
         data = make_data(root, n, images)
-        results: dict[str, Any] = {"machine": machine_info(), "rows": n, "images": images, "rounds": rounds}
+        results: dict[str, Any] = {
+            "machine": machine_info(),
+            "quick": args.quick,
+            "rows": n,
+            "images": images,
+            "rounds": rounds,
+        }
         results["streams"] = measure(data, root, rounds)
         rows = []
         for name, found in results["streams"].items():
