@@ -452,3 +452,6 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
 
     def __repr__(self) -> str:
         return f"CachedStream({type(self.stream).__name__}, path={str(self.path)!r}, key={self.key!r})"
+
+
+CachedStream.__module__ = "mmapcache.torch"  # pickles name the public module, whatever file the class lives in

@@ -254,3 +254,12 @@ def test_varying_shapes_without_fields_are_refused_with_the_declaration_to_use(t
     ds = CachedStream(Numbers(20), tmp_path / "s.mmc", key="k", max_bytes="1MiB")
     with pytest.raises(ValueError, match=r"fields=\{.*\"tokens\": Field\(\(None,\), \"int32\"\)"):
         list(ds)
+
+
+def test_spawned_workers_receive_the_stream_without_data_and_fill_the_same_file(tmp_path: Path) -> None:
+    ds = CachedStream(Numbers(40, kind="fixed"), tmp_path / "s.mmc", key="k", max_bytes="1MiB")
+    loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="spawn")
+    assert sorted(_labels(loader)) == list(range(40))
+    assert sorted(_labels(loader)) == list(range(40))  # the second epoch from the file
+    stats = ds.stats()
+    assert (stats["complete"], stats["stored"], stats["partitioning"]) == (True, 40, [1, 2])
