@@ -58,6 +58,7 @@ STEPS = [
     Step("bench_dataloader", ("--quick", "--n", "256", "--rounds", "2")),
     Step("bench_cold", ("--quick",), optional=True),
     Step("bench_shuffle", ("--quick",), optional=True),
+    Step("bench_singleflight", ("--quick",), optional=True),
     Step("bench_stream", ("--quick", "--rounds", "1"), optional=True),
 ]
 

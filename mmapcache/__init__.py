@@ -20,6 +20,7 @@ from ._errors import (
 )
 from ._field import Field
 from ._file import in_use, remove
+from ._flight import Claims
 from ._heap import VariableRegion
 from ._paths import default_dir
 from ._version import __version__
@@ -34,6 +35,7 @@ __all__ = [
     "CacheMissError",
     "CacheSpaceError",
     "CacheTimeoutError",
+    "Claims",
     "Counts",
     "DiskUsage",
     "Field",

@@ -9,13 +9,24 @@ permutation of their node's shard each epoch, split among the node's local
 ranks as ``DistributedSampler`` splits among all ranks. Every rank of the job
 gets the same number of indices (padding by repeating, or dropping with
 ``drop_last``), as collective operations in DDP need.
+
+Each rank computes only what it needs, in time and memory proportional to its
+node's shard: the dealt permutation is a keyed bijection of ``range(n)``
+evaluated at the node's places only (:class:`_Bijection`), never a permutation
+of the whole dataset. Up to :data:`EXACT_MAX` samples, where a whole
+permutation costs at most 16 MiB and a few tens of milliseconds, numpy's
+seeded permutation deals the shards instead (the shards of mmapcache 0.3.0,
+so the node caches it made stay warm) and shuffles each epoch. An epoch's order
+is a function of (seed, epoch, position): a resumed epoch starts at any
+position in O(1), with no replay.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -25,6 +36,20 @@ import torch.utils.data
 
 __all__ = ["NodeShardSampler", "node_topology"]
 
+SEEDS = 2**64
+"""Seeds and epochs are integers in ``0 .. SEEDS - 1``."""
+EXACT_MAX = 2**21
+"""Permutations of up to this many elements are numpy's seeded permutations; larger ones, keyed bijections."""
+
+_ROUNDS = 6  # Feistel rounds: with halves of >= 11 bits and a full 64-bit mixer, 6 leave no measurable pattern
+_CHUNK = 2**16  # positions evaluated at a time: the temporaries stay in the CPU's cache
+_STATE_VERSION = 1  # bump when the order a state describes changes
+_ORDER = 1  # the spawn key's first word for an epoch's order (the shards use the seed alone, as 0.3.0 did)
+# What a state must agree on with the sampler loading it: otherwise its position is in another order.
+_SAME = ("seed", "length", "num_nodes", "local_world_size", "shuffle", "drop_last")
+
+Positions = np.ndarray[Any, np.dtype[np.int64]]
+
 
 class NodeShardSampler(torch.utils.data.Sampler[int]):
     """A distributed sampler that keeps each sample on one node: the job's caches hold the dataset once.
@@ -32,6 +57,10 @@ class NodeShardSampler(torch.utils.data.Sampler[int]):
     ``num_nodes``, ``node_rank``, ``local_world_size`` and ``local_rank``
     default to what the launcher says (see :func:`node_topology`). Call
     :meth:`set_epoch` before each epoch, as with ``DistributedSampler``.
+    ``seed`` and every epoch are integers in ``0 .. 2**64 - 1``.
+
+    :meth:`state_dict` / :meth:`load_state_dict` save and resume an epoch
+    midway (torchdata's ``StatefulDataLoader`` calls them).
     """
 
     def __init__(
@@ -46,14 +75,16 @@ class NodeShardSampler(torch.utils.data.Sampler[int]):
         local_world_size: int | None = None,
         local_rank: int | None = None,
     ) -> None:
+        self.seed = _integer("seed", seed, SEEDS)
         self.num_nodes, self.node_rank, self.local_world_size, self.local_rank = node_topology(
             num_nodes=num_nodes, node_rank=node_rank, local_world_size=local_world_size, local_rank=local_rank
         )
         self.length = len(dataset)
-        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         self.epoch = 0
-        order = np.random.default_rng(self.seed).permutation(self.length) if self.shuffle else np.arange(self.length)
-        self.node_indices: np.ndarray[Any, np.dtype[np.int64]] = np.sort(order[self.node_rank :: self.num_nodes])
+        self.node_indices: Positions = _node_shard(
+            self.length, self.num_nodes, self.node_rank, self.seed if self.shuffle else None
+        )
         # Equal for every rank of the job (collectives need it): from the smallest or largest shard.
         smallest, largest = self.length // self.num_nodes, -(-self.length // self.num_nodes)
         if self.drop_last:
@@ -65,31 +96,251 @@ class NodeShardSampler(torch.utils.data.Sampler[int]):
                 f"with drop_last=True, a node's shard of {smallest} samples leaves nothing for each of its "
                 f"{self.local_world_size} ranks; use drop_last=False or fewer ranks"
             )
+        self._cursor: _Cursor | None = None  # the last iterator's place
+        self._resume: tuple[int, int] | None = None  # (epoch, position) loaded, for the next iterator
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose permutation :meth:`__iter__` draws (the same on every rank of a node)."""
-        self.epoch = int(epoch)
+        self.epoch = _integer("epoch", epoch, SEEDS)
+        if self._resume is not None and self._resume[0] != self.epoch:
+            self._resume = None  # another epoch than the loaded state's starts from its beginning
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
-        indices = self.node_indices
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            indices = indices[torch.randperm(len(indices), generator=generator).numpy()]
-        total = self.num_samples * self.local_world_size
-        if len(indices) < total:  # pad by repeating the node's own indices, as DistributedSampler does
-            indices = np.resize(indices, total) if len(indices) else indices
-        mine = indices[:total][self.local_rank :: self.local_world_size]
-        return iter(mine.tolist())
+        start = 0
+        if self._resume is not None:
+            start = self._resume[1]
+            self._resume = None
+        cursor = _Cursor(self.epoch, start)
+        self._cursor = cursor
+        return self._draw(cursor)
+
+    def _draw(self, cursor: _Cursor) -> Iterator[int]:
+        """This rank's indices of ``cursor.epoch`` from ``cursor.end`` on, computed a chunk at a time."""
+        order = self._order(cursor.epoch)
+        while cursor.end < self.num_samples:
+            start = cursor.end
+            stop = min(start + _CHUNK, self.num_samples)
+            chunk = self._indices(order, start, stop).tolist()
+            cursor.rest, cursor.end = iter(chunk), stop
+            yield from cursor.rest
+
+    def _order(self, epoch: int) -> Callable[[Positions], Positions] | None:
+        """The epoch's permutation of the node's shard (``None``: in order)."""
+        size = len(self.node_indices)
+        if not self.shuffle or size < 2:
+            return None
+        return _permutation(size, np.random.SeedSequence(self.seed, spawn_key=(_ORDER, *_words(epoch))))
+
+    def _indices(self, order: Callable[[Positions], Positions] | None, start: int, stop: int) -> Positions:
+        """This rank's indices ``start .. stop - 1`` of the epoch."""
+        # The rank's places in its node's sequence for the epoch, split as DistributedSampler splits.
+        places = self.local_rank + self.local_world_size * np.arange(start, stop, dtype=np.int64)
+        size = len(self.node_indices)
+        if size == 0:
+            # Fewer samples than nodes: this node's shard is empty, yet its ranks must draw as many
+            # indices as every other rank. They read samples of other shards (uncached here).
+            return (self.node_rank + places) % self.length
+        places %= size  # padding repeats the node's sequence from its start, as DistributedSampler does
+        return self.node_indices[places if order is None else order(places)]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this sampler is: ``epoch`` and ``position`` (this rank's indices handed out in the epoch).
+
+        The position is the same on every rank of a job that steps in lockstep, so one rank's state
+        (rank 0's checkpoint) resumes every rank. The other keys let :meth:`load_state_dict` refuse a
+        state of another dataset length, seed or topology. A loader that prefetches (``num_workers > 0``)
+        has taken more indices than the training loop consumed: torchdata's ``StatefulDataLoader``
+        saves the state as of the last batch it returned; with a plain ``DataLoader``, set
+        ``position`` to the batches consumed times the batch size.
+        """
+        epoch, position = self._where()
+        return {
+            "version": _STATE_VERSION,
+            "seed": self.seed,
+            "epoch": epoch,
+            "position": position,
+            "length": self.length,
+            "num_nodes": self.num_nodes,
+            "local_world_size": self.local_world_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def _where(self) -> tuple[int, int]:
+        if self._resume is not None:
+            return self._resume
+        cursor = self._cursor
+        if cursor is not None and cursor.epoch == self.epoch:
+            return cursor.epoch, cursor.position
+        return self.epoch, 0
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next iterator continues the saved epoch at the saved position.
+
+        Sets :attr:`epoch`. A state saved at the end of an epoch resumes at the start of the
+        next. Raises ``ValueError`` for a state of another dataset length, seed or topology, or
+        one that is not a state of this sampler, and changes nothing then.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"a NodeShardSampler state is a dict from state_dict(), not {type(state).__name__}")
+        expected = ("version", "epoch", "position", *_SAME)
+        missing = [key for key in expected if key not in state]
+        if missing:
+            raise ValueError(
+                f"not a NodeShardSampler state: it lacks {missing} (state_dict() gives the keys {list(expected)})"
+            )
+        if state["version"] != _STATE_VERSION:
+            raise ValueError(
+                f"the state is of version {state['version']!r}, and this mmapcache reads version {_STATE_VERSION}: "
+                "its order is not this version's; start the epoch afresh (set_epoch) instead of loading it"
+            )
+        here = {key: getattr(self, key) for key in _SAME}
+        differ = {key: (state[key], value) for key, value in here.items() if state[key] != value}
+        if differ:
+            saved = ", ".join(f"{key}={old!r}" for key, (old, _) in differ.items())
+            ours = ", ".join(f"{key}={new!r}" for key, (_, new) in differ.items())
+            raise ValueError(
+                f"the state was saved by a NodeShardSampler with {saved}, but this one has {ours}: the saved position "
+                "is in another order. Resume with the same dataset, seed and topology (num_nodes, local_world_size), "
+                "or start the epoch afresh (set_epoch) instead of loading the state"
+            )
+        epoch = _integer("the state's epoch", state["epoch"], SEEDS)
+        position = _integer("the state's position", state["position"], self.num_samples + 1)
+        if position == self.num_samples and self.num_samples and epoch + 1 < SEEDS:
+            epoch, position = epoch + 1, 0  # the epoch was over
+        self.epoch = epoch
+        self._resume = (epoch, position)
 
     def __repr__(self) -> str:
         return (
             f"NodeShardSampler(node {self.node_rank} of {self.num_nodes}, local rank {self.local_rank} of "
             f"{self.local_world_size}, {len(self.node_indices)} indices on the node, {self.num_samples} per rank)"
         )
+
+
+class _Cursor:
+    """Where one iterator of a sampler is: its epoch, and how many of the rank's indices it handed out."""
+
+    __slots__ = ("end", "epoch", "rest")
+
+    def __init__(self, epoch: int, start: int) -> None:
+        self.epoch = epoch
+        self.end = start  # the position after the current chunk
+        self.rest: Iterator[int] = iter(())  # what the current chunk has left
+
+    @property
+    def position(self) -> int:
+        return self.end - operator.length_hint(self.rest)
+
+
+def _node_shard(length: int, num_nodes: int, node_rank: int, seed: int | None) -> Positions:
+    """The node's shard, sorted: places ``node_rank, node_rank + num_nodes, ...`` of the dealt permutation.
+
+    ``seed`` ``None``: no permutation (``shuffle=False``). In O(shard) time and memory above
+    :data:`EXACT_MAX` samples.
+    """
+    if seed is None or num_nodes == 1:
+        return np.arange(node_rank, length, num_nodes, dtype=np.int64)  # one node: its shard is everything
+    permutation = _permutation(length, np.random.SeedSequence(seed))
+    shard = np.empty(len(range(node_rank, length, num_nodes)), np.int64)
+    for start in range(0, len(shard), _CHUNK):
+        stop = min(start + _CHUNK, len(shard))
+        shard[start:stop] = permutation(
+            np.arange(node_rank + start * num_nodes, node_rank + stop * num_nodes, num_nodes, dtype=np.int64)
+        )
+    shard.sort()
+    return shard
+
+
+def _permutation(n: int, key: np.random.SeedSequence) -> Callable[[Positions], Positions]:
+    """A random permutation of ``range(n)`` seeded by ``key``, as a function of positions.
+
+    Up to :data:`EXACT_MAX`: numpy's permutation (``default_rng(seed).permutation(n)`` for a
+    ``SeedSequence(seed)``), held whole. Above: a :class:`_Bijection`, held as its round keys.
+    """
+    if n <= EXACT_MAX:
+        order: Positions = np.random.Generator(np.random.PCG64(key)).permutation(n)
+        return order.__getitem__
+    return _Bijection(n, key.generate_state(_ROUNDS, np.uint64).tolist())
+
+
+def _words(value: int) -> tuple[int, int]:
+    """A 64-bit value as two 32-bit words: a spawn key of fixed layout for every value."""
+    return value & 0xFFFFFFFF, value >> 32
+
+
+_U64 = np.uint64
+_MIX1, _MIX2 = _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB)
+_SHIFT1, _SHIFT2, _SHIFT3 = _U64(30), _U64(27), _U64(31)
+
+
+class _Bijection:
+    """A keyed permutation of ``range(n)``, evaluated at any positions in time proportional to their number.
+
+    A Feistel network permutes the ``b``-bit integers (``2**b >= n``, ``b >= 2``): a value is
+    split into a left half of ``b // 2`` bits and a right half of the rest; each round maps
+    ``(left, right)`` to ``(right, left ^ F(right ^ key))``, truncated to the left half's width
+    (the widths swap every round; after an even number of rounds they are back), with
+    splitmix64's finalizer as ``F`` and a 64-bit key per round. Each round is invertible
+    whatever ``F`` is, so the network is a permutation of ``range(2**b)``. *Cycle walking*
+    restricts it to ``range(n)``: a value ``>= n`` is sent through the network again until it
+    lands below ``n``; this is a permutation of ``range(n)`` (it follows each cycle of the
+    network to its next element below ``n``), reached in under 2 passes on average since
+    ``2**b < 2n``.
+    """
+
+    def __init__(self, n: int, keys: list[int]) -> None:
+        if len(keys) % 2:
+            raise ValueError("a Feistel network with an odd number of rounds leaves its halves swapped")
+        self.n = n
+        bits = max(2, (n - 1).bit_length())
+        self.left, self.right = bits // 2, bits - bits // 2
+        self.keys = [_U64(key) for key in keys]
+
+    def __call__(self, positions: Positions) -> Positions:
+        out = self._network(positions.astype(np.uint64))
+        limit = _U64(self.n)
+        walking = np.flatnonzero(out >= limit)
+        while walking.size:
+            again = self._network(out[walking])
+            out[walking] = again
+            walking = walking[again >= limit]
+        return out.astype(np.int64)
+
+    def _network(self, x: np.ndarray[Any, np.dtype[np.uint64]]) -> np.ndarray[Any, np.dtype[np.uint64]]:
+        width_left, width_right = self.left, self.right
+        left, right = x >> _U64(width_right), x & _U64((1 << width_right) - 1)
+        for key in self.keys:
+            mixed = right ^ key
+            mixed ^= mixed >> _SHIFT1
+            mixed *= _MIX1
+            mixed ^= mixed >> _SHIFT2
+            mixed *= _MIX2
+            mixed ^= mixed >> _SHIFT3
+            mixed &= _U64((1 << width_left) - 1)
+            mixed ^= left
+            left, right = right, mixed
+            width_left, width_right = width_right, width_left
+        out: np.ndarray[Any, np.dtype[np.uint64]] = (left << _U64(width_right)) | right
+        return out
+
+
+def _integer(name: str, value: Any, stop: int, *, start: int = 0) -> int:
+    """``value`` as an ``int`` in ``start .. stop - 1``: ``TypeError`` for a non-integer, ``ValueError`` outside."""
+    accepted = f"an integer from {start} to {_bound(stop - 1)}"
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name} must be {accepted}, not {value!r} ({type(value).__name__})")
+    number = operator.index(value)
+    if not start <= number < stop:
+        raise ValueError(f"{name} must be {accepted}, not {number}")
+    return number
+
+
+def _bound(value: int) -> str:
+    return "2**64 - 1" if value == SEEDS - 1 else str(value)
 
 
 def node_topology(
@@ -110,6 +361,18 @@ def node_topology(
     these is one node of one rank. Raises ``ValueError`` naming the arguments
     to pass when what it finds does not add up.
     """
+    given = {
+        "num_nodes": num_nodes,
+        "node_rank": node_rank,
+        "local_world_size": local_world_size,
+        "local_rank": local_rank,
+    }
+    for name, value in given.items():
+        if value is not None and (isinstance(value, bool) or not hasattr(type(value), "__index__")):
+            raise TypeError(f"{name} must be an integer, not {value!r} ({type(value).__name__})")
+    num_nodes, node_rank, local_world_size, local_rank = (
+        None if value is None else operator.index(value) for value in given.values()
+    )
     env = os.environ if environ is None else environ
     world, rank = _world()
     world = world if world is not None else _int(env, "WORLD_SIZE")

@@ -9,6 +9,11 @@ Each slot moves EMPTY -> WRITING -> READY, once. A writer
 2. **copies** the sample into the data arrays and stores the checksum;
 3. **publishes**: stores READY, then releases the lock.
 
+A loader that wants one load per sample per node (``_flight.py``) **holds**
+the slot first — the same lock, taken before the sample is loaded, with the
+state left as it is — and fills it through the same three steps; the lock it
+already holds makes step 1 succeed at once.
+
 Two writers of one slot cannot interleave bytes: the second one's claim fails
 while the first holds the lock, and sees READY after it. A writer killed at any
 instant leaves the slot EMPTY or WRITING, never READY with torn bytes; the
@@ -85,14 +90,24 @@ class SlotTable:
 
     def claim(self, index: int) -> bool:
         """Take slot ``index`` for writing; False if another writer holds it or it is READY."""
+        if not self.hold(index):
+            return False
+        self.states[index] = WRITING
+        self.synced[index] = 0  # before any byte of the new sample (see _boot.py)
+        return True
+
+    def hold(self, index: int) -> bool:
+        """Take slot ``index``'s lock before loading its sample; False if another holds it or it is READY.
+
+        Unlike :meth:`claim` the state is left alone (EMPTY, or WRITING from a
+        writer that died): letting go without a fill changes nothing.
+        """
         offset = self._table_offset + index * self._record_size
         if not self.locks.try_claim(offset):
             return False
         if self.states[index] == READY:
             self.locks.release(offset)
             return False
-        self.states[index] = WRITING
-        self.synced[index] = 0  # before any byte of the new sample (see _boot.py)
         return True
 
     def publish(self, index: int, checksum: int) -> None:

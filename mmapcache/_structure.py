@@ -217,6 +217,13 @@ class Structure:
             return leaves
         return self._flatten_slowly(sample, is_leaf, supported, hint)
 
+    def candidates(self, sample: Any) -> list[Any] | None:
+        """For a flat structure, ``sample``'s parts in name order if it has this shape (leaves or not); else None.
+
+        The fast path of :meth:`flatten`, for a caller that checks the leaves itself.
+        """
+        return self._flat(sample)
+
     def _flatten_slowly(
         self, sample: Any, is_leaf: Callable[[Any], bool], supported: str, hint: Callable[[Any], str]
     ) -> list[Any]:

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from ._compare import difference
 from ._errors import CacheError
-from ._testing_compare import difference
 
 __all__ = ["Process", "StepError", "Zygote", "wait_until"]
 

@@ -12,7 +12,7 @@ stored as raw bits in an unsigned integer of the same width: an array (or
 tensor) of that width and kind *is* those bits, with or without torch.
 Numbers (floats, other dtypes) need torch to become such bits.
 
-All torch knowledge lives in :mod:`mmapcache._torch_values`, imported only
+The core's torch knowledge lives in :mod:`mmapcache._tensors`, imported only
 when a value is a tensor (torch is then loaded already) or numbers must be
 converted into a torch-only dtype; this module never imports torch itself.
 """
@@ -86,7 +86,7 @@ def coerce_value(value: Any, field: Field, name: str, *, count: int | None = Non
     if field.text is not None:
         return text_array(value, field.text, name)
     if _is_tensor(value):
-        from ._torch_values import tensor_to_numpy  # torch is loaded already: the value is a tensor
+        from ._tensors import tensor_to_numpy  # torch is loaded already: the value is a tensor
 
         array = cast(tensor_to_numpy(value, field, name), field, name, from_python=False)
     elif field.torch_dtype is not None:
@@ -142,7 +142,7 @@ def _to_bits(value: Any, field: Field, name: str) -> np.ndarray[Any, Any]:
     if isinstance(value, (np.ndarray, np.generic)) and _is_raw_bits(value.dtype, field):
         return np.asarray(value).astype(field.dtype, copy=False)  # the bits themselves
     try:
-        from ._torch_values import value_to_numpy
+        from ._tensors import value_to_numpy
     except ImportError:
         raise TypeError(
             f"field {name!r}: converting {type(value).__name__} values to {field.dtype_name} needs torch, "

@@ -9,6 +9,7 @@ import logging
 import operator
 import os
 import socket
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +25,8 @@ from ._counters import REFUTED, Usage
 from ._errors import CacheError, CacheInUseError, CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike, normalize_fields
 from ._file import Expected, NewFile, OpenedFile, creation_lock, open_or_create, read_header
+from ._flight import HELD_HERE as _HELD_HERE
+from ._flight import WAIT_TIMEOUT, Claims, Flight, get_or_load_many
 from ._format import MAX_FILE_SIZE, Header, Layout, indices_digest, max_slots, slot_nbytes
 from ._gather import empty_aligned, gather
 from ._handle import Handle, closed_error
@@ -754,6 +757,163 @@ class Cache:
             entry[1].write(index, offset, value)
         return True
 
+    # -- single flight: one load per sample per node (see _flight.py) --------------
+
+    def get_or_load_many(
+        self,
+        indices: Any,
+        load: Callable[[list[int]], Any],
+        *,
+        out: dict[str, np.ndarray[Any, Any]] | None = None,
+        timeout: float = WAIT_TIMEOUT,
+        wait: bool | None = None,
+        chunk: int | None = None,
+    ) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]]]:
+        """The samples at ``indices``, each missing one loaded by ``load`` once per node: ``(batch, loaded)``.
+
+        ``batch`` is what :meth:`read_many` returns, every row filled;
+        ``loaded[k]`` says whether row ``k`` was loaded by this call (else it
+        came from the cache). ``load(indices)`` gets a list of cache indices
+        and returns their samples: a batch as :meth:`put_many` takes it, or a
+        list of samples ``{field: value}`` in the same order. What it returns
+        is stored, and returned as a read would return it.
+
+        A missing slot is held (the kernel lock a fill takes) before it is
+        loaded and let go as soon as it is stored, a few slots at a time
+        (``chunk``: by default about 10 ms of loading). A slot that another
+        process — or another thread — is loading is waited for rather than
+        loaded again, once this call holds nothing: up to ``timeout`` seconds
+        in all (default 10), after which the call loads what is left itself.
+        If that holder dies or its ``load`` raises, the waiter loads the slot.
+        ``wait=None`` waits only when it pays: not when this handle's mean
+        load time (:attr:`mean_load_time`) is under half a millisecond per
+        sample; ``wait=False`` never waits, ``wait=True`` always does.
+
+        An exception from ``load`` lets go of the slots it held and
+        propagates. A readonly cache loads every miss itself and stores
+        nothing. Usage counts a row read from the cache (waited for or not)
+        as a hit and a row loaded here as a miss.
+        """
+        if load is None or not callable(load):
+            raise TypeError(f"load must be a function of a list of indices, not {type(load).__name__}")
+        timeout = _check_timeout(timeout)
+        if wait is not None and not isinstance(wait, bool):
+            raise TypeError(f"wait must be True, False or None (wait when it pays), not {wait!r}")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk must be a positive int (slots held per load) or None, not {chunk!r}")
+        return get_or_load_many(self, self._flight(), indices, load, out=out, timeout=timeout, wait=wait, chunk=chunk)
+
+    def get_or_load(
+        self, index: int, load: Callable[[int], Any], *, timeout: float = WAIT_TIMEOUT, wait: bool | None = None
+    ) -> dict[str, Any]:
+        """The sample at ``index``: from the cache, or ``load(index)`` once per node (see :meth:`get_or_load_many`)."""
+        i = self._index(index)
+        if load is None or not callable(load):
+            raise TypeError(f"load must be a function of an index, not {type(load).__name__}")
+        batch, _ = self.get_or_load_many([i], lambda idx: [load(idx[0])], timeout=timeout, wait=wait, chunk=1)
+        return {name: values[0, ...] if isinstance(values, np.ndarray) else values[0] for name, values in batch.items()}
+
+    def claim_many(self, indices: Any) -> Claims:
+        """Hold, without waiting, every slot among ``indices`` that is cacheable, not cached and free.
+
+        Returns :class:`Claims` (a context manager): its ``indices`` are the
+        slots now held by this thread — load them and store them with
+        ``claims.put_many``; leaving the ``with`` block lets go of the rest.
+        Its ``held`` are the slots another process or thread is loading: wait
+        for them with :meth:`wait_for`, once you hold nothing.
+        """
+        mapped = self._live()
+        if self._readonly:
+            raise self._readonly_error("claim_many")
+        idx = self._index_array(indices)
+        states = mapped.states
+        mine, held = [], []
+        for i in dict.fromkeys(idx[idx < self._capacity].tolist()):
+            if states[i] == READY:
+                continue
+            if self._hold(i):
+                mine.append(i)
+            elif states[i] != READY:
+                held.append(i)
+        return Claims(self, self._flight(), mine, held)
+
+    def wait_for(self, indices: Any, *, timeout: float = WAIT_TIMEOUT) -> Claims:
+        """Wait until every one of ``indices`` is cached, or until one of them is left to this thread.
+
+        Returns :class:`Claims` holding one slot when its holder gave it up
+        unstored (it died, or its load raised): load and store it, then wait
+        for the rest. Otherwise the claims hold nothing, and their ``held``
+        lists the slots still being loaded elsewhere after ``timeout`` seconds
+        (load those yourself: storing them is refused while their holder
+        lives). Waits only while this thread holds no slot (else
+        ``RuntimeError``): waiting while holding could deadlock.
+        """
+        mapped = self._live()
+        if self._readonly:
+            raise self._readonly_error("wait_for")
+        timeout = _check_timeout(timeout)
+        idx = self._index_array(indices)
+        todo = list(dict.fromkeys(idx[idx < self._capacity].tolist()))
+        flight = self._flight()
+        deadline = time.monotonic() + timeout
+        for k, i in enumerate(todo):
+            if self._wait_one(i, deadline) == _HELD_HERE:
+                rest = [j for j in todo[k + 1 :] if mapped.states[j] != READY]
+                return Claims(self, flight, [i], rest)
+        return Claims(self, flight, [], [i for i in todo if mapped.states[i] != READY])
+
+    @property
+    def mean_load_time(self) -> float | None:
+        """Seconds per sample that :meth:`get_or_load_many`'s loads took through this handle (``None``: none yet)."""
+        return self._flight().mean_load_time()
+
+    def _flight(self) -> Flight:
+        flight: Flight | None = self.__dict__.get("_flight_state")
+        if flight is None:
+            with _FLIGHT_LOCK:
+                flight = self.__dict__.setdefault("_flight_state", Flight())
+        return flight
+
+    def _can_hold(self) -> bool:
+        return not self._readonly and self._handle.refused is None
+
+    def _hold(self, index: int) -> bool:
+        return self._flight().hold(self._handle, self._live().slots, index)
+
+    def _wait_one(self, index: int, deadline: float) -> int:
+        return self._flight().wait(self._handle, self._live().slots, index, deadline)
+
+    def _put_claimed(self, idx: np.ndarray[Any, Any], batch: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        return self._put_coerced(idx, coerce_batch(batch, self._fields, len(idx)))
+
+    def _put_coerced(
+        self, idx: np.ndarray[Any, Any], arrays: list[Any], *, held: bool = True
+    ) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        """Store coerced rows at ``idx``: slots this thread holds (let go of each), or free ones (``held=False``)."""
+        mapped = self._live()
+        handle, flight = self._handle, self._flight()
+        fill = self._fill if not mapped.variables else self._fill_any
+        stored = np.zeros(len(idx), bool)
+        for row, i in enumerate(idx.tolist()):
+            if i >= self._capacity or (not held and (mapped.states[i] == READY or flight.held_here(i))):
+                continue
+            try:
+                with handle.write_lock:
+                    handle.check_usable(writing=True)
+                    stored[row] = fill(mapped, i, arrays, row)  # releases the slot's lock
+            finally:
+                if held:
+                    flight.let_go(handle, mapped.slots, [i], filled=True)
+        self._board.add(written=int(np.count_nonzero(stored)))
+        return stored
+
+    def _release_claims(self, indices: list[int]) -> None:
+        mapped = self._mapped
+        if mapped is None:  # closed: the descriptor took every lock with it
+            self._flight().forget(indices)
+            return
+        self._flight().let_go(self._handle, mapped.slots, indices)
+
     @property
     def variable_region(self) -> VariableRegion | None:
         """How full the variable region is (``None`` without variable fields); see :class:`VariableRegion`."""
@@ -936,6 +1096,18 @@ class Cache:
 
 
 _INTP = np.dtype(np.intp)
+_FLIGHT_LOCK = threading.Lock()
+
+
+def _check_timeout(timeout: Any) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+        raise ValueError(
+            f"timeout must be a finite number of seconds >= 0 (0: never wait), not {timeout!r}; "
+            "every wait is bounded, so that a stuck loader cannot hang the others"
+        )
+    return float(timeout)
+
+
 _BEYOND = np.iinfo(np.intp).max
 
 

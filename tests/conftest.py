@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 SHM = Path("/dev/shm")
+_OWN_BASETEMP = pytest.StashKey[Path]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -20,6 +21,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="also run the long stress tests (marker: slow); MMAPCACHE_SLOW=1 does the same",
     )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest's numbered temporary directories are shared by every run of one user: a run that
+    # starts while another is going prunes the other's directory (its tests then fail with
+    # FileNotFoundError). Unless --basetemp is given, each run gets a directory of its own,
+    # removed when the run ends.
+    if config.option.basetemp is None:
+        root = Path(tempfile.gettempdir()) / f"pytest-of-{os.getuid()}"
+        root.mkdir(mode=0o700, exist_ok=True)
+        config.option.basetemp = str(root / f"run-{os.getpid()}")
+        config.stash[_OWN_BASETEMP] = Path(config.option.basetemp)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    own = config.stash.get(_OWN_BASETEMP, None)
+    if own is not None:
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -7,6 +7,9 @@ samples more per process (tests/test_pipelines.py tests them).
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
+import textwrap
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -19,6 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, 
 from torch_helpers import Recorded, accesses, as_collated, check_batch, same
 
 from mmapcache.torch import CachedDataset
+from mmapcache.torch._loader import Batched, WorkerBatch
 
 N = 50
 
@@ -136,16 +140,15 @@ def test_workers_fill_misses_and_the_main_process_gathers(context: str, cache_di
     assert (stats["total_hits"], stats["total_misses"]) == (1 + 30, 1 + (N - 1) + (N - 30))
 
 
-def test_a_deferred_batch_needs_the_process_that_made_the_loader(cache_dir: Path) -> None:
+def test_a_worker_batch_pickles_as_positions_and_the_main_process_gathers_it(cache_dir: Path) -> None:
     ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="deferred")
     ds.fill(progress=False)
-    loader = ds.loader(batch_size=4)
-    deferred = ds._batch_in_worker([1, 2], loader.dataset.token)  # type: ignore[attr-defined]
-    assert len(pickle.dumps(deferred)) < 600, "a worker sends indices, not data"
-    assert check_batch(pickle.loads(pickle.dumps(deferred))) == [1, 2]
-    deferred = ds._batch_in_worker([1, 2], "no-such-loader")
-    with pytest.raises(RuntimeError, match="did not create that loader"):
-        pickle.loads(pickle.dumps(deferred))
+    batched = ds.loader(batch_size=4).dataset
+    assert isinstance(batched, Batched)
+    sent = batched.in_worker([1, 2])
+    assert isinstance(sent, WorkerBatch)
+    assert len(pickle.dumps(sent)) < 600, "a worker sends positions, not data"
+    assert check_batch(batched.gather(pickle.loads(pickle.dumps(sent)))) == [1, 2]
 
 
 def test_samplers_and_dataloader_options_pass_through(cache_dir: Path) -> None:
@@ -194,32 +197,43 @@ def test_copy_false_and_subsets(cache_dir: Path) -> None:
 def test_negative_and_numpy_indices_read_like_ds_getitem(cache_dir: Path) -> None:
     ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="indices")
     ds.fill(progress=False)
-    assert check_batch(ds._read_batch([-1, np.int64(3), -N])) == [N - 1, 3, 0]
+    batched = ds.loader(batch_size=3).dataset
+    assert isinstance(batched, Batched)
+    assert check_batch(batched.batch([-1, np.int64(3), -N])) == [N - 1, 3, 0]
     with pytest.raises(IndexError):
-        ds._read_batch([N])
+        batched.batch([N])
     with pytest.raises(TypeError):
-        ds._read_batch([1.5])
+        batched.batch([1.5])
 
 
 # -- the default path: DataLoader(ds) with default_collate ------------------------------------
 
 
-def test_default_collate_returns_the_gathered_rows_without_a_second_copy(cache_dir: Path) -> None:
+def test_importing_mmapcache_torch_leaves_default_collate_alone() -> None:
+    script = textwrap.dedent(
+        """
+        from torch.utils.data._utils.collate import default_collate_fn_map
+        import torch
+        before = dict(default_collate_fn_map)
+        import mmapcache.torch
+        assert dict(default_collate_fn_map) == before, "torch's collation is not mmapcache's to change"
+        print("ok")
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert run.stdout.strip() == "ok", run.stderr
+
+
+def test_default_collate_stacks_samples_into_a_batch_of_their_own(cache_dir: Path) -> None:
     ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="default")
     ds.fill(progress=False)
     samples = ds.__getitems__([7, 3, 9])
     batch = default_collate(samples)
     assert check_batch(batch) == [7, 3, 9]
-    assert batch[0].data_ptr() == samples[0][0].data_ptr(), "the batch is the rows __getitems__ gathered"
     assert batch[2]["bf16"].dtype == torch.bfloat16
-    assert batch[2]["bf16"].data_ptr() == samples[0][2]["bf16"].data_ptr()
-    # Rows out of order, or not all of them, are stacked as torch always does.
-    reordered = default_collate([samples[1], samples[0], samples[2]])
-    assert check_batch(reordered) == [3, 7, 9]
-    assert reordered[0].data_ptr() != samples[1][0].data_ptr()
-    assert check_batch(default_collate(samples[1:])) == [3, 9]
-    # A batch is still the caller's own: writing into it never reaches the cache.
+    # A batch is the caller's own: writing into it reaches neither the samples nor the cache.
     batch[0].zero_()
+    assert same(samples[0], as_collated(7))
     assert same(ds[7], as_collated(7))
 
 

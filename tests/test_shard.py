@@ -158,8 +158,28 @@ def test_bad_cached_indices_are_refused(tmp_path: Path) -> None:
         shard_dataset(tmp_path, [3, 20])
     with pytest.raises(TypeError, match="node_indices"):
         shard_dataset(tmp_path, ["a"])
-    with pytest.raises(ValueError, match="empty"):
-        shard_dataset(tmp_path, [])
+
+
+def test_an_empty_shard_reads_every_sample_uncached_and_makes_no_file(tmp_path: Path) -> None:
+    """With fewer samples than nodes a node's shard is empty; its ranks still draw (and read) a sample each."""
+    sampler = NodeShardSampler(Recorded(20), num_nodes=25, node_rank=24, local_world_size=2, local_rank=1)
+    assert sampler.node_indices.tolist() == []
+    ds, log = shard_dataset(tmp_path, sampler.node_indices)
+    assert len(ds) == 20
+    assert same(ds[7], as_collated(7))
+    assert all(same(got, as_collated(i)) for got, i in zip(ds.__getitems__([3, 0, 19]), [3, 0, 19], strict=True))
+    drawn = list(sampler)
+    assert len(drawn) == len(sampler) == 1
+    for workers in (0, 2):
+        plain = torch.utils.data.DataLoader(ds, batch_size=2, sampler=sampler, num_workers=workers)
+        assert [i for batch in plain for i in check_batch(batch)] == drawn
+        batched = ds.loader(batch_size=2, sampler=sampler, num_workers=workers)
+        assert [i for batch in batched for i in check_batch(batch)] == drawn
+    assert ds.fill(progress=False) == 0
+    with pytest.raises(ValueError, match="cached_indices empty"):
+        _ = ds.cache
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["accesses"], "no cache file"
+    assert [index for _, _, index in accesses(log)] == [7, 3, 0, 19] + drawn * 4, "every read went to the dataset"
 
 
 def test_pickled_shards_reopen_in_spawn_workers(tmp_path: Path) -> None:

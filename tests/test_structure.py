@@ -65,6 +65,8 @@ def test_names_rebuild_the_sample(sample: Any) -> None:
         assert name_of(parse_name(name)) == name, "a name parses back to itself"
     structure = Structure(by_name)
     assert structure.flatten(sample, is_leaf, supported=SUPPORTED) == list(by_name.values())
+    candidates = structure.candidates(sample)
+    assert candidates is None or candidates == list(by_name.values()), "the fast path finds the same leaves"
     (rebuilt,) = structure.build([[leaf] for leaf in by_name.values()])
     assert tagged(rebuilt) == tagged(sample)
     # Columns of several samples build several samples.

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import mmapcache
 from mmapcache import Cache, Field
-from mmapcache._testing_compare import difference
+from mmapcache._compare import difference
 from mmapcache.testing import check_concurrent_access, fields, samples
 from mmapcache.torch import CachedDataset
 

@@ -573,7 +573,7 @@ def test_core_imports_without_torch(cache_dir: Path) -> None:
                 raise AssertionError("float32 values went into a bfloat16 field without torch")
             assert 0 not in cache
         assert "mmapcache.torch" not in sys.modules
-        assert "mmapcache._torch_values" not in sys.modules
+        assert "mmapcache._tensors" not in sys.modules
         print("ok")
         """
     )
@@ -582,7 +582,7 @@ def test_core_imports_without_torch(cache_dir: Path) -> None:
 
 
 def test_core_put_of_a_tensor_leaves_the_torch_layer_unimported(cache_dir: Path) -> None:
-    """A tensor put into a core Cache loads only the torch value conversions, not mmapcache.torch."""
+    """A tensor put into a core Cache loads only the core's tensor conversions, not mmapcache.torch."""
     script = textwrap.dedent(
         f"""
         import sys
@@ -599,7 +599,7 @@ def test_core_put_of_a_tensor_leaves_the_torch_layer_unimported(cache_dir: Path)
                 assert torch.equal(torch.from_numpy(got["x"]), x)
                 assert torch.equal(torch.from_numpy(got["bf16"]).view(torch.bfloat16), half)
         new = sorted(set(sys.modules) - before)
-        assert new == ["mmapcache._torch_values"], new
+        assert new == ["mmapcache._tensors"], new
         assert "mmapcache.torch" not in sys.modules
         print("ok")
         """

@@ -263,3 +263,49 @@ def test_spawned_workers_receive_the_stream_without_data_and_fill_the_same_file(
     assert sorted(_labels(loader)) == list(range(40))  # the second epoch from the file
     stats = ds.stats()
     assert (stats["complete"], stats["stored"], stats["partitioning"]) == (True, 40, [1, 2])
+
+
+def test_cached_dataset_refuses_a_stream_and_names_cached_stream(tmp_path: Path) -> None:
+    from mmapcache.torch import CachedDataset
+
+    with pytest.raises(TypeError, match=r"IterableDataset \(a stream\).*CachedStream"):
+        CachedDataset(Numbers(10), tmp_path / "a.mmc", key="k")
+
+    class OnlyLength:
+        def __len__(self) -> int:
+            return 3
+
+    with pytest.raises(TypeError, match=r"got OnlyLength\. A stream.*CachedStream"):
+        CachedDataset(OnlyLength(), tmp_path / "b.mmc", key="k")
+
+
+def test_cached_dataset_over_a_getitem_that_raises_not_implemented_names_cached_stream(tmp_path: Path) -> None:
+    from mmapcache.torch import CachedDataset
+
+    class Streaming(torch.utils.data.Dataset[Any]):  # map-style by its methods, a stream in fact
+        def __len__(self) -> int:
+            return 5
+
+        def __getitem__(self, index: int) -> Any:
+            raise NotImplementedError
+
+        def __iter__(self) -> Any:
+            return iter(range(5))
+
+    ds = CachedDataset(Streaming(), tmp_path / "c.mmc", key="k")
+    with pytest.raises(TypeError, match="CachedStream") as info:
+        ds[0]
+    assert "CachedStream" in str(info.value)
+    assert "raised NotImplementedError" in str(info.value)
+
+
+def test_a_webdataset_pipeline_with_a_length_is_refused_by_cached_dataset_with_what_to_use(tmp_path: Path) -> None:
+    wds = pytest.importorskip("webdataset")
+    from mmapcache.torch import CachedDataset
+
+    shard = str(tmp_path / "s.tar")
+    with wds.TarWriter(shard) as writer:
+        writer.write({"__key__": "0", "txt": "a", "cls": 0})
+    pipeline = wds.WebDataset([shard], shardshuffle=False).decode().to_tuple("txt", "cls").with_length(1)
+    with pytest.raises(TypeError, match="CachedStream"):
+        CachedDataset(pipeline, tmp_path / "w.mmc", key="k")

@@ -34,6 +34,7 @@ from torch_helpers import (
 
 from mmapcache import Field, SchemaMismatchError
 from mmapcache.torch import CachedDataset, Padded, pad_collate
+from mmapcache.torch._loader import Batched
 
 N = 60
 BUDGET = "1MiB"
@@ -276,14 +277,17 @@ def _tensors(value: Any) -> Any:
     return value
 
 
-def test_a_deferred_worker_batch_is_not_used_for_variable_fields(cache_dir: Path) -> None:
-    """Variable leaves are collated by torch in the worker, as DataLoader(ds) does: no Deferred batch."""
+def test_a_worker_batch_is_not_used_for_variable_fields(cache_dir: Path) -> None:
+    """Variable leaves are collated by torch in the worker, as DataLoader(ds) does: no WorkerBatch."""
     ds = token_cache(cache_dir / "c.mmc")
     ds.fill(progress=False)
     loader = ds.loader(batch_size=4, collate_fn=pad_tokens)
-    batch = ds._batch_in_worker([3, 4], loader.dataset.token)  # type: ignore[attr-defined]
+    assert isinstance(loader.dataset, Batched)
+    batch = loader.dataset.in_worker([3, 4])
+    collated = ds.loader(batch_size=4).dataset
+    assert isinstance(collated, Batched)
     with pytest.raises(RuntimeError, match="stack expects"):
-        ds._batch_in_worker([0, 1, 2, 3], ds.loader(batch_size=4).dataset.token)  # type: ignore[attr-defined]
+        collated.in_worker([0, 1, 2, 3])
     assert isinstance(batch, list)
     assert same(batch[1], torch.tensor([3, 4]))
 

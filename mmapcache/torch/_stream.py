@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -20,9 +21,9 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from ._errors import SchemaMismatchError
-from ._field import Field, FieldsLike
-from ._stream import (
+from .._errors import SchemaMismatchError
+from .._field import Field, FieldsLike
+from .._stream import (
     Partition,
     PartitionWriter,
     StreamPlan,
@@ -36,28 +37,10 @@ from ._stream import (
     stream_status,
     usable,
 )
-from ._structure import name_leaves
-from ._torch_values import (
-    SUPPORTED,
-    LeafShapeError,
-    check_leaf,
-    convert_leaf,
-    is_leaf,
-    leaf_hint,
-    tensor_to_numpy,
-)
-from ._values import coerce_value
-from .cache import Cache
-from .torch import (
-    _declaration,
-    _declared_fields,
-    _default_path,
-    _describe,
-    _Schema,
-    _storage_dtypes,
-    _text_or_leaf,
-    infer_fields,
-)
+from ..cache import Cache
+from ._columns import ShapeVariesError, columns
+from ._schema import Schema, declaration, declared_fields, describe, first_fields, storage_dtypes
+from ._settings import _default_path
 
 __all__ = ["CachedStream"]
 
@@ -146,8 +129,8 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
             raise TypeError(f"seed must be an int, not {type(seed).__name__}")
         self.stream = stream
         self.key = key
-        self.fields = None if fields is None else _declared_fields(fields)
-        self.dtypes = None if dtypes is None else _storage_dtypes(dtypes)
+        self.fields = None if fields is None else declared_fields(fields)
+        self.dtypes = None if dtypes is None else storage_dtypes(dtypes)
         self.max_bytes = max_bytes
         self.shuffle = bool(shuffle)
         self.seed = seed
@@ -158,7 +141,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
 
     def _init_process_state(self) -> None:
         self._cache: Cache | None = None
-        self._schema: _Schema | None = None
+        self._schema: Schema | None = None
         self._lock = threading.Lock()
         self._read = self._streamed = self._written = 0
         self._passes = 0  # iterations of this object in this process (see set_epoch)
@@ -207,14 +190,14 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         if self.fields is not None and cache.fields != self.fields and set(cache.fields) != set(self.fields):
             cache.close()
             raise SchemaMismatchError(
-                f"the stream cache at {self.path} (key {self.key!r}) holds fields {_describe(cache.fields)}, but "
-                f"fields= declares {_describe(self.fields)}: change the key for the new data, or remove the old "
+                f"the stream cache at {self.path} (key {self.key!r}) holds fields {describe(cache.fields)}, but "
+                f"fields= declares {describe(self.fields)}: change the key for the new data, or remove the old "
                 f"cache (`mmapcache rm {self.path}`)",
                 path=self.path,
                 differences={"fields": (self.fields, cache.fields)},
             )
         self._cache = cache
-        self._schema = _Schema(cache.fields, self.path)
+        self._schema = Schema(cache.fields, self.path)
 
     # -- iterating -----------------------------------------------------------------------
 
@@ -292,7 +275,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                 schema = self._schema
                 assert schema is not None
                 leaves = self._leaves(schema, element, count)
-                if writer.offer(count, dict(zip(schema.names, leaves, strict=True))):
+                if writer.offer(count, self._row(schema, leaves)):
                     self._written += 1
                 self._streamed += 1
                 yield self._build(schema, leaves)
@@ -308,10 +291,12 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
 
     def _plan(self, first: Any, index: int, partition: Partition) -> StreamPlan:
         fields = self._first_fields(first, index)
-        schema = _Schema(fields, self.path)
+        schema = Schema(fields, self.path)
         leaves = self._leaves(schema, first, index)
         value_bytes = sum(
-            -(-leaf.nbytes // 16) * 16 for leaf, field in zip(leaves, fields.values(), strict=True) if field.variable
+            -(-column[0].nbytes // 16) * 16
+            for column, field in zip(leaves, fields.values(), strict=True)
+            if field.variable
         )
         try:
             length: int | None = len(self.stream)  # type: ignore[arg-type]
@@ -326,64 +311,37 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         )
 
     def _first_fields(self, sample: Any, index: int) -> dict[str, Field]:
-        """The fields to create the file with: ``fields=`` in the element's order (dict keys keep it), or its own."""
-        if self.fields is not None:
-            order = name_leaves(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
-            if set(order) != set(self.fields):
-                raise ValueError(
-                    f"stream element {index} has the fields {list(order)}, but fields= declares {list(self.fields)} "
-                    "(named by their place in the sample: see mmapcache.torch)"
-                )
-            return {name: self.fields[name] for name in order}
-        fields = infer_fields(sample)
-        for name, dtype in (self.dtypes or {}).items():
-            if name not in fields:
-                raise ValueError(
-                    f"dtypes= names the field {name!r}, but element {index} has the fields {list(fields)} "
-                    "(named by their place in the sample: see mmapcache.torch)"
-                )
-            fields[name] = Field(fields[name].shape, dtype)
-        return fields
-
-    def _leaves(self, schema: _Schema, element: Any, index: int) -> list[Any]:
-        """``element``'s leaves as storage arrays, in field order (checked against the fields)."""
-        fields = list(schema.fields.items())
-        arrays: list[Any] = []
+        """The fields to create the file with: ``fields=`` in the element's order, or its own."""
         try:
-            for leaf, (name, field) in zip(schema.flatten(element), fields, strict=True):
-                if self.dtypes is not None and name in self.dtypes:
-                    leaf = convert_leaf(leaf, field, name)
-                if field.text is not None:
-                    arrays.append(coerce_value(_text_or_leaf(leaf), field, name))
-                elif isinstance(leaf, (torch.Tensor, np.ndarray, np.generic)):
-                    checked = check_leaf(leaf, field, name)
-                    arrays.append(checked if isinstance(checked, np.ndarray) else tensor_to_numpy(checked, field, name))
-                else:
-                    arrays.append(coerce_value(leaf, field, name))
-        except LeafShapeError as error:
-            if self.fields is not None:
-                raise ValueError(f"stream element {index}: {error}, which fields= declares") from None
+            return first_fields(sample, index, self.fields, self.dtypes)
+        except (TypeError, ValueError) as error:
+            raise type(error)(_as_element(str(error))) from None
+
+    def _leaves(self, schema: Schema, element: Any, index: int) -> list[Any]:
+        """``element`` as storage columns of one row, in field order (checked against the fields)."""
+        try:
+            return columns(schema, [index], [element], self.dtypes, declared=self.fields is not None)
+        except ShapeVariesError as varies:
+            error = varies.error
             raise ValueError(
                 f"stream element {index}: field {error.name!r} has shape {error.shape}, but the cache's field has "
                 f"the fixed shape {error.field.shape}: without fields=, every field keeps the shape of the first "
                 f"element. Declare the dimensions that vary as None: CachedStream(..., "
-                f"fields={_declaration(schema, [element])}, max_bytes=...), with Field from mmapcache; then use "
+                f"fields={declaration(schema, [element])}, max_bytes=...), with Field from mmapcache; then use "
                 f"a new key or remove the cache (`mmapcache rm {self.path}`)"
             ) from None
         except (TypeError, ValueError) as error:
-            raise type(error)(
-                f"stream element {index}: {error}. mmapcache caches samples of one structure and dtype per field "
-                f"({_describe(schema.fields)}); convert them in the stream before the cache"
-            ) from None
-        return arrays
+            raise type(error)(_as_element(str(error))) from None
 
     @staticmethod
-    def _build(schema: _Schema, leaves: list[Any]) -> Any:
-        """The element as a read from the cache returns it (fresh tensors; str/bytes for text)."""
-        # A writable array is the stream's own (or a fresh conversion): shared, not copied.
-        return schema.build(
-            [[schema.to_tensor(leaf if leaf.flags.writeable else leaf.copy(), k)] for k, leaf in enumerate(leaves)]
-        )[0]
+    def _build(schema: Schema, leaves: list[Any]) -> Any:
+        """The element as a read from the cache returns it (tensors sharing the fresh columns; str/bytes for text)."""
+        return schema.samples(leaves)[0]
+
+    @staticmethod
+    def _row(schema: Schema, leaves: list[Any]) -> dict[str, Any]:
+        """What ``Cache.put`` stores: each field's value of the one row."""
+        return {name: column[0] for name, column in zip(schema.names, leaves, strict=True)}
 
     # -- what it knows -------------------------------------------------------------------
 
@@ -454,4 +412,6 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         return f"CachedStream({type(self.stream).__name__}, path={str(self.path)!r}, key={self.key!r})"
 
 
-CachedStream.__module__ = "mmapcache.torch"  # pickles name the public module, whatever file the class lives in
+def _as_element(message: str) -> str:
+    """A message of the shared torch layer, which speaks of ``dataset[i]``, about a stream element."""
+    return re.sub(r"dataset\[(\d+)\]", r"stream element \1", message)

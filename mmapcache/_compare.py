@@ -1,8 +1,11 @@
-"""Exact comparison of a sample with the oracle's, and the words for how they differ.
+"""Exact comparison of two samples, and the words for how they differ.
 
-Used by the worker processes of :mod:`mmapcache.testing`; imports neither
-Hypothesis nor torch (a torch tensor is recognised by its type's module, and
-torch is already imported wherever one exists).
+:class:`~mmapcache.torch.CachedDataset` compares cached samples with fresh
+ones (stale caches, datasets that are not deterministic) with it, and the
+worker processes of :mod:`mmapcache.testing` compare samples with the
+oracle's. It imports neither Hypothesis nor torch (a torch tensor is
+recognised by its type's module, and torch is already imported wherever one
+exists).
 
 Leaves are compared *exactly*: the same shape, the same element type and the
 same bytes (so ``-0.0`` differs from ``0.0`` and a NaN equals only the same

@@ -1,135 +1,49 @@
-"""torch values <-> storage arrays: everything mmapcache knows about torch's types, in one leaf module.
+"""The leaves of a sample: what may be one, the field it makes, and ONE rule for whether it fits a field.
 
-It imports torch, numpy and :mod:`mmapcache._field` only — never the core's
-higher layers (``cache.py``, ``_values.py``) nor :mod:`mmapcache.torch`, so
-the dependency points one way (as ``safetensors.torch`` does). The core
-(:mod:`mmapcache._values`) imports it lazily, only when it meets a tensor or
-has to convert numbers into a dtype numpy lacks; it never imports torch
-itself. :mod:`mmapcache.torch` (``CachedDataset``) imports it for the same
-conversions and for its leaf policy.
-
-torch dtypes numpy lacks (bfloat16, complex32, the float8 family, ...) are
-stored as their raw bits in an unsigned integer of the same width
-(``Field.dtype``); a same-width unsigned array or tensor given for such a field
-*is* those bits, not numbers to convert.
+A leaf is a tensor, a numpy array or scalar, or a Python bool/int/float/str/
+bytes (:func:`is_leaf`). :func:`leaf_field` is the field a first sample's leaf
+makes; :func:`fit` is the only place that decides whether a leaf fits a field
+(tensors and arrays keep its dtype exactly and fit its shape; Python scalars
+and text follow the core's casting rules, :func:`mmapcache._values.coerce_value`);
+:func:`misfit` asks it for a whole sample without raising. :func:`write_column`
+and :func:`variable_column` then copy the fitted leaves of a batch once into
+storage arrays.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from ._field import Field
+from .._field import Field
+from .._structure import name_leaves
+from .._tensors import BITS, as_tensor, torch_dtype
+from .._values import coerce_value
 
 __all__ = [
     "SUPPORTED",
     "LeafShapeError",
-    "as_tensor",
     "as_text",
     "check_declared",
-    "check_leaf",
     "convert_leaf",
+    "fit",
     "is_leaf",
-    "is_raw_bits",
     "leaf_field",
     "leaf_hint",
     "leaf_shape",
-    "tensor_to_numpy",
-    "torch_dtype",
-    "value_to_numpy",
+    "misfit",
     "variable_column",
     "write_column",
 ]
-
-# The unsigned torch dtype that holds the raw bits of an element of this many bytes.
-_BITS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 
 SUPPORTED = (
     "a torch.Tensor, a numpy array or scalar, a Python bool/int/float/str/bytes, "
     "or a tuple/list/dict of those (nested at most one level)"
 )
-
-
-@functools.cache
-def torch_dtype(field: Field) -> torch.dtype:
-    """The torch dtype of ``field``'s values (``torch.bfloat16`` for a field stored as uint16 bits)."""
-    if field.torch_dtype is not None:
-        dtype = getattr(torch, field.torch_dtype)
-        assert isinstance(dtype, torch.dtype)
-        return dtype
-    return torch.from_numpy(np.empty(0, field.dtype.newbyteorder("="))).dtype
-
-
-def as_tensor(array: np.ndarray[Any, Any], field: Field) -> torch.Tensor:
-    """A storage array of ``field`` as a tensor of the field's torch dtype, sharing memory."""
-    tensor = torch.from_numpy(array)
-    return tensor if field.torch_dtype is None else tensor.view(torch_dtype(field))
-
-
-def is_raw_bits(dtype: torch.dtype, field: Field) -> bool:
-    """Whether tensors of ``dtype`` are the raw bits of a torch-only ``field`` (same-width unsigned).
-
-    The same rule as ``mmapcache._values`` applies to numpy arrays, without torch.
-    """
-    return field.torch_dtype is not None and dtype in _BITS.values() and dtype.itemsize == field.dtype.itemsize
-
-
-# -- the core's put: any tensor or number, cast within its kind --------------------------
-
-
-def tensor_to_numpy(value: torch.Tensor, field: Field, name: str) -> np.ndarray[Any, Any]:
-    """``value`` (a tensor) as a numpy array for ``field``, without copying when it can.
-
-    A dtype numpy knows comes back as is, for :func:`mmapcache._values.cast`
-    to apply the core's casting rules. For a torch-only field (or a tensor
-    dtype numpy lacks) the tensor is cast by torch's rules (within its kind)
-    and its raw bits come back in ``field.dtype``.
-    """
-    tensor = value.detach()
-    if tensor.is_quantized:
-        raise TypeError(f"field {name!r}: quantized tensors cannot be cached; dequantize them first")
-    if tensor.layout != torch.strided or tensor.is_nested:
-        raise TypeError(f"field {name!r}: {tensor.layout} tensors cannot be cached; convert them to dense tensors")
-    tensor = tensor.cpu().resolve_conj().resolve_neg()
-    if is_raw_bits(tensor.dtype, field):
-        return tensor.numpy()
-    if field.torch_dtype is None and _numpy_knows(tensor.dtype):
-        return tensor.numpy()
-    target = torch_dtype(field)
-    if tensor.dtype != target:
-        if not torch.can_cast(tensor.dtype, target):
-            raise TypeError(
-                f"field {name!r}: cannot store {tensor.dtype} values in a {field.dtype_name} field "
-                f"(only casts within the same kind are allowed); convert them to {target} first"
-            )
-        tensor = tensor.to(target)
-    if field.torch_dtype is None:
-        return tensor.numpy()
-    return tensor.view(_BITS[field.dtype.itemsize]).numpy()
-
-
-def value_to_numpy(value: Any, field: Field, name: str) -> np.ndarray[Any, Any]:
-    """Numbers (an array, scalar or list) for a torch-only ``field``, converted by torch into its raw bits."""
-    array = np.asarray(value)
-    if array.dtype.hasobject or array.dtype.kind not in "biufc":
-        raise TypeError(f"field {name!r}: cannot store {type(value).__name__} in a {field.dtype_name} field")
-    native = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("="), copy=False))
-    return tensor_to_numpy(torch.from_numpy(native), field, name)
-
-
-@functools.cache
-def _numpy_knows(dtype: torch.dtype) -> bool:
-    try:
-        torch.empty(0, dtype=dtype).numpy()
-    except TypeError:
-        return False
-    return True
-
-
-# -- CachedDataset's leaves: what a sample may hold, and one dtype policy on a miss -------
 
 
 def is_leaf(value: Any) -> bool:
@@ -248,14 +162,55 @@ def check_declared(field: Field, name: str) -> None:
         raise TypeError(f"field {name!r}: dtype {field.dtype_name} has no torch equivalent; supported: {SUPPORTED}")
 
 
-def check_leaf(leaf: torch.Tensor | np.ndarray[Any, Any] | np.generic, field: Field, name: str) -> Any:
-    """A tensor or array leaf, checked against ``field``: ready for :func:`write_column` / :func:`variable_column`.
+def fit(leaf: Any, field: Field, name: str) -> Any:
+    """``leaf`` checked against ``field``: ready for :func:`write_column` / :func:`variable_column`.
 
     Tensors and arrays must keep the field's dtype exactly — a silent cast
     would change the data — and fit its shape (a ``None`` dimension takes any
-    size; a mismatch raises :class:`LeafShapeError`). (Python scalars are not
-    checked here: they follow the core's casting rules, ``mmapcache._values``.)
+    size; a mismatch raises :class:`LeafShapeError`). Text and Python scalars
+    follow the core's casting rules (:func:`mmapcache._values.coerce_value`).
+    TypeError/ValueError naming the field otherwise.
     """
+    if field.text is not None:
+        text = as_text(leaf)
+        return coerce_value(leaf if text is None else text, field, name)
+    if isinstance(leaf, (torch.Tensor, np.ndarray, np.generic)):
+        return _exact(leaf, field, name)
+    return coerce_value(leaf, field, name)
+
+
+def misfit(sample: Any, fields: Mapping[str, Field]) -> tuple[type[Exception], str] | None:
+    """Why ``sample`` does not fit ``fields`` (an error type and a message naming the field), or None.
+
+    The names of its leaves must be the fields' (in any order), and each leaf must :func:`fit` its field.
+    """
+    try:
+        leaves = name_leaves(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
+    except (TypeError, ValueError) as error:
+        return type(error), str(error)
+    if list(leaves) != list(fields) and set(leaves) != set(fields):
+        missing = [name for name in fields if name not in leaves]
+        extra = [name for name in leaves if name not in fields]
+        parts = []
+        if missing:
+            parts.append(f"the sample has no {', '.join(map(repr, missing))}")
+        if extra:
+            parts.append(f"no field is given for {', '.join(map(repr, extra))}")
+        return ValueError, (
+            f"the sample's leaves are {list(leaves)} (named by their place in it, see mmapcache.torch), "
+            f"the fields {list(fields)}: {'; '.join(parts)}"
+        )
+    for name, leaf in leaves.items():
+        try:
+            fit(leaf, fields[name], name)
+        except LeafShapeError as error:
+            return ValueError, str(error)
+        except (TypeError, ValueError) as error:
+            return type(error), str(error)
+    return None
+
+
+def _exact(leaf: torch.Tensor | np.ndarray[Any, Any] | np.generic, field: Field, name: str) -> Any:
     if isinstance(leaf, torch.Tensor):
         if leaf.dtype != torch_dtype(field):
             _wrong_dtype(str(leaf.dtype).removeprefix("torch."), field.dtype_name, name)
@@ -294,7 +249,7 @@ def write_column(leaves: list[Any], field: Field) -> np.ndarray[Any, Any]:
     if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
         torch.stack(leaves, out=as_tensor(out, field))
         return out
-    bits = _BITS[field.dtype.itemsize] if field.torch_dtype is not None else None
+    bits = BITS[field.dtype.itemsize] if field.torch_dtype is not None else None
     arrays = [_storage(leaf, bits) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     np.stack(arrays, out=out)
     return out
@@ -306,7 +261,7 @@ def variable_column(leaves: list[Any], field: Field) -> list[np.ndarray[Any, Any
     ``put_many`` takes the list as is (one array per row); the copies are
     also what the miss hands back, so it never shares memory with the dataset.
     """
-    bits = _BITS[field.dtype.itemsize] if field.torch_dtype is not None else None
+    bits = BITS[field.dtype.itemsize] if field.torch_dtype is not None else None
     return [
         np.array(_storage(leaf, bits) if isinstance(leaf, torch.Tensor) else leaf, dtype=field.dtype, order="C")
         for leaf in leaves

@@ -1,0 +1,233 @@
+"""Concurrent jobs with the same order: loads and first-epoch wall time, with and without single flight.
+
+Two jobs (separate processes) each start two loader processes, as DataLoader
+workers, that open one cache by path. Both jobs read the same ``n`` samples in
+the same (shuffled) order, in batches; loader ``k`` of a job takes batches
+``k, k + 2, ...``. A sample costs ``--delay`` seconds to load (a sleep, like a
+fetch or a decode waiting on I/O; ``--load cpu`` spins instead). Every loader
+starts at the same instant, once all four have opened the cache. Two ways of filling the misses, in interleaved
+rounds, each round on fresh caches:
+
+* **put** (the behaviour before single flight): ``read_many``, load every miss,
+  ``put_many`` — a process that misses a sample another one is loading loads
+  it too, and its put returns False;
+* **get_or_load_many**: each missing sample is held before it is loaded, and a
+  process that finds it held waits for it instead (``Cache.get_or_load_many``).
+
+Reported: the loads summed over all four loaders (target: exactly ``n`` with
+single flight, about ``2 n`` without), each job's first-epoch wall time, and
+the ratio single flight / put of the slower job's wall time (median of
+per-round ratios; target <= 0.6). Every sample read is checked.
+
+``python benchmarks/bench_singleflight.py [--quick] [--n 2000] [--delay 0.005]``
+Results go to ``benchmarks/results/bench_singleflight[-quick].json``.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _common import bench_parser, machine_info, rotated, table, write_results
+
+from mmapcache import Cache, Field
+
+SPAWN = multiprocessing.get_context("spawn")
+JOBS = 2
+LOADERS = 2  # per job
+SHAPE = (3, 64, 64)  # 12 KB uint8 samples
+VARIANTS = ("put", "get_or_load_many")
+
+
+def sample(index: int) -> np.ndarray[Any, Any]:
+    return np.full(SHAPE, index % 251, np.uint8)
+
+
+def make_load(delay: float, kind: str, counter: list[int]) -> Any:
+    def load(indices: list[int]) -> dict[str, Any]:
+        for _ in indices:
+            if kind == "sleep":
+                time.sleep(delay)
+            else:
+                end = time.thread_time() + delay
+                while time.thread_time() < end:
+                    pass
+        counter[0] += len(indices)
+        return {"image": np.stack([sample(i) for i in indices])}
+
+    return load
+
+
+def loader(path: str, variant: str, batches: list[list[int]], go: str, args: dict[str, Any], out: str) -> None:
+    """One loader process: its batches, in order, through ``variant``; writes its report to ``out``."""
+    counter = [0]
+    load = make_load(args["delay"], args["load"], counter)
+    wrong = 0
+    with Cache.open(path) as cache:
+        Path(f"{out}.ready").touch()
+        flag, deadline = Path(go), time.monotonic() + 300
+        while not flag.exists():  # every loader starts at the same instant, once all of them are up
+            if time.monotonic() > deadline:
+                raise SystemExit("no start signal within 300 s: the benchmark went away")
+            time.sleep(0.0005)
+        for batch in batches:
+            if variant == "put":
+                got, hits = cache.read_many(batch)
+                if not hits.all():
+                    missing = [i for i, hit in zip(batch, hits.tolist(), strict=True) if not hit]
+                    loaded = load(missing)
+                    cache.put_many(missing, loaded)
+                    got["image"][~hits] = loaded["image"]
+            else:
+                got, _ = cache.get_or_load_many(batch, load)
+            wrong += sum(int(got["image"][row, 0, 0, 0]) != i % 251 for row, i in enumerate(batch))
+        finished = time.time()
+    Path(out).write_text(json.dumps({"loads": counter[0], "finished": finished, "wrong": wrong}))
+
+
+def job(path: str, variant: str, batches: list[list[int]], go: str, args: dict[str, Any], out: str) -> None:
+    """One job: starts its loaders, each with every ``LOADERS``-th batch, and waits for them."""
+    procs = [
+        SPAWN.Process(target=loader, args=(path, variant, batches[k::LOADERS], go, args, f"{out}.{k}"))
+        for k in range(LOADERS)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+    reports = [json.loads(Path(f"{out}.{k}").read_text()) for k in range(LOADERS)]
+    codes = [proc.exitcode for proc in procs]
+    Path(out).write_text(json.dumps({"loaders": reports, "exitcodes": codes}))
+
+
+def run_variant(directory: Path, variant: str, r: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Both jobs through one variant on a fresh cache; loads and each job's epoch seconds."""
+    n, batch = args["n"], args["batch"]
+    path = directory / f"{variant}-{r}.mmc"
+    Cache.open(path, {"image": Field(SHAPE, "uint8")}, n).close()
+    order = np.random.default_rng(r).permutation(n).tolist()
+    batches = [order[s : s + batch] for s in range(0, n, batch)]
+    go = directory / f"{variant}-{r}.go"
+    outs = [str(directory / f"{variant}-{r}-job{j}.json") for j in range(JOBS)]
+    procs = [SPAWN.Process(target=job, args=(str(path), variant, batches, str(go), args, outs[j])) for j in range(JOBS)]
+    try:
+        return _finish(procs, variant, path, outs, go)
+    finally:
+        for proc in procs:  # interrupted, or a loader failed: no process outlives the round
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _finish(procs: list[Any], variant: str, path: Path, outs: list[str], go: Path) -> dict[str, Any]:
+    """Start the jobs, give the signal once every loader is up, wait for them; what they report."""
+    for proc in procs:
+        proc.start()
+    ready = [Path(f"{out}.{k}.ready") for out in outs for k in range(LOADERS)]
+    while not all(flag.exists() for flag in ready):
+        if any(proc.exitcode not in (None, 0) for proc in procs):
+            raise RuntimeError(f"a job of {variant} failed before it started")
+        time.sleep(0.001)
+    start_at = time.time()
+    go.touch()
+    for proc in procs:
+        proc.join()
+    jobs = [json.loads(Path(out).read_text()) for out in outs]
+    if any(proc.exitcode for proc in procs) or any(code for j in jobs for code in j["exitcodes"]):
+        raise RuntimeError(f"a job or loader of {variant} failed: {jobs}")
+    with Cache.open(path) as cache:
+        filled, written = cache.filled, cache.usage().total.written
+    path.unlink()
+    seconds = [max(report["finished"] for report in j["loaders"]) - start_at for j in jobs]
+    return {
+        "loads": sum(report["loads"] for j in jobs for report in j["loaders"]),
+        "wrong": sum(report["wrong"] for j in jobs for report in j["loaders"]),
+        "job_seconds": seconds,
+        "seconds": max(seconds),
+        "filled": filled,
+        "written": written,
+    }
+
+
+def main() -> None:
+    parser = bench_parser(__doc__, quick="200 samples of 2 ms, 1 round (< 30 s)", rounds=(3, 1))
+    parser.add_argument("--n", type=int, help="samples (default 2000, quick 200)")
+    parser.add_argument("--delay", type=float, help="seconds to load one sample (default 0.005, quick 0.002)")
+    parser.add_argument("--batch", type=int, default=32, help="samples per batch (default 32)")
+    parser.add_argument("--load", choices=("sleep", "cpu"), default="sleep", help="what a load does (default sleep)")
+    args = parser.parse_args()
+    quick: bool = args.quick
+    rounds = args.rounds or (1 if quick else 3)
+    settings = {
+        "n": args.n or (200 if quick else 2000),
+        "delay": args.delay or (0.002 if quick else 0.005),
+        "batch": args.batch,
+        "load": args.load,
+    }
+    info = machine_info()
+    print(f"machine: {info['cpu']}, {info['cores']} cores, kernel {info['kernel']}")
+    print(
+        f"{JOBS} jobs x {LOADERS} loader processes, {settings['n']} samples of {settings['delay'] * 1e3:g} ms "
+        f"({settings['load']}), batches of {settings['batch']}, same order; {rounds} interleaved rounds"
+    )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERM runs the cleanup below too
+    directory = Path(tempfile.mkdtemp(prefix="mmapcache-bench-", dir=args.dir))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+    try:
+        for r in range(rounds):
+            for name in rotated(VARIANTS, r):
+                runs[name].append(run_variant(directory, name, r, settings))
+                got = runs[name][-1]
+                print(
+                    f"  round {r} {name:17s} loads {got['loads']:5d}  jobs "
+                    f"{', '.join(f'{t:.2f}' for t in got['job_seconds'])} s"
+                )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    ratios = [f["seconds"] / p["seconds"] for p, f in zip(runs["put"], runs["get_or_load_many"], strict=True)]
+    summary = {
+        name: {
+            "loads": statistics.median(run["loads"] for run in runs[name]),
+            "seconds": statistics.median(run["seconds"] for run in runs[name]),
+            "wrong": sum(run["wrong"] for run in runs[name]),
+            "written": statistics.median(run["written"] for run in runs[name]),
+        }
+        for name in VARIANTS
+    }
+    ratio = statistics.median(ratios)
+    rows = [
+        [name, summary[name]["loads"], f"{summary[name]['seconds']:.2f}", summary[name]["written"]] for name in VARIANTS
+    ]
+    print(table(["variant", "loads (all loaders)", "slower job's epoch, s", "slots written"], rows))
+    print(f"single flight / put, slower job's first epoch: {ratio:.2f}x (target <= 0.6); per round {ratios}")
+    wrong = sum(s["wrong"] for s in summary.values())
+    if wrong:
+        raise SystemExit(f"{wrong} samples read back wrong")
+    write_results(
+        "bench_singleflight",
+        {
+            "machine": info,
+            "quick": quick,
+            "rounds": rounds,
+            "settings": settings,
+            "summary": summary,
+            "ratio": ratio,
+            "ratios": ratios,
+            "runs": runs,
+        },
+        quick=quick,
+        path=args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()

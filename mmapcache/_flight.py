@@ -1,0 +1,444 @@
+"""Single flight: each sample is loaded once per node, however many processes miss it together.
+
+A process that misses a slot **holds** it before loading its sample: the kernel
+record lock on the slot's state byte that every fill takes (``_slots.py``),
+taken *before* the load instead of just before the copy. Another process that
+misses the same slot finds it held and waits for it to become READY instead of
+loading it too. The rules, and why they are enough:
+
+1. **Hold without waiting, load, store, let go.** Holds are taken with a
+   non-blocking lock, a few slots at a time (about ``CHUNK_SECONDS`` of loading),
+   just before those slots are loaded; each is let go the moment its sample is
+   published, or when the load raises. Two processes walking the same batch
+   therefore share it: each holds the next free slots while the other loads.
+2. **Never wait while holding.** A thread waits only once it holds no slot
+   (:meth:`Flight.wait` refuses otherwise). Every held slot thus belongs to a
+   thread that is loading, not waiting; a load that ends lets its slots go, so
+   no cycle of waits can form: two processes holding overlapping batches in
+   opposite orders cannot deadlock.
+3. **Every wait is bounded.** A waiter polls the state byte (READY: read it)
+   and the lock (free but not READY: the holder died — the kernel dropped its
+   lock — or its load failed; the waiter now holds the slot and loads it
+   itself). Past its deadline it stops waiting and loads the sample itself;
+   the fill then stores it only if the slot is still free, so nothing is
+   stored twice and nothing hangs.
+4. **Wait only when it pays.** A process measures its mean load time per
+   sample; when that is below ``CHEAP_LOAD`` seconds, loading again costs
+   less than waiting, and a held slot is loaded again rather than waited for.
+
+Threads of one process share a handle's open file description, and with it
+every lock: the kernel cannot tell them apart. A :class:`Flight` therefore
+also records which thread holds which slot, and a thread that finds a slot
+held by another thread of its process waits for it like for another process.
+
+A forked child inherits the parent's description *and* this record; the
+parent's holds stay the parent's. The child starts with an empty record (its
+handle reopened its descriptor, see ``_handle.py``), and a :class:`Claims`
+taken in the parent refuses to store in the child.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._slots import READY, SlotTable
+from ._values import coerce_batch
+from ._variable import text_value
+
+if TYPE_CHECKING:
+    from ._handle import Handle
+    from .cache import Cache
+
+__all__ = [
+    "CHEAP_LOAD",
+    "CHUNK_SECONDS",
+    "HELD_HERE",
+    "READY_NOW",
+    "TIMED_OUT",
+    "WAIT_TIMEOUT",
+    "Claims",
+    "Flight",
+    "as_batch",
+    "get_or_load_many",
+]
+
+WAIT_TIMEOUT = 10.0  # seconds a call waits at most for samples other processes are loading
+CHEAP_LOAD = 0.0005  # a mean load below this (seconds per sample) is repeated rather than waited for
+CHUNK_SECONDS = 0.01  # slots held together: about this much loading, so that concurrent loaders share a batch
+
+READY_NOW, HELD_HERE, TIMED_OUT = range(3)  # what a wait for one slot ended with
+
+_FIRST_POLL = 50e-6
+_MAX_POLL = 0.005
+
+
+class Flight:
+    """One handle's holds in this process: which thread holds which slot, and its mean load time."""
+
+    __slots__ = ("_lock", "_owners", "_pid", "_samples", "_seconds", "_threads")
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._owners: dict[int, int] = {}  # slot -> the thread holding it
+        self._threads: dict[int, int] = {}  # thread -> how many slots it holds
+        self._seconds = 0.0
+        self._samples = 0
+
+    def _here(self) -> threading.Lock:
+        """The record lock; after a fork, the record emptied first (the parent's holds are not ours)."""
+        if self._pid != os.getpid():
+            # The parent's lock may have been held by a thread that does not exist here.
+            self._lock = threading.Lock()
+            self._owners, self._threads, self._pid = {}, {}, os.getpid()
+        return self._lock
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    # -- holding ------------------------------------------------------------------
+
+    def hold(self, handle: Handle, slots: SlotTable, index: int) -> bool:
+        """Hold slot ``index`` for this thread without waiting; False if it is READY or held elsewhere."""
+        me = threading.get_ident()
+        with self._here():
+            if index in self._owners:
+                return False
+            with handle.write_lock:
+                handle.check_usable(writing=True)
+                if not slots.hold(index):
+                    return False
+            self._owners[index] = me
+            self._threads[me] = self._threads.get(me, 0) + 1
+        return True
+
+    def let_go(self, handle: Handle, slots: SlotTable, indices: Iterable[int], *, filled: bool = False) -> None:
+        """Forget this thread's holds of ``indices``, releasing their locks unless a fill released them."""
+        me = threading.get_ident()
+        with self._here():
+            mine = [i for i in indices if self._owners.get(i) == me]
+            if not mine:
+                return
+            if not filled:
+                with handle.write_lock:
+                    if handle.fd >= 0:  # closed: the kernel released every lock with the descriptor
+                        for i in mine:
+                            slots.release(i)
+            for i in mine:
+                del self._owners[i]
+            left = self._threads[me] - len(mine)
+            if left:
+                self._threads[me] = left
+            else:
+                del self._threads[me]
+
+    def forget(self, indices: Iterable[int]) -> None:
+        """Forget this thread's holds of ``indices`` whose locks are gone already (a closed descriptor)."""
+        me = threading.get_ident()
+        with self._here():
+            for i in indices:
+                if self._owners.get(i) == me:
+                    del self._owners[i]
+                    self._threads[me] -= 1
+            if not self._threads.get(me, 1):
+                del self._threads[me]
+
+    def holding(self) -> int:
+        """How many slots the calling thread holds."""
+        with self._here():
+            return self._threads.get(threading.get_ident(), 0)
+
+    def held_by_me(self, index: int) -> bool:
+        with self._here():
+            return self._owners.get(index) == threading.get_ident()
+
+    def held_here(self, index: int) -> bool:
+        """Whether a thread of this process holds slot ``index`` through this handle."""
+        with self._here():
+            return index in self._owners
+
+    # -- waiting ------------------------------------------------------------------
+
+    def wait(self, handle: Handle, slots: SlotTable, index: int, deadline: float) -> int:
+        """Wait for slot ``index`` until it is READY, or free (then hold it), or ``deadline`` passes.
+
+        Returns ``READY_NOW``, ``HELD_HERE`` (this thread now holds it: its
+        holder died or gave it up, load it) or ``TIMED_OUT``. Looks once even
+        when the deadline has passed.
+        """
+        held = self.holding()
+        if held:
+            raise RuntimeError(
+                f"this thread holds {held} slot(s) of {handle.path} and may not wait for another: store or "
+                "release them first (Claims.put_many, Claims.release). A process that waits while holding a "
+                "slot can deadlock with one that waits for that slot"
+            )
+        states = slots.state_bytes
+        delay = _FIRST_POLL
+        most = min(_MAX_POLL, max(0.0005, (self.mean_load_time() or 0.0) / 8))
+        while True:
+            if states[index] == READY:
+                return READY_NOW
+            if self.hold(handle, slots, index):
+                return HELD_HERE
+            now = time.monotonic()
+            if now >= deadline:
+                return TIMED_OUT
+            time.sleep(min(delay, deadline - now))
+            delay = min(delay * 2, most)
+
+    # -- the load-time meter ------------------------------------------------------
+
+    def timed(self, load: Callable[[list[int]], Any], indices: list[int]) -> Any:
+        """``load(indices)``, its time added to the mean load time."""
+        start = time.perf_counter()
+        result = load(indices)
+        seconds = time.perf_counter() - start
+        with self._here():
+            self._seconds += seconds
+            self._samples += len(indices)
+        return result
+
+    def mean_load_time(self) -> float | None:
+        """Seconds per sample of this handle's loads (in this process and, after a fork, its parent's)."""
+        return self._seconds / self._samples if self._samples else None
+
+    def worth_waiting(self) -> bool:
+        mean = self.mean_load_time()
+        return mean is None or mean >= CHEAP_LOAD
+
+    def chunk(self, left: int) -> int:
+        """How many slots to hold for the next load: about ``CHUNK_SECONDS`` of loading (1 before a measure)."""
+        mean = self.mean_load_time()
+        if mean is None:
+            return 1
+        return max(1, min(left, int(CHUNK_SECONDS / mean) if mean > 0 else left))
+
+
+class Claims:
+    """Slots this thread holds to load their samples: store them with :meth:`put_many`, or let them go.
+
+    Returned by :meth:`Cache.claim_many <mmapcache.Cache.claim_many>` and
+    :meth:`Cache.wait_for <mmapcache.Cache.wait_for>`. A context manager:
+    leaving the ``with`` block lets go of every slot not stored yet (also when
+    the load raised), so that a process waiting for one takes it over. A
+    process that dies lets go of its slots too (the kernel drops its locks).
+    Only the thread and process that took the claims may store them: in a
+    forked child, :meth:`put_many` raises and :meth:`release` does nothing
+    (the parent still holds them).
+    """
+
+    __slots__ = ("_cache", "_flight", "_pid", "_thread", "held", "indices")
+
+    def __init__(self, cache: Cache, flight: Flight, indices: Sequence[int], held: Sequence[int] = ()) -> None:
+        self._cache = cache
+        self._flight = flight
+        self._pid = os.getpid()
+        self._thread = threading.get_ident()
+        #: The slots held (each once, in the order asked for): load these, then :meth:`put_many` them.
+        self.indices: np.ndarray[Any, np.dtype[np.intp]] = np.asarray(indices, np.intp)
+        #: Slots among those asked for that another process or thread was loading (not held here).
+        self.held: np.ndarray[Any, np.dtype[np.intp]] = np.asarray(held, np.intp)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __repr__(self) -> str:
+        return f"<Claims of {len(self.indices)} slots of {str(self._cache.path)!r}, {len(self.held)} held elsewhere>"
+
+    def put_many(self, indices: Any, batch: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        """Store row ``k`` of ``batch`` at ``indices[k]`` (slots held here), publish each and let it go.
+
+        ``batch`` is what :meth:`Cache.put_many <mmapcache.Cache.put_many>`
+        takes. Returns which rows were stored (False only for a variable value
+        that found no room). A bad batch raises before anything is stored; the
+        slots stay held.
+        """
+        self._check_owner()
+        idx = np.asarray(indices, np.intp).reshape(-1)
+        strangers = [i for i in idx.tolist() if not self._flight.held_by_me(i)]
+        if strangers:
+            raise ValueError(
+                f"indices {strangers[:10]} are not held by these claims (held: {self.indices[:10].tolist()}"
+                f"{', ...' if len(self.indices) > 10 else ''}): store only the slots you claimed"
+            )
+        return self._cache._put_claimed(idx, batch)
+
+    def release(self) -> None:
+        """Let go of every slot not stored yet (idempotent); nothing is stored. A no-op in a forked child."""
+        if self._pid != os.getpid() or self._thread != threading.get_ident():
+            return
+        self._cache._release_claims(self.indices.tolist())
+
+    def _check_owner(self) -> None:
+        if self._pid != os.getpid():
+            raise RuntimeError(
+                f"these claims on {self._cache.path} were taken by process {self._pid}; a forked child cannot "
+                "store through them (the parent still holds the slots). Claim again in the child "
+                "(cache.claim_many) or use cache.get_or_load_many"
+            )
+        if self._thread != threading.get_ident():
+            raise RuntimeError("claims belong to the thread that took them: store them from that thread")
+
+    def __enter__(self) -> Claims:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def as_batch(result: Any, names: Sequence[str], count: int) -> Mapping[str, Any]:
+    """What a ``load`` returned as a batch ``{field: rows}``: a batch as it is, or a list of ``count`` samples."""
+    if isinstance(result, Mapping):
+        return result
+    if isinstance(result, (str, bytes)) or not isinstance(result, Sequence):
+        raise TypeError(
+            f"load must return a batch {{field: rows}} or a list of {count} samples {{field: value}}, "
+            f"not {type(result).__name__}"
+        )
+    if len(result) != count:
+        raise ValueError(f"load returned {len(result)} samples for {count} indices: return one per index, in order")
+    for sample in result:
+        if not isinstance(sample, Mapping):
+            raise TypeError(f"load returned a list holding {type(sample).__name__}: each sample must be a mapping")
+        if sample.keys() != set(names):
+            raise ValueError(f"load returned a sample with the fields {list(sample)}; the cache has {list(names)}")
+    return {name: [sample[name] for sample in result] for name in names}
+
+
+def get_or_load_many(
+    cache: Cache,
+    flight: Flight,
+    indices: Any,
+    load: Callable[[list[int]], Any],
+    *,
+    out: dict[str, np.ndarray[Any, Any]] | None,
+    timeout: float,
+    wait: bool | None,
+    chunk: int | None,
+) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]]]:
+    """:meth:`Cache.get_or_load_many <mmapcache.Cache.get_or_load_many>`: the rules in this module's docstring."""
+    idx = cache._index_array(indices)
+    batch, hits = cache.read_many(idx, out=out, count=False)
+    loaded = np.zeros(len(idx), bool)
+    if hits.all():
+        cache.count(hits=len(idx))
+        return batch, loaded
+    run = _Run(cache, flight, idx, batch, loaded, load)
+    for row in np.flatnonzero(~hits).tolist():
+        run.rows.setdefault(int(idx[row]), []).append(row)
+    todo = list(run.rows)  # in the caller's order: concurrent callers in one order share the work
+    ready: list[int] = []  # cached by another process since the first read: read them at the end
+    held: list[int] = []  # being loaded elsewhere
+    here: list[int] = []  # loaded here without holding (not cacheable, or nothing can be held)
+    can_hold = cache._can_hold()
+    states, capacity = cache._live().slots.state_bytes, cache.capacity
+    holding: list[int] = []
+    for i in todo:
+        if i >= capacity or not can_hold:
+            here.append(i)
+        elif run.hold(i):
+            holding.append(i)
+            if len(holding) >= (chunk or flight.chunk(len(todo))):
+                run.load_held(holding)
+                holding = []
+        elif states[i] == READY:
+            ready.append(i)
+        else:
+            held.append(i)
+    if holding:
+        run.load_held(holding)
+    if held and (wait if wait is not None else flight.worth_waiting()) and timeout > 0:
+        deadline = time.monotonic() + timeout
+        for i in held:
+            outcome = run.wait(i, deadline)
+            if outcome == READY_NOW:
+                ready.append(i)
+            elif outcome == HELD_HERE:
+                run.load_held([i])
+            else:
+                here.append(i)
+    else:
+        here += held
+    if ready:
+        here += run.read(ready)  # those that fail their checks are loaded here
+    if here:
+        run.load_free(here)
+    found = int(np.count_nonzero(loaded))
+    cache.count(hits=len(idx) - found, misses=found)
+    return batch, loaded
+
+
+class _Run:
+    """One :func:`get_or_load_many` call: the batch it fills and the rows of each missing slot."""
+
+    def __init__(
+        self,
+        cache: Cache,
+        flight: Flight,
+        idx: np.ndarray[Any, Any],
+        batch: dict[str, Any],
+        loaded: np.ndarray[Any, Any],
+        load: Callable[[list[int]], Any],
+    ) -> None:
+        self.cache, self.flight, self.idx, self.batch, self.loaded, self.load = cache, flight, idx, batch, loaded, load
+        self.rows: dict[int, list[int]] = {}
+        self.fields = cache.fields
+
+    def hold(self, index: int) -> bool:
+        return self.cache._hold(index)
+
+    def wait(self, index: int, deadline: float) -> int:
+        return self.cache._wait_one(index, deadline)
+
+    def load_held(self, indices: list[int]) -> None:
+        """Load slots this thread holds, store and let go of each; on error let go of them all."""
+        claims = Claims(self.cache, self.flight, indices)
+        with claims:
+            arrays = self._load(indices)
+            self.cache._put_coerced(claims.indices, arrays)
+        self._place(indices, arrays)
+
+    def load_free(self, indices: list[int]) -> None:
+        """Load slots without holding them; store those still free (a live holder keeps its own)."""
+        arrays = self._load(indices)
+        if self.cache._can_hold():
+            self.cache._put_coerced(np.asarray(indices, np.intp), arrays, held=False)
+        self._place(indices, arrays)
+
+    def read(self, indices: list[int]) -> list[int]:
+        """Read slots that became READY into their rows; the ones that fail the read's checks."""
+        got, hits = self.cache.read_many(indices, count=False)
+        for j, i in enumerate(indices):
+            if not hits[j]:
+                continue
+            for name, field in self.fields.items():
+                if field.variable:
+                    for row in self.rows[i]:
+                        self.batch[name][row] = got[name][j]
+                else:
+                    self.batch[name][self.rows[i]] = got[name][j]
+        return [i for j, i in enumerate(indices) if not hits[j]]
+
+    def _load(self, indices: list[int]) -> list[Any]:
+        result = self.flight.timed(self.load, indices)
+        return coerce_batch(as_batch(result, list(self.fields), len(indices)), self.fields, len(indices))
+
+    def _place(self, indices: list[int], arrays: list[Any]) -> None:
+        for (name, field), values in zip(self.fields.items(), arrays, strict=True):
+            for j, i in enumerate(indices):
+                rows = self.rows[i]
+                self.loaded[rows] = True
+                if not field.variable:
+                    self.batch[name][rows] = values[j]
+                    continue
+                value = values[j] if field.text is None else text_value(field.text, values[j])
+                for row in rows:
+                    self.batch[name][row] = value

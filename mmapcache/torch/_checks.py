@@ -1,0 +1,193 @@
+"""The checks a CachedDataset makes once per process: the right file, fresh content, a deterministic
+dataset, a transform that leaves its input alone.
+
+Each is a function of what it checks, raising the error that says what to do;
+the session (:mod:`._session`) decides when to call them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._compare import difference
+from .._errors import CacheError, SchemaMismatchError, StaleCacheError
+from .._field import Field
+from ..cache import Cache
+from ._leaves import misfit
+from ._schema import check_declared_sample, describe, sample_fields
+from ._settings import Settings
+
+__all__ = [
+    "check_deterministic",
+    "check_file",
+    "check_in_place",
+    "check_sample",
+    "check_stale",
+    "some_ready",
+]
+
+
+def check_file(cache: Cache, settings: Settings) -> None:
+    """An opened file must be what this dataset makes: its shard, its declared fields and dtypes.
+
+    Closes ``cache`` and raises :class:`SchemaMismatchError` when it is not.
+    """
+    problem: tuple[str, dict[str, tuple[Any, Any]]] | None = None
+    path = settings.path
+    if settings.cached_indices is None and cache.dataset_indices is not None:
+        problem = (
+            f"holds {cache.length} chosen indices of a dataset (one node's shard), but this CachedDataset "
+            "caches the whole dataset. Pass the same cached_indices= as its creator, or use another path or "
+            "key for the whole dataset",
+            {"dataset_indices": (None, "an index table")},
+        )
+    elif settings.fields is not None and cache.fields != settings.fields:
+        problem = (
+            f"holds samples with fields {describe(cache.fields)}, but fields= declares "
+            f"{describe(settings.fields)}. If the data or its preprocessing changed, change the key; if the old "
+            f"cache is stale, remove it (`mmapcache rm {path}`)",
+            {"fields": (settings.fields, cache.fields)},
+        )
+    elif settings.dtypes is not None:
+        wanted = {name: Field((), dtype).dtype_name for name, dtype in settings.dtypes.items()}
+        found = {name: cache.fields[name].dtype_name if name in cache.fields else None for name in wanted}
+        if found != wanted:
+            problem = (
+                f"stores the fields {found}, but dtypes= asks for {wanted}. Change the key for the new "
+                f"storage dtypes, or remove the old cache (`mmapcache rm {path}`)",
+                {"dtypes": (wanted, found)},
+            )
+    if problem is not None:
+        cache.close()
+        raise SchemaMismatchError(
+            f"the cache at {path} (key {settings.key!r}) {problem[0]}", path=path, differences=problem[1]
+        )
+
+
+def check_sample(sample: Any, index: int, found: dict[str, Field], settings: Settings) -> None:
+    """The first sample a process fetches for an opened cache must fit the file's fields.
+
+    With ``fields=`` the file holds exactly the declared fields (checked when
+    it was opened) and the sample is checked against the declaration;
+    otherwise a sample that does not fit the file's fields means a stale cache.
+    """
+    if settings.fields is not None:
+        check_declared_sample(sample, index, found)
+        return
+    fields = sample_fields(sample, index, settings.dtypes)
+    if fields != found and misfit(sample, found) is not None:
+        raise SchemaMismatchError(
+            f"the cache at {settings.path} (key {settings.key!r}) holds samples with fields "
+            f"{describe(found)}, but dataset[{index}] has {describe(fields)}. If the data or its "
+            "preprocessing changed, change the key; if the old cache is stale, remove it "
+            f"(`mmapcache rm {settings.path}`)",
+            path=settings.path,
+            differences={"fields": (fields, found)},
+        )
+
+
+def some_ready(cache: Cache, count: int) -> list[int]:
+    """Up to ``count`` READY positions, drawn at random (this process's own draw).
+
+    A few random probes find them in a well-filled cache; a sparse one is scanned (a byte per slot).
+    """
+    rng = np.random.default_rng()
+    probe = rng.choice(cache.length, size=min(cache.length, 16 * count), replace=False)
+    ready = probe[cache.contains_many(probe)]
+    if len(ready) < count and len(probe) < cache.length:
+        everything = np.arange(cache.length)
+        filled = everything[cache.contains_many(everything)]
+        ready = rng.choice(filled, size=min(count, len(filled)), replace=False) if len(filled) else filled
+    return sorted(int(i) for i in ready[:count])
+
+
+def check_stale(cached: Any, fresh: Any, index: int, settings: Settings) -> None:
+    """:class:`StaleCacheError` unless the cached ``dataset[index]`` equals the one the dataset gives now."""
+    found = difference(cached, fresh)
+    if found is None:
+        return
+    field = _field_of(found)
+    path, key = settings.path, settings.key
+    raise StaleCacheError(
+        f"the cache at {path} (key {key!r}) is stale: its dataset[{index}] differs from what "
+        f"the dataset gives now ({found.replace('sample', 'cached sample', 1)}). The data or its "
+        "preprocessing changed but the key did not: change the key (e.g. add a version: "
+        f"'{key}/v2'), or remove the old cache (`mmapcache rm {path}`). "
+        "CachedDataset(check=0) skips this check",
+        path=path,
+        index=index,
+        field=field,
+        differences={"content": (index, field)},
+    )
+
+
+def check_deterministic(first: Any, again: Any, index: int, settings: Settings) -> None:
+    """A :class:`CacheError` unless ``dataset[index]`` loaded twice gave the same sample.
+
+    A random dataset must not be frozen in the cache (one random augmentation per sample).
+    """
+    found = difference(again, first)
+    if found is not None:
+        raise CacheError(
+            f"the dataset is not deterministic: dataset[{index}] gave two different samples when loaded twice "
+            f"({found.replace('sample', 'the second', 1)}). A cache would freeze one of them forever (one "
+            "random augmentation per sample). Move random augmentation into CachedDataset(..., transform=...), "
+            "which runs after the cache on every access, and keep only the deterministic part (decode, resize, "
+            "tokenize) in the wrapped dataset",
+            path=settings.path,
+        )
+
+
+def check_in_place(transform: Callable[[Any], Any], sample: Any) -> None:
+    """``copy=False``: run the transform once on a writable copy; one that writes to its input is refused.
+
+    Zero-copy samples are read-only views of the shared file: an in-place
+    transform would crash the process with SIGSEGV. torch's version counters
+    tell whether the transform wrote to any tensor of the sample.
+    """
+    copy = _clone(sample)
+    tensors = list(_tensors(copy))
+    versions = [t._version for t in tensors]
+    transform(copy)
+    if any(t._version != v for t, v in zip(tensors, versions, strict=True)):
+        raise ValueError(
+            f"transform {transform!r} writes to its input in place (e.g. Normalize(inplace=True), "
+            "tensor.mul_(), x[...] = ...), but with copy=False the samples are read-only views of the shared "
+            "cache file: the write would kill the process with SIGSEGV. Use CachedDataset(..., copy=True) "
+            "(the default), or make the transform out of place (e.g. Normalize(inplace=False))"
+        )
+
+
+def _field_of(found: str) -> str | None:
+    """The field a :func:`difference` message names (``sample[0]`` -> ``"0"``), if it names one."""
+    match = re.match(r"sample((?:\[[^\]]*\])*)", found)
+    parts = re.findall(r"\[([^\]]*)\]", match.group(1)) if match else []
+    return "/".join(part.strip("'\"") for part in parts) or None
+
+
+def _clone(sample: Any) -> Any:
+    """``sample`` with every tensor cloned (writable), its structure kept."""
+    if isinstance(sample, torch.Tensor):
+        return sample.clone()
+    if isinstance(sample, dict):
+        return {key: _clone(value) for key, value in sample.items()}
+    if isinstance(sample, (tuple, list)):
+        return type(sample)(_clone(value) for value in sample)
+    return sample
+
+
+def _tensors(sample: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``sample``."""
+    if isinstance(sample, torch.Tensor):
+        yield sample
+    elif isinstance(sample, dict):
+        for value in sample.values():
+            yield from _tensors(value)
+    elif isinstance(sample, (tuple, list)):
+        for value in sample:
+            yield from _tensors(value)

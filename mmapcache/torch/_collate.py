@@ -1,0 +1,196 @@
+"""Collating: the batch ``default_collate`` makes, from columns (:func:`collate_tree`) or padded (:func:`pad_collate`).
+
+Importing mmapcache changes nothing in torch's collation: ``default_collate``
+and its ``default_collate_fn_map`` stay torch's own. ``loader()`` needs no
+collate of its own (its dataset returns finished batches, :func:`as_is`
+passes them through); :func:`pad_collate` is a ``collate_fn`` for samples with
+variable-shape leaves, which pads them into a :class:`Padded` batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Collection, Mapping, MutableMapping, MutableSequence, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from .._structure import Step, name_of
+from ._columns import shared_empty
+
+__all__ = ["Padded", "as_is", "collate_tree", "pad_collate"]
+
+
+def collate_tree(tree: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """The batch ``default_collate`` builds from samples of structure ``tree``, given one tensor per field.
+
+    ``tree`` is the structure codec's node: an ``int`` (a leaf: the field's
+    position) or ``(kind, keys, children)`` with kind ``"tuple"``, ``"list"``
+    or ``"dict"``. Like ``default_collate``: tuples and lists become lists,
+    dicts stay dicts with their key order.
+    """
+    if isinstance(tree, int):
+        return tensors[tree]
+    kind, keys, children = tree
+    if kind == "dict":
+        return {key: collate_tree(child, tensors) for key, child in zip(keys, children, strict=True)}
+    return [collate_tree(child, tensors) for child in children]
+
+
+def as_is(batch: Any) -> Any:
+    """The collate function of ``loader()``: the dataset already returns finished batches."""
+    return batch
+
+
+class Padded(NamedTuple):
+    """A batch of tensors of different shapes, padded to one: what :func:`pad_collate` makes of a leaf.
+
+    ``data`` has shape ``(batch, *longest)``, where ``longest`` is the largest
+    size of each dimension in the batch; sample ``k`` sits in its leading
+    corner, ``data[k, :lengths[k]]`` for 1-D leaves, and the rest is
+    ``padding_value``. ``lengths`` (int64) holds each sample's own shape:
+    shape ``(batch,)`` for 1-D leaves, ``(batch, ndim)`` otherwise.
+    """
+
+    data: torch.Tensor
+    lengths: torch.Tensor
+
+
+def pad_collate(batch: Sequence[Any], *, pad: str | Collection[str] | None = None, padding_value: float = 0) -> Any:
+    """``default_collate``, but leaves of different shapes are padded into :class:`Padded` instead of stacked.
+
+    ``pad`` names the leaves to pad by their field names (``"0"`` for the
+    first element of a tuple, ``"tokens"`` for a dict key, ``"."`` for a bare
+    leaf: see :mod:`mmapcache.torch`): each of them always becomes a
+    :class:`Padded`, whatever the batch holds, and every other leaf is
+    collated by ``default_collate`` (which raises for tensors of different
+    shapes). ``pad=None`` pads every tensor leaf whose shapes differ *in this
+    batch* — convenient, but a batch whose samples happen to agree (say a last
+    batch of one) then gets a plain stacked tensor there; name the leaves for
+    a structure that never changes. numpy arrays count as tensors, as in
+    ``default_collate``. Containers become what ``default_collate`` makes of them.
+    """
+    if len(batch) == 0:
+        raise ValueError("pad_collate needs at least one sample")
+    names: frozenset[str] | None
+    if pad is None:
+        names = None
+    elif isinstance(pad, str):
+        names = frozenset([pad])
+    else:
+        names = frozenset(pad)
+        if not all(isinstance(name, str) for name in names):
+            raise TypeError(f"pad names leaves by their field names (strings), got {sorted(map(repr, names))}")
+    if names is not None:
+        leaves: list[str] = []
+        _tensor_leaves(batch[0], [], leaves)
+        if not names <= set(leaves):
+            raise ValueError(
+                f"pad names {sorted(names - set(leaves))}, which are not tensor leaves of the samples; their "
+                f"tensor leaves are {leaves} (named as in mmapcache.torch: '0' for a tuple's first element, "
+                "'key' for a dict's, '.' for a bare leaf)"
+            )
+    return _Padder(names, padding_value).collate(list(batch), [])
+
+
+def _tensor_leaves(value: Any, path: list[Step], names: list[str]) -> None:
+    """The names of the leaves of one sample that :class:`_Padder` treats as tensors, in its order."""
+    if isinstance(value, torch.Tensor) or (isinstance(value, np.ndarray) and value.dtype.kind in "biufc"):
+        names.append(name_of(path))
+    elif isinstance(value, Mapping):
+        for key in value:
+            _tensor_leaves(value[key], [*path, ("dict", key)], names)
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        kind = "tuple" if isinstance(value, tuple) else "list"
+        for k, item in enumerate(value):
+            _tensor_leaves(item, [*path, (kind, k)], names)
+
+
+class _Padder:
+    """One ``pad_collate`` call: ``default_collate``'s walk over the structure, knowing each leaf's name."""
+
+    def __init__(self, names: frozenset[str] | None, padding_value: float) -> None:
+        self.names, self.padding_value = names, padding_value
+
+    def collate(self, column: list[Any], path: list[Step]) -> Any:
+        from torch.utils.data._utils.collate import default_collate_fn_map
+
+        elem = column[0]
+        if isinstance(elem, np.ndarray) and elem.dtype.kind in "biufc":
+            return self.tensors([torch.as_tensor(value) for value in column], path)
+        if isinstance(elem, torch.Tensor):
+            return self.tensors(column, path)
+        if isinstance(elem, tuple(default_collate_fn_map)):  # numbers, strings, numpy scalars: as torch does
+            return torch.utils.data.default_collate(column)
+        if isinstance(elem, Mapping):
+            values = {key: self.collate([sample[key] for sample in column], [*path, ("dict", key)]) for key in elem}
+            try:
+                if isinstance(elem, MutableMapping):
+                    clone = copy.copy(elem)
+                    clone.update(values)
+                    return clone
+                make: Any = type(elem)  # a Mapping subclass whose constructor takes a dict, or a TypeError
+                return make(values)
+            except TypeError:
+                return values
+        if isinstance(elem, tuple) and hasattr(elem, "_fields"):  # a namedtuple stays one, as in default_collate
+            parts = zip(*column, strict=True)
+            return type(elem)(*(self.collate(list(part), [*path, ("tuple", k)]) for k, part in enumerate(parts)))
+        if isinstance(elem, Sequence):
+            if any(len(sample) != len(elem) for sample in column):
+                raise RuntimeError("each element in list of batch should be of equal size")
+            kind = "tuple" if isinstance(elem, tuple) else "list"
+            items = [self.collate(list(part), [*path, (kind, k)]) for k, part in enumerate(zip(*column, strict=True))]
+            if isinstance(elem, tuple):
+                return items
+            try:
+                if isinstance(elem, MutableSequence):
+                    seq = copy.copy(elem)
+                    for k, item in enumerate(items):
+                        seq[k] = item
+                    return seq
+                make_sequence: Any = type(elem)
+                return make_sequence(items)
+            except TypeError:
+                return items
+        return torch.utils.data.default_collate(column)
+
+    def tensors(self, column: list[torch.Tensor], path: list[Step]) -> Any:
+        from torch.utils.data._utils.collate import default_collate_fn_map
+
+        name = name_of(path)
+        first = column[0].shape
+        padding = name in self.names if self.names is not None else any(t.shape != first for t in column)
+        if not padding:
+            return default_collate_fn_map[torch.Tensor](column, collate_fn_map=default_collate_fn_map)
+        return _pad(column, self.padding_value, name)
+
+
+def _pad(column: list[torch.Tensor], padding_value: float, name: str) -> Padded:
+    ndim = column[0].ndim
+    if ndim == 0:
+        raise ValueError(f"leaf {name!r} holds 0-d tensors (scalars): there is nothing to pad")
+    if any(tensor.ndim != ndim for tensor in column):
+        shapes = sorted({tuple(tensor.shape) for tensor in column}, key=len)
+        raise ValueError(f"leaf {name!r}: cannot pad tensors of different numbers of dimensions ({shapes})")
+    dtype = functools.reduce(torch.promote_types, (tensor.dtype for tensor in column))
+    shapes = [tuple(tensor.shape) for tensor in column]
+    longest = tuple(max(sizes) for sizes in zip(*shapes, strict=True))
+    shape = (len(column), *longest)
+    if torch.utils.data.get_worker_info() is not None and column[0].device.type == "cpu":
+        data = shared_empty(shape, dtype)  # as default_collate does: no copy to ship it to the main process
+    else:
+        data = torch.empty(shape, dtype=dtype, device=column[0].device)
+    data.fill_(padding_value)
+    lengths = torch.tensor(shapes, dtype=torch.int64).reshape(len(column), ndim)
+    if ndim == 1:
+        # Sequences: many short rows. One masked copy of them all costs half the per-row loop.
+        filled = torch.arange(longest[0], device=data.device) < lengths.to(data.device)  # (batch, longest)
+        data[filled] = torch.cat(column).to(dtype)
+        return Padded(data, lengths[:, 0])
+    for row, tensor in zip(data, column, strict=True):
+        row[tuple(slice(0, size) for size in tensor.shape)] = tensor
+    return Padded(data, lengths)

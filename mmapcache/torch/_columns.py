@@ -1,0 +1,124 @@
+"""Batches as columns, one per field: raw samples into storage columns, and fresh batch tensors.
+
+A miss turns the samples a dataset gave into what ``Cache.put_many`` stores:
+per field, the rows stacked into one array (fixed fields) or a list of arrays
+(variable fields), each leaf checked by :func:`~._leaves.fit` and copied once
+(:func:`columns`). A hit gathers into tensors made by :func:`new_batch`.
+
+Buffers start on a page boundary: a gather into a buffer a few bytes off a page
+boundary runs many times slower (4K aliasing, see ``mmapcache/_gather.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from .._gather import empty_aligned
+from ._leaves import LeafShapeError, convert_leaf, fit, variable_column, write_column
+from ._schema import Schema, describe
+
+__all__ = ["ShapeVariesError", "columns", "new_batch", "rows", "set_row", "shared_empty"]
+
+
+class ShapeVariesError(ValueError):
+    """A leaf of ``dataset[index]`` whose shape does not fit its field (see :class:`~._leaves.LeafShapeError`)."""
+
+    def __init__(self, index: int, error: LeafShapeError) -> None:
+        super().__init__(f"dataset[{index}]: {error}")
+        self.index, self.error = index, error
+
+
+def columns(
+    schema: Schema, indices: Sequence[int], raw: list[Any], dtypes: Mapping[str, Any] | None, *, declared: bool
+) -> list[Any]:
+    """The batch ``put_many`` stores: per field, the rows stacked (fixed) or a list of arrays (variable).
+
+    ``indices`` are the dataset indices of ``raw`` (for errors). Each leaf is converted to the
+    storage dtype ``dtypes=`` chose, checked against its field by :func:`~._leaves.fit`, then
+    copied once: into its row of a fixed field's batch array, or into its own array.
+    ``declared``: the fields are ``fields=``'s (else the first sample's: a leaf of another shape
+    raises :class:`ShapeVariesError`). TypeError/ValueError naming the sample and the field otherwise.
+    """
+    origin = "as fields= declares" if declared else "from the first sample"
+    fields = list(schema.fields.items())
+    out: list[list[Any]] = [[] for _ in fields]
+    for index, sample in zip(indices, raw, strict=True):
+        try:
+            leaves = schema.flatten(sample)
+            for column, leaf, (name, field) in zip(out, leaves, fields, strict=True):
+                if dtypes is not None and name in dtypes:
+                    try:
+                        leaf = convert_leaf(leaf, field, name)
+                    except (TypeError, ValueError) as error:
+                        raise _ConversionError(type(error), f"dataset[{index}]: {error}") from None
+                column.append(fit(leaf, field, name))
+        except LeafShapeError as error:
+            if declared:
+                raise ValueError(f"dataset[{index}]: {error}, which fields= declares") from None
+            raise ShapeVariesError(index, error) from None
+        except _ConversionError as error:
+            raise error.kind(error.message) from None
+        except (TypeError, ValueError) as error:
+            raise type(error)(
+                f"dataset[{index}]: {error}. mmapcache caches samples of one structure and dtype per field "
+                f"({describe(schema.fields)}, {origin}); convert them before the cache, or in transform"
+            ) from None
+    return [
+        variable_column(column, field) if field.variable else write_column(column, field)
+        for column, (_, field) in zip(out, fields, strict=True)
+    ]
+
+
+class _ConversionError(Exception):
+    """A leaf that ``dtypes=`` cannot convert without loss: the error to raise (its message is complete)."""
+
+    def __init__(self, kind: type[Exception], message: str) -> None:
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+
+def new_batch(
+    shapes: Sequence[tuple[int, ...]], storage: Sequence[np.dtype[Any]], dtypes: Sequence[torch.dtype | None]
+) -> tuple[list[torch.Tensor], list[np.ndarray[Any, Any]]]:
+    """Uninitialised batch tensors (the fields' torch dtypes) and numpy views of their storage dtypes.
+
+    Inside a DataLoader worker the tensors live in shared memory, so handing
+    them to the main process copies nothing.
+    """
+    shared = torch.utils.data.get_worker_info() is not None
+    tensors, arrays = [], []
+    for shape, dtype, torch_dtype in zip(shapes, storage, dtypes, strict=True):
+        if shared:
+            raw = shared_empty(shape, torch.from_numpy(np.empty(0, dtype)).dtype)
+            array = raw.numpy()
+        else:
+            array = empty_aligned(shape, dtype)
+            raw = torch.from_numpy(array)
+        arrays.append(array)
+        tensors.append(raw if torch_dtype is None else raw.view(torch_dtype))
+    return tensors, arrays
+
+
+def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in a fresh shared-memory segment (page aligned), as default_collate makes in workers."""
+    nbytes = max(math.prod(shape) * dtype.itemsize, 1)
+    storage: torch.UntypedStorage = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
+    strides = torch.empty(shape, device="meta").stride()
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape, strides)
+
+
+def rows(column: Any) -> Any:
+    """A gathered column (a batch tensor, or a list for a variable field) as one leaf per sample."""
+    return column.unbind(0) if isinstance(column, torch.Tensor) else column
+
+
+def set_row(out: list[Any], row: int, leaves: Sequence[Any]) -> None:
+    """Put one sample's leaves into ``row`` of gathered columns."""
+    for column, leaf in zip(out, leaves, strict=True):
+        column[row] = leaf

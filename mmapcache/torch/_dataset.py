@@ -1,0 +1,314 @@
+"""The dataset: :class:`CachedDataset`'s arguments, pickling and public verbs.
+
+Everything a process does with the file lives in its :class:`~._session.Session`;
+this class checks the arguments (:class:`~._settings.Settings`), applies the
+``transform``, and hands out the loader, the fill and the statistics.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from .._field import FieldsLike
+from ..cache import Cache
+from ._checks import check_in_place
+from ._collate import as_is
+from ._fill import fill
+from ._loader import Batched, Loader
+from ._session import Session
+from ._settings import Settings
+
+__all__ = ["CachedDataset"]
+
+# What a CachedDataset pickles: its arguments (0.3.0 pickles hold exactly these).
+_ARGUMENTS = (
+    "dataset",
+    "key",
+    "path",
+    "transform",
+    "max_bytes",
+    "capacity",
+    "copy",
+    "verify",
+    "fields",
+    "cached_indices",
+    "dtypes",
+    "check",
+)
+# For a pickle that lacks some of them (made before they existed).
+_DEFAULTS: dict[str, Any] = {
+    "transform": None,
+    "max_bytes": None,
+    "capacity": None,
+    "copy": True,
+    "verify": False,
+    "fields": None,
+    "cached_indices": None,
+    "dtypes": None,
+    "check": 2,
+}
+
+
+class CachedDataset(torch.utils.data.Dataset[Any]):
+    """``dataset`` with every sample cached in one file that all processes on the node share.
+
+    >>> ds = CachedDataset(decoded, key="imagenet-train/resize256/v1", transform=augment)  # doctest: +SKIP
+    >>> loader = DataLoader(ds, batch_size=256, shuffle=True, num_workers=8)  # doctest: +SKIP
+
+    ``dataset`` is any map-style dataset (``__len__`` and ``__getitem__``)
+    whose samples are tensors, numpy arrays, Python bool/int/float/str/bytes,
+    or a tuple/list/dict of those nested one level. ``ds[i]`` returns the
+    structure ``dataset[i]`` has, with every leaf a torch tensor (Python
+    scalars become 0-d tensors; dtypes are kept) except ``str`` and
+    ``bytes``, which come back as themselves (``default_collate`` makes
+    lists of them). ``dtypes`` (``{field name: dtype}``, torch or numpy)
+    sets the storage dtype of those fields: values are converted when stored
+    and must convert exactly (else ``ValueError``/``TypeError`` naming the
+    field and the value), and reads return the storage dtype.
+
+    Without ``fields`` every leaf keeps the shape and dtype of the first
+    sample. ``fields`` declares them instead, by the leaves' field names (see
+    the module docstring), and may give dimensions that vary from sample to
+    sample as ``None``: for ``(tokens, label)`` samples,
+    ``fields={"0": Field((None,), "int64"), "1": Field((), "int64")}``. Such
+    a cache needs ``max_bytes`` (it sizes the room for the variable values).
+
+    ``key`` names the cached content: the dataset and its deterministic
+    preprocessing. Change it whenever they change: a cache is reused whenever
+    the key matches. ``path`` defaults to ``default_dir()/<key>-<hash>.mmc``
+    (with ``cached_indices``, the hash covers the index set too).
+    The file is opened, or created with the schema of the first sample
+    fetched, on first use, in whichever process gets there first: no rank
+    detection. ``max_bytes``/``capacity`` cache only the first indices
+    (the rest are read from ``dataset`` every time); they apply when the file
+    is created.
+
+    ``check`` guards against stale and random data: when a process first
+    uses an existing cache it compares ``check`` cached samples with fresh
+    ones from ``dataset`` (:class:`~mmapcache.StaleCacheError` when one
+    differs), and the first miss of a process loads its sample twice (a
+    :class:`~mmapcache.CacheError` when the two differ: random augmentation
+    belongs in ``transform``). It costs ``check + 1`` sample loads per
+    process; ``check=0`` turns both checks off.
+
+    ``transform`` runs after the cache on every access (random augmentation).
+    ``copy=False`` returns zero-copy tensors over a read-only mapping of the
+    file (an in-place write to one crashes the process with SIGSEGV rather
+    than corrupting the shared cache; a ``transform`` that writes to its
+    input is refused with a ``ValueError`` first); the default returns fresh
+    tensors.
+    ``verify=True`` checks each read against its slot checksum.
+
+    ``cached_indices`` caches only those indices of ``dataset`` — one node's
+    shard in a job spanning many nodes (see :class:`NodeShardSampler` and
+    its ``node_indices``): the file holds ``len(cached_indices)`` slots and
+    keeps the index set, ``ds[i]`` for any other ``i`` is read from
+    ``dataset`` every time, uncached, and ``len(ds)`` stays
+    ``len(dataset)``. Opening a file made for another index set (another
+    node's shard, another node count) raises :class:`SchemaMismatchError`.
+
+    It pickles as its path and arguments (plus ``dataset`` and ``transform``),
+    never the cached data, so spawn/forkserver workers and ``ddp_spawn``
+    receive it cheaply and reopen the file.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        key: str,
+        transform: Callable[[Any], Any] | None = None,
+        max_bytes: int | str | None = None,
+        capacity: int | None = None,
+        copy: bool = True,
+        verify: bool = False,
+        fields: FieldsLike | None = None,
+        cached_indices: Sequence[int] | np.ndarray[Any, Any] | None = None,
+        dtypes: Mapping[str, Any] | None = None,
+        check: int = 2,
+    ) -> None:
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform must be callable, not {type(transform).__name__}")
+        settings = Settings.checked(
+            dataset,
+            path,
+            key=key,
+            max_bytes=max_bytes,
+            capacity=capacity,
+            copy=copy,
+            verify=verify,
+            fields=fields,
+            cached_indices=cached_indices,
+            dtypes=dtypes,
+            check=check,
+        )
+        self.transform = transform
+        self._start(settings)
+
+    def _start(self, settings: Settings) -> None:
+        self._settings = settings
+        self._session = Session(settings)
+        # The arguments, as attributes (and for pickling).
+        self.dataset, self.key, self.path = settings.dataset, settings.key, settings.path
+        self.max_bytes, self.capacity = settings.max_bytes, settings.capacity
+        self.copy, self.verify, self.check = settings.copy, settings.verify, settings.check
+        self.fields, self.cached_indices, self.dtypes = settings.fields, settings.cached_indices, settings.dtypes
+
+    # -- pickling: the path and the arguments, never the data -------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: self.__dict__[name] for name in _ARGUMENTS}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        given = {**_DEFAULTS, **state}
+        self.transform = given["transform"]
+        self._start(Settings(**{name: given[name] for name in _ARGUMENTS if name != "transform"}))
+
+    # -- the cache ---------------------------------------------------------------
+
+    @property
+    def cache(self) -> Cache:
+        """The :class:`~mmapcache.Cache`, opened now if needed (created from ``dataset[0]`` if missing)."""
+        return self._session.handle()
+
+    def close(self) -> None:
+        """Release the file in this process (reopened on next use). Zero-copy tensors stay valid."""
+        self._session.close()
+
+    # -- reading -------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        sample = self._session.get(index)
+        if self.transform is None:
+            return sample
+        return self._transformed([sample])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The samples at ``indices``: one vectorized read for the hits, one batch write for the misses.
+
+        torch's DataLoader calls this with each batch of indices when it is
+        defined (``default_collate`` then stacks the samples into the batch;
+        :meth:`loader` gathers the batch itself, with one copy).
+        """
+        if len(indices) == 0:
+            return []
+        samples = self._session.get_many(indices)
+        return samples if self.transform is None else self._transformed(samples)
+
+    def _transformed(self, samples: list[Any]) -> list[Any]:
+        transform = self.transform
+        assert transform is not None
+        session = self._session
+        if not session.transform_checked and session.views is not None:
+            check_in_place(transform, samples[0])  # copy=False: a transform that writes to its input is refused
+            session.transform_checked = True
+        return [transform(sample) for sample in samples]
+
+    # -- whole batches -------------------------------------------------------------
+
+    def loader(
+        self,
+        batch_size: int | None = 1,
+        shuffle: bool | None = False,
+        *,
+        sampler: torch.utils.data.Sampler[Any] | Iterable[Any] | None = None,
+        num_workers: int = 0,
+        drop_last: bool = False,
+        **dataloader_kwargs: Any,
+    ) -> torch.utils.data.DataLoader[Any]:
+        """A DataLoader over this dataset that reads each batch of hits with one copy.
+
+        It yields exactly what ``DataLoader(ds, batch_size, shuffle,
+        sampler=sampler, num_workers=num_workers, drop_last=drop_last,
+        **dataloader_kwargs)`` with the default collate yields — the same
+        structure, dtypes and values — but a batch of cached samples is
+        gathered field by field straight into the tensors the training loop
+        receives (inside workers, into shared memory, so the hand-off to the
+        main process copies nothing). Misses are loaded from ``dataset`` and
+        stored as usual. With a ``transform`` (it runs per sample) or a
+        ``collate_fn`` of yours, batches are built from samples as
+        ``DataLoader(ds)`` builds them. Any other DataLoader argument
+        (``pin_memory``, ``persistent_workers``, ``prefetch_factor``,
+        ``multiprocessing_context``, ...) passes through, and samplers —
+        ``DistributedSampler`` included — work as with ``DataLoader(ds)``.
+        """
+        collate_fn = dataloader_kwargs.pop("collate_fn", None)
+        batching = batch_size is not None or dataloader_kwargs.get("batch_sampler") is not None
+        if collate_fn is None:
+            # Without batching DataLoader converts each sample with default_convert, so do we.
+            collate_fn = as_is if batching else torch.utils.data.default_convert
+            collated = batching
+        else:
+            collated = False
+        return Loader(
+            _batched(self, collated),
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            num_workers=num_workers,
+            drop_last=drop_last,
+            collate_fn=collate_fn,
+            **dataloader_kwargs,
+        )
+
+    # -- filling and statistics ----------------------------------------------------
+
+    def fill(self, num_workers: int = 0, batch_size: int = 64, progress: bool = True) -> int:
+        """Fill every missing cacheable slot; return how many slots this call filled.
+
+        ``num_workers > 0`` loads batches in that many worker processes
+        (through a DataLoader, so ``dataset`` must pickle under its
+        multiprocessing context); each worker writes straight into the file.
+        ``progress`` shows a tqdm bar when tqdm is installed. When it filled
+        anything it ends with :meth:`Cache.sync` (for a cache on a disk, the
+        open after a crash then has nothing of this fill to check).
+        """
+        return fill(self._session, num_workers=num_workers, batch_size=batch_size, progress=progress)
+
+    def stats(self) -> dict[str, int]:
+        """How the cache is used, by this process and by every process that uses the file.
+
+        ``hits``, ``misses`` (reads that went to ``dataset``) and ``written``
+        (slots filled) count this process; ``total_hits``, ``total_misses``
+        and ``total_written`` count every process that ever used the file —
+        DataLoader workers, DDP ranks, other jobs — since it was created
+        (they are kept in the file); ``processes`` is how many processes
+        count into it now; ``filled``, ``capacity`` and ``length`` describe
+        the file. For one epoch's hit rate across workers, subtract the totals
+        before it from those after it.
+
+        Opens the cache (creating it from ``dataset[0]`` if missing).
+        """
+        session = self._session
+        cache = session.handle()
+        usage = cache.usage()
+        return {
+            "hits": session.hits,
+            "misses": session.misses,
+            "written": session.written,
+            "total_hits": usage.total.hits,
+            "total_misses": usage.total.misses,
+            "total_written": usage.total.written,
+            "processes": len(usage.processes),
+            "filled": cache.filled,
+            "capacity": cache.capacity,
+            "length": cache.length,
+        }
+
+    def __repr__(self) -> str:
+        return f"CachedDataset({type(self.dataset).__name__}, {str(self.path)!r}, key={self.key!r})"
+
+
+def _batched(dataset: CachedDataset, collated: bool) -> Batched:
+    """The view of ``dataset`` that ``loader()`` gives DataLoader (also how it unpickles in a worker)."""
+    return Batched(dataset, dataset._session, collated=collated, remake=_batched)

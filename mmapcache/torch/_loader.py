@@ -1,0 +1,208 @@
+"""``CachedDataset.loader()``: a DataLoader whose batches of hits are copied once, from the file to the batch.
+
+``DataLoader(ds, batch_size=...)`` with the default collate reads each batch
+twice: ``ds.__getitems__`` returns one tensor per sample, and
+``default_collate`` stacks them into the batch (in a worker, into shared
+memory). ``loader()`` instead hands DataLoader a view of the dataset
+(:class:`Batched`) whose ``__getitems__`` returns the finished batch: every
+field is gathered by one ``np.take`` straight into the tensor the training
+loop receives, and the collate function passes it through
+(:func:`~._collate.as_is`). The batch has exactly the structure
+``default_collate`` builds from the samples (a tuple becomes a list, as there).
+
+In a DataLoader worker, :class:`Batched` makes sure every cacheable sample of
+the batch is in the file (loading and storing the misses — the expensive
+part) and returns a :class:`WorkerBatch`: the positions, plus the rows it could
+not store. Only those few hundred bytes cross to the main process — no
+shared-memory segment to create and fault in per batch — and there the
+:class:`Loader`'s iterator gathers the batch from the file into fresh tensors:
+still one copy from the file to the batch.
+
+Variable-shape fields take no part in this: each sample's leaf is its own
+tensor, and a batch of them is collated by torch (which stacks them when their
+shapes agree, and raises when they do not, as without the cache) or by
+:func:`~._collate.pad_collate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from ._collate import collate_tree
+from ._session import Session
+
+__all__ = ["Batched", "Loader", "WorkerBatch"]
+
+
+class WorkerBatch:
+    """A batch a DataLoader worker leaves for the main process to gather: it pickles as the positions.
+
+    ``positions`` are file positions; ``rows``/``leaves`` the samples the
+    worker loaded but could not store (beyond the capacity, or being written
+    by another process right now), as their leaves. The worker counted the reads.
+    """
+
+    __slots__ = ("leaves", "positions", "rows")
+
+    def __init__(self, positions: np.ndarray[Any, np.dtype[np.intp]], rows: list[int], leaves: list[list[Any]]) -> None:
+        self.positions, self.rows, self.leaves = positions, rows, leaves
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (self.positions, self.rows, self.leaves)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.positions, self.rows, self.leaves = state
+
+    def __repr__(self) -> str:
+        return f"WorkerBatch({len(self.positions)} samples to gather from the file in the main process)"
+
+
+class Batched(torch.utils.data.Dataset[Any]):
+    """A :class:`~mmapcache.torch.CachedDataset` as ``loader()`` shows it to DataLoader.
+
+    ``__getitems__`` returns the finished batch when ``collated`` (no
+    ``collate_fn`` of the user's) — in a worker, a :class:`WorkerBatch` for
+    the main process to gather — else the samples for the user's collate.
+    ``__getitem__`` and ``len`` are the dataset's, so samplers (including
+    ``DistributedSampler`` and the ones Lightning injects) work unchanged.
+    ``remake(dataset, collated)`` makes it again from the dataset when it is
+    unpickled (with the unpickled dataset's own session).
+    """
+
+    def __init__(
+        self, dataset: Any, session: Session, *, collated: bool, remake: Callable[[Any, bool], Batched]
+    ) -> None:
+        self.dataset, self.session, self.collated, self.remake = dataset, session, collated, remake
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.remake, (self.dataset, self.collated))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: Sequence[int]) -> Any:
+        if not self.collated:
+            return self.dataset.__getitems__(indices)
+        if torch.utils.data.get_worker_info() is not None:
+            return self.in_worker(indices)
+        return self.batch(indices)
+
+    def batch(self, indices: Sequence[int]) -> Any:
+        """The batch ``default_collate(dataset.__getitems__(indices))`` is, with one copy for the hits."""
+        session = self.session
+        if self.dataset.transform is not None or len(indices) == 0:
+            return torch.utils.data.default_collate(self.dataset.__getitems__(indices))
+        idx = session.settings.positions(session.settings.indices(indices))
+        if idx is None:  # some are not among cached_indices
+            return torch.utils.data.default_collate(self.dataset.__getitems__(indices))
+        cache = session.opened()
+        if cache is None:  # nobody created the file yet: this batch creates it
+            return torch.utils.data.default_collate(session.load(idx.tolist(), counted=False))
+        return self._collate(session.gather(cache, idx))
+
+    def gather(self, batch: WorkerBatch) -> Any:
+        """In the main process: the batch a worker's :class:`WorkerBatch` stands for, gathered from the file."""
+        session = self.session
+        cache = session.opened()
+        assert cache is not None, "a worker sends a WorkerBatch only once the file exists"
+        return self._collate(session.gather(cache, batch.positions, batch.rows, batch.leaves, counted=True))
+
+    def _collate(self, columns: list[Any]) -> Any:
+        schema = self.session.schema
+        assert schema is not None
+        if schema.ragged:
+            # As default_collate does with the samples' tensors: stacked when their shapes agree, else its error.
+            collate = torch.utils.data.default_collate
+            columns = [collate(c) if variable else c for c, variable in zip(columns, schema.variable, strict=True)]
+        return collate_tree(schema.tree, columns)
+
+    def in_worker(self, indices: Sequence[int]) -> Any:
+        """In a DataLoader worker: store the batch's misses, and leave the gather to the main process."""
+        session = self.session
+        if self.dataset.transform is not None or len(indices) == 0:
+            return self.batch(indices)
+        idx = session.settings.positions(session.settings.indices(indices))
+        cache = session.opened()
+        if idx is None or cache is None or (session.schema is not None and session.schema.ragged):
+            # Indices outside cached_indices, or nobody created the file yet (this batch creates
+            # it), or variable fields — collated by torch, which may refuse shapes that differ:
+            # the batch is made here, and so is any error, as DataLoader(ds) makes them.
+            return self.batch(indices)
+        ready = cache.contains_many(idx)
+        cache.count(hits=int(np.count_nonzero(ready)))  # the main process gathers without counting
+        # On a disk, the reads of this batch start now, while the main process gathers earlier ones.
+        cache.prefetch(idx[ready], background=False)
+        rows: list[int] = []
+        leaves: list[list[Any]] = []
+        if not ready.all():
+            todo = np.flatnonzero(~ready)
+            samples = session.load(idx[todo].tolist(), counted=False)
+            stored = cache.contains_many(idx[todo])
+            schema = session.schema
+            assert schema is not None
+            for row, sample, cached in zip(todo.tolist(), samples, stored.tolist(), strict=True):
+                if not cached:
+                    rows.append(row)
+                    leaves.append(schema.flatten(sample))
+        return WorkerBatch(idx, rows, leaves)
+
+    def __repr__(self) -> str:
+        return f"Batched({self.dataset!r})"
+
+
+class Loader(torch.utils.data.DataLoader[Any]):
+    """The DataLoader ``loader()`` returns: a plain DataLoader over a :class:`Batched` dataset, whose
+    iterators turn the :class:`WorkerBatch` its workers send into batches (pinned if ``pin_memory``).
+
+    It takes exactly DataLoader's arguments, so code that rebuilds a DataLoader
+    from its class and arguments (Lightning's sampler injection) gets a Loader again.
+    """
+
+    def __iter__(self) -> Any:
+        inner = super().__iter__()
+        if self.num_workers == 0 or not isinstance(self.dataset, Batched):
+            return inner
+        return _Gathering(inner, self.dataset, pin=self.pin_memory and torch.accelerator.is_available())
+
+
+class _Gathering:
+    """An iterator of a :class:`Loader` with workers: the DataLoader's own, with worker batches gathered."""
+
+    def __init__(self, inner: Any, batched: Batched, *, pin: bool) -> None:
+        self.inner, self.batched, self.pin = inner, batched, pin
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.inner)
+        if type(batch) is WorkerBatch:
+            batch = self.batched.gather(batch)
+            if self.pin:
+                batch = _pinned(batch)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _pinned(batch: Any) -> Any:
+    """A gathered batch (dicts and lists of tensors) in pinned memory, as DataLoader's ``pin_memory`` makes it."""
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, dict):
+        return {key: _pinned(value) for key, value in batch.items()}
+    if isinstance(batch, list):
+        return [_pinned(value) for value in batch]
+    return batch

@@ -1,0 +1,191 @@
+"""A cache's fields as the torch layer sees them: inferred from a sample, declared, described.
+
+:class:`Schema` goes between samples and per-field leaves (through the pure
+structure codec, :mod:`mmapcache._structure`) and between storage arrays and
+tensors. The functions decide which fields a new file gets — the first
+sample's own (:func:`infer_fields`, with ``dtypes=``), or ``fields=`` checked
+against it — and spell them in messages.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._errors import SchemaMismatchError
+from .._field import Field, FieldsLike, normalize_fields
+from .._structure import Structure, name_leaves
+from .._tensors import torch_dtype
+from .._variable import text_value
+from ._leaves import SUPPORTED, check_declared, is_leaf, leaf_field, leaf_hint, leaf_shape, misfit
+
+__all__ = [
+    "Schema",
+    "check_declared_sample",
+    "declaration",
+    "declared_fields",
+    "describe",
+    "first_fields",
+    "infer_fields",
+    "sample_fields",
+    "storage_dtypes",
+]
+
+
+def infer_fields(sample: Any) -> dict[str, Field]:
+    """The cache fields for ``sample``, named by their place in it (see :mod:`mmapcache.torch`)."""
+    leaves = name_leaves(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
+    return {name: leaf_field(leaf, name) for name, leaf in leaves.items()}
+
+
+class Schema:
+    """The fields of the cache, and how to go between samples and per-field leaves."""
+
+    def __init__(self, fields: dict[str, Field], path: Path) -> None:
+        self.fields = dict(fields)
+        self.names = tuple(fields)
+        try:
+            self.structure = Structure(self.names)
+        except ValueError:
+            raise SchemaMismatchError(
+                f"the fields {list(self.names)} of the cache at {path} were not laid out by CachedDataset "
+                "(see mmapcache.torch's docstring for the naming); use another key or path",
+                path=path,
+                differences={"fields": (None, list(self.names))},
+            ) from None
+        self.tree = self.structure.tree
+        self.dtypes = tuple(torch_dtype(f) if f.torch_dtype is not None else None for f in fields.values())
+        self.build = self.structure.build
+        # Variable fields are read as one array per sample; the batch tricks are for fixed ones only.
+        self.variable = tuple(field.variable for field in fields.values())
+        self.fixed = [name for name, field in fields.items() if not field.variable]
+        self.ragged = any(self.variable)
+        self.texts = tuple(field.text for field in fields.values())
+
+    def to_tensor(self, array: Any, position: int) -> Any:
+        """A storage array of the field at ``position`` as a tensor of its torch dtype, sharing memory.
+
+        A text field's value is its ``str``/``bytes`` (decoded here when given as stored bytes).
+        """
+        kind = self.texts[position]
+        if kind is not None:
+            return array if isinstance(array, (str, bytes)) else text_value(kind, array)
+        tensor = torch.from_numpy(array)
+        dtype = self.dtypes[position]
+        return tensor if dtype is None else tensor.view(dtype)
+
+    def to_tensors(self, arrays: Iterable[np.ndarray[Any, Any]]) -> list[torch.Tensor]:
+        """Storage arrays (one per field) as tensors of the fields' torch dtypes, sharing memory."""
+        return [self.to_tensor(array, k) for k, array in enumerate(arrays)]
+
+    def flatten(self, sample: Any) -> list[Any]:
+        """``sample``'s leaves in field order; ValueError/TypeError naming the first part that does not fit."""
+        leaves = self.structure.candidates(sample)
+        if leaves is not None and all(map(is_leaf, leaves)):
+            return leaves
+        return self.structure.flatten(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
+
+    def samples(self, columns: list[Any]) -> list[Any]:
+        """Samples, as a read returns them, from storage columns (an array per fixed field, a list per variable one)."""
+        return self.build(
+            [
+                [self.to_tensor(a, k) for a in column] if self.variable[k] else self.to_tensor(column, k).unbind(0)
+                for k, column in enumerate(columns)
+            ]
+        )
+
+
+def describe(fields: Mapping[str, Field]) -> str:
+    """``{'0': (3, 32, 32) uint8, ...}``: fields as messages show them."""
+    return "{" + ", ".join(f"{name!r}: {field.shape} {field.dtype_name}" for name, field in fields.items()) + "}"
+
+
+def declared_fields(fields: FieldsLike) -> dict[str, Field]:
+    """``fields=`` of a CachedDataset, checked for what does not depend on the samples."""
+    declared = normalize_fields(fields)
+    try:
+        Structure(declared)
+    except ValueError as error:
+        raise ValueError(
+            f"fields= names {list(declared)} do not describe a sample ({error}). The names are the places of "
+            "the leaves in a sample: '.' for a bare leaf; '0', '1' for a tuple's elements; '[0]', '[1]' for a "
+            "list's; 'image' for a dict key; '1/m' one level down (see mmapcache.torch)"
+        ) from None
+    for name, field in declared.items():
+        check_declared(field, name)
+    return declared
+
+
+def storage_dtypes(dtypes: Mapping[str, Any]) -> dict[str, Any]:
+    """``dtypes=`` checked: field names to dtypes numpy or torch understand (kept as given, for pickling)."""
+    if not isinstance(dtypes, Mapping):
+        raise TypeError(
+            f"dtypes must map field names to dtypes, e.g. {{'0': torch.uint8}}, not {type(dtypes).__name__}"
+        )
+    for name, dtype in dtypes.items():
+        if not isinstance(name, str):
+            raise TypeError(f"dtypes= keys are field names (strings such as '0' or 'image'), not {name!r}")
+        check_declared(Field((), dtype), name)
+    return dict(dtypes)
+
+
+def sample_fields(sample: Any, index: int, dtypes: Mapping[str, Any] | None) -> dict[str, Field]:
+    """``sample``'s own fields, with the storage dtypes ``dtypes=`` sets."""
+    fields = infer_fields(sample)
+    for name, dtype in (dtypes or {}).items():
+        if name not in fields:
+            raise ValueError(
+                f"dtypes= names the field {name!r}, but dataset[{index}] has the fields {list(fields)} "
+                "(named by their place in the sample: see mmapcache.torch)"
+            )
+        if fields[name].text is not None:
+            raise TypeError(f"dtypes= gives field {name!r} a dtype, but it holds {fields[name].text} values")
+        fields[name] = Field(fields[name].shape, dtype)
+    return fields
+
+
+def check_declared_sample(sample: Any, index: int, fields: Mapping[str, Field]) -> None:
+    """TypeError/ValueError naming the field unless ``sample`` fits ``fields=``."""
+    problem = misfit(sample, fields)
+    if problem is not None:
+        kind, message = problem
+        raise kind(f"dataset[{index}] does not fit fields=: {message}")
+
+
+def first_fields(
+    sample: Any, index: int, declared: dict[str, Field] | None, dtypes: Mapping[str, Any] | None
+) -> dict[str, Field]:
+    """The fields to create the file with: ``fields=`` (checked against ``sample``) or ``sample``'s own.
+
+    ``dtypes=`` sets the storage dtype of the fields it names.
+    """
+    if declared is None:
+        return sample_fields(sample, index, dtypes)
+    check_declared_sample(sample, index, declared)
+    # The sample's order (dict keys keep theirs).
+    order = name_leaves(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
+    return {name: declared[name] for name in order}
+
+
+def declaration(schema: Schema, samples: list[Any]) -> str:
+    """``fields=`` as Python source: the schema, with None where ``samples`` differ in size."""
+    shapes = {name: list(field.shape) for name, field in schema.fields.items()}
+    for sample in samples:
+        try:
+            leaves = schema.flatten(sample)
+        except (TypeError, ValueError):
+            continue
+        for name, leaf in zip(schema.names, leaves, strict=True):
+            shape, seen = leaf_shape(leaf), shapes[name]
+            if len(shape) == len(seen):
+                shapes[name] = [None if old != new else old for old, new in zip(seen, shape, strict=True)]
+    entries = [
+        f"{json.dumps(name)}: Field({tuple(shapes[name])!r}, {json.dumps(field.dtype_name)})"
+        for name, field in schema.fields.items()
+    ]
+    return "{" + ", ".join(entries) + "}"

@@ -1,0 +1,529 @@
+"""One process's use of a CachedDataset's file: the handle, the counters, the read path and the miss path.
+
+A :class:`Session` is made in every process that uses the dataset (it pickles
+as the dataset's :class:`~._settings.Settings` and starts afresh after
+unpickling, and its counters and lock start afresh after ``fork``). It opens
+the file on first use — or creates it from the first batch that misses —
+runs the once-per-process checks (:mod:`._checks`) at the right moments, reads
+hits and loads, checks and stores misses. Samples come back before the
+dataset's ``transform``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._errors import CacheInUseError, SchemaMismatchError, StaleCacheError
+from .._field import Field
+from .._file import remove
+from .._format import slot_nbytes
+from .._slots import STRONGLY_ORDERED
+from ..cache import Cache
+from ._checks import check_deterministic, check_file, check_sample, check_stale, some_ready
+from ._columns import ShapeVariesError, columns, new_batch, rows, set_row
+from ._schema import Schema, declaration, first_fields
+from ._settings import Settings, not_map_style
+
+__all__ = ["Session"]
+
+log = logging.getLogger("mmapcache")
+
+_REFUTED_WAIT = 10.0  # seconds to wait for the holders of a refuted file to let go
+
+_LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # Counters are per process; a lock held by another thread at fork time would never be released.
+    for session in list(_LIVE):
+        session.hits = session.misses = session.written = 0
+        session.lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Session:
+    """This process's handle of the dataset's file, its counters, and its reads and writes."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        # Weakly ordered CPUs check every read (see mmapcache._slots); zero-copy views too.
+        self.check_reads = settings.verify or not STRONGLY_ORDERED
+        self.cache: Cache | None = None
+        self.schema: Schema | None = None
+        self.checked = False  # a sample from the dataset was compared with the cache's fields
+        self.deterministic = False  # the dataset gave the same sample twice (checked once per process)
+        self.transform_checked = False  # copy=False: the transform was seen not to write to its input
+        self.views: list[torch.Tensor | None] | None = None  # copy=False: tensors over a read-only mapping
+        self.readonly: Cache | None = None
+        self.lock = threading.Lock()
+        self.hits = self.misses = self.written = 0
+        _LIVE.add(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Session, (self.settings,))
+
+    # -- the file ------------------------------------------------------------------
+
+    def handle(self) -> Cache:
+        """The cache, opened now if needed (created from ``dataset[0]`` if missing)."""
+        cache = self.opened()
+        if cache is None:
+            if self.settings.length == 0:
+                raise ValueError("cannot create a cache of no samples (an empty dataset, or cached_indices empty)")
+            self.load([0], counted=False)
+            cache = self.cache
+            assert cache is not None
+        return cache
+
+    def opened(self) -> Cache | None:
+        """The cache if its file exists (opened now if needed); None if nobody created it yet.
+
+        The first open in a process compares ``check`` cached samples with fresh ones.
+        """
+        # `is None`, not truthiness: a Cache has a __len__.
+        if self.cache is not None:
+            return self.cache
+        with self.lock:
+            if self.cache is not None:
+                return self.cache
+            cache = self._open_file()
+            if cache is None:
+                return None
+            check_file(cache, self.settings)
+            self._adopt(cache, checked=False)
+        if self.settings.check:
+            self._check_content(cache)
+        return self.cache
+
+    def _open_file(self) -> Cache | None:
+        """The existing file, or None: missing, or refuted (removed here, to be created anew)."""
+        settings = self.settings
+        if settings.length == 0:
+            return None  # an empty shard has no file
+        deadline = time.monotonic() + _REFUTED_WAIT
+        while True:
+            try:
+                cache = Cache.open(
+                    settings.path,
+                    length=settings.length,
+                    key=settings.key,
+                    verify=settings.verify,
+                    dataset_indices=settings.cached_indices,
+                )
+            except FileNotFoundError:
+                return None
+            if not (cache.refuted and settings.fields is None):
+                return cache
+            # A first try created it from a sample whose shapes the rest of the dataset does not share.
+            cache.close()
+            try:
+                remove(settings.path)
+            except FileNotFoundError:
+                return None
+            except CacheInUseError as error:
+                if time.monotonic() > deadline:
+                    raise SchemaMismatchError(
+                        f"the cache at {settings.path} (key {settings.key!r}) was created with fields that do not "
+                        f"fit the dataset (a first try inferred them from one sample), and it is still open in "
+                        f"processes {error.pids}. Stop them (or close their datasets); the next use replaces it",
+                        path=settings.path,
+                    ) from None
+                time.sleep(0.05)
+                continue
+            log.warning("removed %s: its fields were found not to fit the dataset; creating it anew", settings.path)
+            return None
+
+    def _create(self, fields: dict[str, Field], text_bytes: int | None = None) -> Cache:
+        """Open the file, creating it with ``fields`` if it is missing.
+
+        ``text_bytes``: room for text values when ``max_bytes`` was not given (see :func:`_text_budget`).
+        """
+        settings = self.settings
+        with self.lock:
+            if self.cache is None:
+                cache = Cache.open(
+                    settings.path,
+                    fields,
+                    settings.length,
+                    key=settings.key,
+                    capacity=settings.capacity,
+                    max_bytes=settings.max_bytes if settings.max_bytes is not None else text_bytes,
+                    verify=settings.verify,
+                    dataset_indices=settings.cached_indices,
+                )
+                self._adopt(cache, checked=True)
+            assert self.cache is not None
+            return self.cache
+
+    def _adopt(self, cache: Cache, *, checked: bool) -> None:
+        self.schema = schema = Schema(cache.fields, self.settings.path)
+        self.checked = checked
+        if not self.settings.copy:
+            self.readonly = Cache.open(self.settings.path, readonly=True)
+            views = self.readonly.views
+            with warnings.catch_warnings():
+                # The mapping is PROT_READ: torch cannot make a tensor read-only,
+                # but the kernel refuses the write. That is the point of copy=False.
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+                # Variable fields have no such view: they are read as copies (None here).
+                self.views = [
+                    None if schema.variable[k] else schema.to_tensor(views[name], k)
+                    for k, name in enumerate(schema.names)
+                ]
+        self.cache = cache
+
+    def _check_content(self, cache: Cache) -> None:
+        """Compare up to ``check`` cached samples with fresh ones from the dataset: a stale cache is refused.
+
+        Costs ``check`` sample loads per process (one more for the first, loaded twice:
+        a dataset that is not deterministic is refused too).
+        """
+        positions = some_ready(cache, self.settings.check)
+        if not positions:
+            return
+        raw = self.fetch(positions)
+        indices = self.settings.sources(positions)
+        if not self.deterministic:
+            self._check_deterministic(indices[0], raw[0])
+        if not self.checked:
+            try:
+                self._check_sample(raw[0], indices[0])
+            except SchemaMismatchError as error:
+                raise StaleCacheError(
+                    str(error), path=self.settings.path, differences=error.differences, index=indices[0]
+                ) from None
+        schema = self.schema
+        assert schema is not None
+        fresh = schema.samples(self._columns(schema, indices, raw))
+        read, hits = cache.read_many(np.asarray(positions, np.intp), count=False)
+        for row, (index, sample) in enumerate(zip(indices, fresh, strict=True)):
+            if hits[row]:
+                values = [
+                    read[name][row] if schema.variable[k] else read[name][row, ...]
+                    for k, name in enumerate(schema.names)
+                ]
+                cached = schema.build([[schema.to_tensor(value, k)] for k, value in enumerate(values)])[0]
+                check_stale(cached, sample, index, self.settings)
+
+    def _check_sample(self, sample: Any, index: int) -> None:
+        assert self.cache is not None
+        check_sample(sample, index, self.cache.fields, self.settings)
+        self.checked = True
+
+    def _check_deterministic(self, index: int, sample: Any) -> None:
+        """The first miss of a process loads its sample twice: a random dataset must not be frozen in the cache."""
+        check_deterministic(sample, self.fetch_indices([index])[0], index, self.settings)
+        self.deterministic = True
+
+    def close(self) -> None:
+        """Release the file in this process (reopened on next use). Zero-copy tensors stay valid."""
+        with self.lock:
+            for cache in (self.cache, self.readonly):
+                if cache is not None:
+                    cache.close()
+            self.cache = self.readonly = None
+            self.views = None
+            self.schema = None
+
+    # -- reading -------------------------------------------------------------------
+
+    def get(self, index: Any) -> Any:
+        """The sample at dataset index ``index`` (validated like ``ds[i]``), from the file or loaded."""
+        i = self.settings.index(index)
+        shard = self.settings.cached_indices
+        if shard is not None:  # a shard: its position in the file, if it is one of them
+            at = int(shard.searchsorted(i))
+            if at == len(shard) or shard[at] != i:  # not one of cached_indices: read from the dataset every time
+                return self.uncached(np.array([i], np.intp))[0]
+            i = at
+        cache = self.cache if self.cache is not None else self.opened()
+        sample: Any = None
+        counted = False  # whether Cache.get counted a miss already
+        if cache is not None:
+            schema = self.schema
+            assert schema is not None
+            views = self.views
+            if views is None:
+                stored = cache.get(i)
+                if stored is not None:
+                    sample = schema.build([[t] for t in schema.to_tensors(stored[n] for n in schema.names)])[0]
+                counted = True
+            elif i in cache:
+                if not self.check_reads and not schema.ragged:
+                    cache.count(hits=1)
+                    sample = schema.build([[view[i]] for view in views if view is not None])[0]
+                else:
+                    stored = cache.get(i)  # verifies the slot; variable fields come from here
+                    if stored is not None:
+                        leaves = [
+                            schema.to_tensor(stored[name], k) if view is None else view[i]
+                            for k, (name, view) in enumerate(zip(schema.names, views, strict=True))
+                        ]
+                        sample = schema.build([[leaf] for leaf in leaves])[0]
+                counted = True
+        if sample is None:
+            return self.load([i], counted=counted)[0]
+        self.hits += 1
+        return sample
+
+    def get_many(self, indices: Sequence[int]) -> list[Any]:
+        """The samples at ``indices``: one vectorized read for the hits, one batch write for the misses."""
+        given = self.settings.indices(indices)
+        idx = self.settings.positions(given)
+        if idx is None:  # some are not among cached_indices: read those from the dataset
+            return self._partly_cached(given)
+        cache = self.cache if self.cache is not None else self.opened()
+        if cache is None:  # nobody created the file yet: this batch creates it
+            return self.load(idx.tolist(), counted=False)
+        schema = self.schema
+        assert schema is not None
+        if self.views is None:
+            return schema.build([rows(column) for column in self.gather(cache, idx)])
+        return self._read_views(cache, idx)
+
+    def uncached(self, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
+        """Samples of indices outside ``cached_indices``: from the dataset, as a cached read returns them."""
+        self.misses += len(idx)
+        raw = self.fetch_indices(idx.tolist())
+        if self.settings.length == 0:  # an empty shard (fewer samples than nodes): no file, every read uncached
+            if self.schema is None:
+                fields = first_fields(raw[0], int(idx[0]), self.settings.fields, self.settings.dtypes)
+                self.schema = Schema(fields, self.settings.path)
+        else:
+            self.handle().count(misses=len(idx))  # its schema converts them (creating it from a cached index)
+        assert self.schema is not None
+        return self.schema.samples(self._columns(self.schema, idx.tolist(), raw))
+
+    def _partly_cached(self, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
+        """``get_many`` for indices of which some are outside ``cached_indices``; the order kept."""
+        assert self.settings.cached_indices is not None
+        member = np.isin(idx, self.settings.cached_indices)
+        out: list[Any] = [None] * len(idx)
+        found = np.flatnonzero(member)
+        if found.size:
+            for row, sample in zip(found.tolist(), self.get_many(idx[found].tolist()), strict=True):
+                out[row] = sample
+        others = np.flatnonzero(~member)
+        for row, sample in zip(others.tolist(), self.uncached(idx[others]), strict=True):
+            out[row] = sample
+        return out
+
+    def gather(
+        self,
+        cache: Cache,
+        idx: np.ndarray[Any, np.dtype[np.intp]],
+        given_rows: Sequence[int] = (),
+        leaves: Sequence[list[Any]] = (),
+        *,
+        counted: bool = False,
+    ) -> list[Any]:
+        """One column per field holding the samples at file positions ``idx``: hits read, misses loaded.
+
+        A fixed field's column is one fresh batch tensor (in a DataLoader worker, in shared
+        memory); a variable field's is a list of fresh tensors, one per sample, each of its own
+        shape. ``given_rows``/``leaves``: samples a worker already loaded and could not store;
+        ``counted``: the reads were counted in the file already (by that worker).
+        """
+        schema = self.schema
+        assert schema is not None
+        fixed = [schema.fields[name] for name in schema.fixed]
+        tensors, arrays = new_batch(
+            [(len(idx), *field.fixed_shape) for field in fixed],
+            [field.dtype for field in fixed],
+            [schema.dtypes[schema.names.index(name)] for name in schema.fixed],
+        )
+        out = dict(zip(schema.fixed, arrays, strict=True))
+        read, hits = cache.read_many(idx, out=out, count=not counted)  # variable fields: lists
+        self.hits += int(np.count_nonzero(hits))
+        batch = iter(tensors)
+        gathered: list[Any] = [
+            [None if a is None else schema.to_tensor(a, k) for a in read[name]] if schema.variable[k] else next(batch)
+            for k, name in enumerate(schema.names)
+        ]
+        for row, given in zip(given_rows, leaves, strict=True):
+            if not hits[row]:
+                set_row(gathered, row, given)
+                hits[row] = True
+        if not hits.all():
+            missing = np.flatnonzero(~hits)
+            for row, sample in zip(missing.tolist(), self.load(idx[missing].tolist(), counted=True), strict=True):
+                set_row(gathered, row, schema.flatten(sample))
+        return gathered
+
+    def _read_views(self, cache: Cache, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
+        """``copy=False``: hits as views of the read-only mapping, misses loaded; the order kept.
+
+        Variable fields have no such views: their values are read as fresh copies.
+        """
+        schema, views = self.schema, self.views
+        assert schema is not None
+        assert views is not None
+        read: dict[str, Any] = {}
+        if self.check_reads or schema.ragged:
+            read, hits = cache.read_many(idx)  # checks every slot; the copies of fixed fields are dropped
+        else:
+            hits = cache.contains_many(idx)
+            ready = int(np.count_nonzero(hits))
+            cache.count(hits=ready, misses=len(idx) - ready)
+        found_rows = np.flatnonzero(hits)
+        self.hits += len(found_rows)
+        found = idx[found_rows].tolist()
+        leaves = [
+            list(map(view.__getitem__, found))
+            if view is not None
+            else [schema.to_tensor(read[name][row], k) for row in found_rows.tolist()]
+            for k, (name, view) in enumerate(zip(schema.names, views, strict=True))
+        ]
+        cached = schema.build(leaves)
+        if len(found_rows) == len(idx):
+            return cached
+        out: list[Any] = [None] * len(idx)
+        for row, sample in zip(found_rows.tolist(), cached, strict=True):
+            out[row] = sample
+        missing = np.flatnonzero(~hits)
+        for row, sample in zip(missing.tolist(), self.load(idx[missing].tolist(), counted=True), strict=True):
+            out[row] = sample
+        return out
+
+    # -- misses ----------------------------------------------------------------------
+
+    def fetch(self, positions: list[int]) -> list[Any]:
+        """Raw samples for file positions, from the wrapped dataset."""
+        return self.fetch_indices(self.settings.sources(positions))
+
+    def fetch_indices(self, indices: list[int]) -> list[Any]:
+        """Raw samples from the wrapped dataset (through its ``__getitems__`` when it has one)."""
+        dataset = self.settings.dataset
+        getitems = getattr(dataset, "__getitems__", None)
+        try:
+            if getitems is not None and len(indices) > 1:
+                samples = list(getitems(indices))
+                if len(samples) != len(indices):
+                    raise ValueError(f"dataset.__getitems__ returned {len(samples)} samples for {len(indices)} indices")
+                return samples
+            return [dataset[i] for i in indices]
+        except NotImplementedError as error:
+            # A pipeline that only streams (a WebDataset with .with_length()) has a __getitem__ that refuses.
+            raise TypeError(
+                f"{not_map_style(dataset)} ({type(dataset).__name__}.__getitem__ raised NotImplementedError)"
+            ) from error
+
+    def load(self, positions: list[int], *, counted: bool) -> list[Any]:
+        """Misses: fetch from the dataset, write them back in one batch, return them as a hit would be.
+
+        ``counted``: the cache already counted these misses in the file.
+        """
+        self.misses += len(positions)
+        first_miss = not self.deterministic and bool(self.settings.check)
+        samples = self.store(positions, self.fetch(positions), first_miss=first_miss)
+        if not counted and self.cache is not None:
+            self.cache.count(misses=len(positions))
+        return samples
+
+    def store(self, positions: list[int], raw: list[Any], *, first_miss: bool = False) -> list[Any]:
+        """Store freshly loaded samples (checked against the schema first); return them as a read would.
+
+        ``first_miss``: once the batch passed the schema checks, its first sample is loaded once
+        more and compared, before anything is created or stored.
+        """
+        indices = self.settings.sources(positions)
+        cache = self.cache if self.cache is not None else self.opened()
+        if cache is None:
+            # Nobody created the file yet: the whole batch is checked against the schema first,
+            # so a batch whose shapes vary (without fields=) leaves no file behind.
+            fields = first_fields(raw[0], indices[0], self.settings.fields, self.settings.dtypes)
+            schema = Schema(fields, self.settings.path)
+            stored = self._columns(schema, indices, raw)
+            if first_miss:
+                self._check_deterministic(indices[0], raw[0])
+            cache = self._create(fields, _text_budget(schema, stored, self.settings.length))
+            assert self.schema is not None
+            if self.schema.names != schema.names:  # another process created it, its fields in another order
+                schema = self.schema
+                stored = self._columns(schema, indices, raw)
+        else:
+            if not self.checked:
+                self._check_sample(raw[0], indices[0])
+            assert self.schema is not None
+            schema = self.schema
+            stored = self._columns(schema, indices, raw)
+            if first_miss:
+                self._check_deterministic(indices[0], raw[0])
+        written = cache.put_many(positions, dict(zip(schema.names, stored, strict=True)))
+        self.written += int(np.count_nonzero(written))
+        return schema.samples(stored)
+
+    def _columns(self, schema: Schema, indices: list[int], raw: list[Any]) -> list[Any]:
+        """:func:`~._columns.columns`, with the advice (and the refuted file) for shapes that vary."""
+        try:
+            return columns(schema, indices, raw, self.settings.dtypes, declared=self.settings.fields is not None)
+        except ShapeVariesError as error:
+            raise ValueError(self._varying_shapes(schema, error, raw)) from None
+
+    def _refute(self) -> str:
+        """Mark the file as not fitting the dataset, and remove it now if nobody else has it open; say which."""
+        cache, path = self.cache, self.settings.path
+        if cache is None or cache.readonly:
+            return f"remove it (`mmapcache rm {path}`) before the next try."
+        cache.refute()
+        self.close()
+        try:
+            remove(path)
+        except CacheInUseError:
+            return (
+                "it is marked as not fitting the dataset, and the next try replaces it once the processes using "
+                "it now have let go (nothing to remove by hand)."
+            )
+        except FileNotFoundError:
+            pass
+        return "it was removed, so the next try starts afresh."
+
+    def _varying_shapes(self, schema: Schema, varies: ShapeVariesError, raw: list[Any]) -> str:
+        """The message for a sample whose shape differs from the first one's, when ``fields=`` was not given."""
+        index, error = varies.index, varies.error
+        name, shape, field = error.name, error.shape, error.field
+        if self.cache is None:  # nothing was created: the schema is the first sample's of this batch
+            where, exists = f"the first sample's is {field.shape}", ""
+        else:
+            where = f"the cache's field has the fixed shape {field.shape}"
+            exists = f" The cache at {self.settings.path} was made with fixed shapes: {self._refute()}"
+        if len(shape) != len(field.shape):
+            return (
+                f"dataset[{index}]: field {name!r} has shape {shape}, but {where}: a field has a fixed number of "
+                "dimensions; only their sizes may vary (declared as None with fields=). Reshape or pad before the "
+                f"cache, or move that part into transform.{exists}"
+            )
+        return (
+            f"dataset[{index}]: field {name!r} has shape {shape}, but {where}: without fields=, every field keeps "
+            "the fixed shape of the first sample. To cache samples whose shapes vary, declare the fields with None "
+            "for each dimension that varies, and a max_bytes= budget for the values: "
+            f"CachedDataset(..., fields={declaration(schema, raw)}, max_bytes=...), with Field from mmapcache. "
+            f"Or pad, crop or resize before the cache.{exists}"
+        )
+
+
+def _text_budget(schema: Schema, columns: list[Any], length: int) -> int | None:
+    """Bytes for a new file whose only variable fields are text and which got no ``max_bytes``.
+
+    The fixed parts of every slot, plus room for text values twice the mean size of the
+    first batch's (each value padded to 16 bytes), and 1 MiB: text found longer later may not
+    fit, and such samples are served uncached rather than failing.
+    """
+    variable = [k for k, v in enumerate(schema.variable) if v]
+    if not variable or any(schema.texts[k] is None for k in variable):
+        return None
+    count = max(len(columns[variable[0]]), 1)
+    mean = sum(len(value) + 16 for k in variable for value in columns[k]) / count
+    return length * slot_nbytes(schema.fields) + int(2 * mean * length) + 2**20
