@@ -37,8 +37,9 @@ from .._stream import (
     stream_status,
     usable,
 )
+from .._tensors import tensor_to_numpy
 from ..cache import Cache
-from ._columns import ShapeVariesError, columns
+from ._leaves import LeafShapeError, convert_leaf, fit
 from ._schema import Schema, declaration, declared_fields, describe, first_fields, storage_dtypes
 from ._settings import _default_path
 
@@ -294,8 +295,8 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         schema = Schema(fields, self.path)
         leaves = self._leaves(schema, first, index)
         value_bytes = sum(
-            -(-column[0].nbytes // 16) * 16
-            for column, field in zip(leaves, fields.values(), strict=True)
+            -(-np.asarray(leaf).nbytes // 16) * 16
+            for leaf, field in zip(leaves, fields.values(), strict=True)
             if field.variable
         )
         try:
@@ -318,11 +319,22 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
             raise type(error)(_as_element(str(error))) from None
 
     def _leaves(self, schema: Schema, element: Any, index: int) -> list[Any]:
-        """``element`` as storage columns of one row, in field order (checked against the fields)."""
+        """``element``'s leaves as storage arrays, in field order, checked against the fields.
+
+        One element at a time: arrays are views of the element's own tensors where they can be
+        (``Cache.put`` copies them into the file), so the first epoch copies nothing more.
+        """
+        fields = list(schema.fields.items())
+        arrays: list[Any] = []
         try:
-            return columns(schema, [index], [element], self.dtypes, declared=self.fields is not None)
-        except ShapeVariesError as varies:
-            error = varies.error
+            for leaf, (name, field) in zip(schema.flatten(element), fields, strict=True):
+                if self.dtypes is not None and name in self.dtypes:
+                    leaf = convert_leaf(leaf, field, name)
+                fitted = fit(leaf, field, name)
+                arrays.append(tensor_to_numpy(fitted, field, name) if isinstance(fitted, torch.Tensor) else fitted)
+        except LeafShapeError as error:
+            if self.fields is not None:
+                raise ValueError(f"stream element {index}: {error}, which fields= declares") from None
             raise ValueError(
                 f"stream element {index}: field {error.name!r} has shape {error.shape}, but the cache's field has "
                 f"the fixed shape {error.field.shape}: without fields=, every field keeps the shape of the first "
@@ -331,17 +343,23 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                 f"a new key or remove the cache (`mmapcache rm {self.path}`)"
             ) from None
         except (TypeError, ValueError) as error:
-            raise type(error)(_as_element(str(error))) from None
+            raise type(error)(
+                f"stream element {index}: {error}. mmapcache caches samples of one structure and dtype per field "
+                f"({describe(schema.fields)}); convert them in the stream before the cache"
+            ) from None
+        return arrays
 
     @staticmethod
     def _build(schema: Schema, leaves: list[Any]) -> Any:
-        """The element as a read from the cache returns it (tensors sharing the fresh columns; str/bytes for text)."""
-        return schema.samples(leaves)[0]
+        """The element as a read from the cache returns it (tensors over its storage arrays; str/bytes for text)."""
+        return schema.build([[schema.to_tensor(_writable(leaf, schema.texts[k]), k)] for k, leaf in enumerate(leaves)])[
+            0
+        ]
 
     @staticmethod
     def _row(schema: Schema, leaves: list[Any]) -> dict[str, Any]:
-        """What ``Cache.put`` stores: each field's value of the one row."""
-        return {name: column[0] for name, column in zip(schema.names, leaves, strict=True)}
+        """What ``Cache.put`` stores: the element's storage arrays by field name."""
+        return dict(zip(schema.names, leaves, strict=True))
 
     # -- what it knows -------------------------------------------------------------------
 
@@ -410,6 +428,13 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
 
     def __repr__(self) -> str:
         return f"CachedStream({type(self.stream).__name__}, path={str(self.path)!r}, key={self.key!r})"
+
+
+def _writable(array: Any, text: str | None) -> Any:
+    """``array``, copied if torch would have to share a read-only buffer (text is decoded, never shared)."""
+    if text is None and isinstance(array, np.ndarray) and not array.flags.writeable:
+        return array.copy()
+    return array
 
 
 def _as_element(message: str) -> str:
