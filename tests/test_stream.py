@@ -316,3 +316,14 @@ def test_info_says_how_far_the_fill_of_a_stream_got(tmp_path: Path) -> None:
     _run(path, Partition(0, 1, 1, 2), 5)
     assert info(path).to_dict()["stream"]["complete"] is True
     assert "complete: 25 elements" in format_info(info(path), clock.time())
+
+
+def test_a_stream_cache_is_not_resized_but_says_how_to_get_a_larger_one(tmp_path: Path) -> None:
+    from mmapcache import resize
+
+    path = tmp_path / "s.mmc"
+    _run(path, Partition(), 10)
+    with pytest.raises(ValueError, match=r"caches a stream .* cannot be resized"):
+        resize(path, max_bytes="8MiB")
+    with _open(path) as cache:
+        assert stream_status(cache).cached  # untouched
