@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._jagged import Jagged, rows_like
 from ._slots import READY, SlotTable
 from ._values import coerce_batch
 from ._variable import text_value
@@ -373,7 +374,7 @@ def get_or_load_many(
         run.load_free(here)
     found = int(np.count_nonzero(loaded))
     cache.count(hits=len(idx) - found, misses=found)
-    return batch, loaded
+    return run.finished(), loaded
 
 
 class _Run:
@@ -388,9 +389,21 @@ class _Run:
         loaded: np.ndarray[Any, Any],
         load: Callable[[list[int]], Any],
     ) -> None:
-        self.cache, self.flight, self.idx, self.batch, self.loaded, self.load = cache, flight, idx, batch, loaded, load
+        self.cache, self.flight, self.idx, self.loaded, self.load = cache, flight, idx, loaded, load
         self.rows: dict[int, list[int]] = {}
         self.fields = cache.fields
+        # A read-only Jagged batch becomes a list of rows while rows are filled in (see finished).
+        self.jagged = {name: values for name, values in batch.items() if isinstance(values, Jagged)}
+        self.batch: dict[str, Any] = {
+            name: list(values) if name in self.jagged else values for name, values in batch.items()
+        }
+
+    def finished(self) -> dict[str, Any]:
+        """The batch with every row filled, as a read returns it (variable fields: one Jagged each)."""
+        return {
+            name: rows_like(self.jagged[name], values) if name in self.jagged else values
+            for name, values in self.batch.items()
+        }
 
     def hold(self, index: int) -> bool:
         return self.cache._hold(index)

@@ -31,8 +31,9 @@ from ._format import ELEMENT_RECORD_SIZE, MAX_PARTITIONS, Header, Layout, slot_n
 from ._heap import extent_size_for
 from ._holders import held_by
 from ._partitions import ENDED, FULL, PartitionState, StreamRegion, read_region
+from ._plan import creation_info
 from ._sizes import parse_bytes
-from .cache import Cache, _creation_info, attach_opened
+from .cache import Cache, attach_opened
 
 __all__ = [
     "Partition",
@@ -305,7 +306,7 @@ def _create(path: Path, key: str, partition: Partition, plan: StreamPlan, timeou
         length=plan.slots,
         capacity=plan.slots,
         key=key,
-        created=_creation_info(),
+        created=creation_info(),
         variable_size=plan.variable_size,
         extent_size=extent_size_for(plan.variable_size) if plan.variable_size else 0,
         stream=partition.partitioning,

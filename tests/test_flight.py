@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from _flight_procs import (
     wrong_rows,
 )
 
-from mmapcache import Cache, Claims
+from mmapcache import Cache, Claims, Jagged
 from mmapcache._flight import CHEAP_LOAD, WAIT_TIMEOUT
 
 FORK = multiprocessing.get_context("fork")
@@ -41,17 +40,6 @@ def path(tmp_path: Path) -> Path:
     with Cache.open(tmp_path / "c.mmc", FIXED, 64):
         pass
     return tmp_path / "c.mmc"
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Any]]:
-    """Processes a test starts; any still alive at the end are killed (a failed test leaves none behind)."""
-    started: list[Any] = []
-    yield started
-    for proc in started:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(10)
 
 
 def start(procs: list[Any], target: Any, *args: Any) -> Any:
@@ -103,6 +91,23 @@ def test_variable_and_text_fields_are_loaded_once_and_read_back_exactly(tmp_path
         assert not loaded.any()
         assert wrong_rows(batch, indices, variable=True) == []
         assert isinstance(batch["text"][4], str)
+
+
+def test_a_partly_cached_variable_batch_comes_back_as_one_jagged_per_field(tmp_path: Path) -> None:
+    indices = [5, 2, 9, 5, 0, 7]  # 2 and 7 cached, 5 twice, 0 an empty row
+    with Cache.open(tmp_path / "v.mmc", VARIABLE, 12, max_bytes="1MiB") as cache:
+        cache.put_many(
+            [2, 7], {name: [sample(2, variable=True)[name], sample(7, variable=True)[name]] for name in VARIABLE}
+        )
+        batch, loaded = cache.get_or_load_many(indices, lambda idx: [sample(i, variable=True) for i in idx])
+        assert loaded.tolist() == [True, False, True, True, True, False]
+        assert isinstance(batch["tokens"], Jagged)
+        assert batch["tokens"].present.all()
+        assert isinstance(batch["text"], list)
+        assert wrong_rows(batch, indices, variable=True) == []
+        again, loaded = cache.get_or_load_many(indices, lambda idx: pytest.fail(f"{idx} loaded twice"))
+        assert not loaded.any()
+        assert again["tokens"] == batch["tokens"]
 
 
 def test_threads_sharing_one_handle_load_each_sample_once(path: Path) -> None:

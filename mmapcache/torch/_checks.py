@@ -1,18 +1,22 @@
-"""The checks a CachedDataset makes once per process: the right file, fresh content, a deterministic
-dataset, a transform that leaves its input alone.
+"""The checks a CachedDataset makes: the right file, fresh content, a deterministic dataset.
 
 Each is a function of what it checks, raising the error that says what to do;
-the session (:mod:`._session`) decides when to call them.
+the session (:mod:`._session`) decides when to call them. The two spot checks
+that load samples (stale content, a deterministic dataset) run once per job:
+their outcome is a :class:`Verdict` that travels with the dataset to the
+processes it starts (DataLoader workers, spawned ranks), which trust it only
+while the process that reached it is one of their ancestors and the file is
+the one it checked.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from .._compare import difference
 from .._errors import CacheError, SchemaMismatchError, StaleCacheError
@@ -23,13 +27,91 @@ from ._schema import check_declared_sample, describe, sample_fields
 from ._settings import Settings
 
 __all__ = [
+    "Verdict",
     "check_deterministic",
     "check_file",
-    "check_in_place",
     "check_sample",
     "check_stale",
+    "file_identity",
     "some_ready",
 ]
+
+# How far up the process tree a verdict is looked for: a rank's DataLoader worker of a launcher is 3 levels down.
+_MAX_GENERATIONS = 32
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the spot checks found in one process, for the processes it starts.
+
+    ``process`` is that process (pid and start time: a pid alone is reused);
+    ``file`` the identity (:func:`file_identity`) of the file whose content it
+    found fresh, ``None`` if it checked none; ``deterministic`` whether it saw
+    the dataset give one sample twice, the same.
+    """
+
+    process: tuple[int, int]
+    file: tuple[Any, ...] | None
+    deterministic: bool
+
+    @staticmethod
+    def here(file: tuple[Any, ...] | None, *, deterministic: bool) -> Verdict | None:
+        """This process's verdict; ``None`` when it found nothing to pass on (or cannot name itself)."""
+        me = _process(os.getpid())
+        if me is None or (file is None and not deterministic):
+            return None
+        return Verdict(me, file, deterministic)
+
+    def state(self) -> tuple[Any, ...]:
+        """The verdict as plain values (what a pickled dataset carries: no private class names)."""
+        return (*self.process, self.file, self.deterministic)
+
+    @staticmethod
+    def of(state: Any) -> Verdict | None:
+        """The verdict :meth:`state` gave (``None`` for ``None`` or anything else)."""
+        if not (isinstance(state, tuple) and len(state) == 4):
+            return None
+        pid, start, file, deterministic = state
+        return Verdict((pid, start), file, bool(deterministic))
+
+    def inherited(self) -> bool:
+        """Whether this process descends from the one that reached the verdict (a process of the same job)."""
+        pid = os.getpid()
+        for _ in range(_MAX_GENERATIONS):
+            parent = _parent(pid)
+            if parent is None or parent <= 0:
+                return False
+            if parent == self.process[0]:
+                return _process(parent) == self.process
+            pid = parent
+        return False
+
+
+def file_identity(cache: Cache) -> tuple[Any, ...]:
+    """Which file ``cache`` is, across processes: its inode (reused once a file is removed) and creation record."""
+    st = os.fstat(cache._handle.fd)
+    return (st.st_dev, st.st_ino, tuple(sorted((str(k), str(v)) for k, v in cache.created.items())))
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (the 3rd field on), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2 :].split()
+
+
+def _parent(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
+
+
+def _process(pid: int) -> tuple[int, int] | None:
+    """``(pid, start time in clock ticks since boot)``: names one process for as long as the machine runs."""
+    fields = _stat(pid)
+    return (pid, int(fields[19])) if fields else None
 
 
 def check_file(cache: Cache, settings: Settings) -> None:
@@ -91,19 +173,40 @@ def check_sample(sample: Any, index: int, found: dict[str, Field], settings: Set
         )
 
 
-def some_ready(cache: Cache, count: int) -> list[int]:
-    """Up to ``count`` READY positions, drawn at random (this process's own draw).
+_SCAN_CHUNK = 1 << 16  # slots whose states one step of the scan reads
+_SCAN_LIMIT = 1 << 22  # slots the scan reads at most (~30 ms): the check is a sample, never a sweep
 
-    A few random probes find them in a well-filled cache; a sparse one is scanned (a byte per slot).
+
+def some_ready(cache: Cache, count: int) -> list[int]:
+    """Up to ``count`` READY positions, drawn at random (this process's own draw), in O(``count``) memory.
+
+    Only the first ``capacity`` positions can be READY. ``16 * count`` random
+    probes of their states find enough in a well-filled cache; a sparse one
+    is then scanned in chunks of states from a random position onwards
+    (wrapping around), for at most ``_SCAN_LIMIT`` slots — a cache that sparse
+    and that large may be checked on fewer samples, or none.
     """
+    slots = cache.capacity
+    if count <= 0 or slots == 0:
+        return []
     rng = np.random.default_rng()
-    probe = rng.choice(cache.length, size=min(cache.length, 16 * count), replace=False)
+    probe = np.unique(rng.integers(0, slots, size=min(slots, 16 * count)))
     ready = probe[cache.contains_many(probe)]
-    if len(ready) < count and len(probe) < cache.length:
-        everything = np.arange(cache.length)
-        filled = everything[cache.contains_many(everything)]
-        ready = rng.choice(filled, size=min(count, len(filled)), replace=False) if len(filled) else filled
-    return sorted(int(i) for i in ready[:count])
+    if len(ready) < count and len(probe) < slots:
+        start = int(rng.integers(0, slots))
+        found = [ready]
+        have = len(ready)
+        for offset in range(0, min(slots, _SCAN_LIMIT), _SCAN_CHUNK):
+            chunk = (start + offset + np.arange(min(_SCAN_CHUNK, slots - offset))) % slots
+            hit = chunk[cache.contains_many(chunk)]
+            found.append(hit)
+            have += len(hit)
+            if have >= 16 * count:
+                break
+        ready = np.unique(np.concatenate(found))
+    if len(ready) > count:
+        ready = rng.choice(ready, size=count, replace=False)
+    return sorted(int(i) for i in ready)
 
 
 def check_stale(cached: Any, fresh: Any, index: int, settings: Settings) -> None:
@@ -143,51 +246,8 @@ def check_deterministic(first: Any, again: Any, index: int, settings: Settings) 
         )
 
 
-def check_in_place(transform: Callable[[Any], Any], sample: Any) -> None:
-    """``copy=False``: run the transform once on a writable copy; one that writes to its input is refused.
-
-    Zero-copy samples are read-only views of the shared file: an in-place
-    transform would crash the process with SIGSEGV. torch's version counters
-    tell whether the transform wrote to any tensor of the sample.
-    """
-    copy = _clone(sample)
-    tensors = list(_tensors(copy))
-    versions = [t._version for t in tensors]
-    transform(copy)
-    if any(t._version != v for t, v in zip(tensors, versions, strict=True)):
-        raise ValueError(
-            f"transform {transform!r} writes to its input in place (e.g. Normalize(inplace=True), "
-            "tensor.mul_(), x[...] = ...), but with copy=False the samples are read-only views of the shared "
-            "cache file: the write would kill the process with SIGSEGV. Use CachedDataset(..., copy=True) "
-            "(the default), or make the transform out of place (e.g. Normalize(inplace=False))"
-        )
-
-
 def _field_of(found: str) -> str | None:
     """The field a :func:`difference` message names (``sample[0]`` -> ``"0"``), if it names one."""
     match = re.match(r"sample((?:\[[^\]]*\])*)", found)
     parts = re.findall(r"\[([^\]]*)\]", match.group(1)) if match else []
     return "/".join(part.strip("'\"") for part in parts) or None
-
-
-def _clone(sample: Any) -> Any:
-    """``sample`` with every tensor cloned (writable), its structure kept."""
-    if isinstance(sample, torch.Tensor):
-        return sample.clone()
-    if isinstance(sample, dict):
-        return {key: _clone(value) for key, value in sample.items()}
-    if isinstance(sample, (tuple, list)):
-        return type(sample)(_clone(value) for value in sample)
-    return sample
-
-
-def _tensors(sample: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``sample``."""
-    if isinstance(sample, torch.Tensor):
-        yield sample
-    elif isinstance(sample, dict):
-        for value in sample.values():
-            yield from _tensors(value)
-    elif isinstance(sample, (tuple, list)):
-        for value in sample:
-            yield from _tensors(value)

@@ -17,7 +17,7 @@ import torch.utils.data
 
 from .._field import FieldsLike
 from ..cache import Cache
-from ._checks import check_in_place
+from ._checks import Verdict
 from ._collate import as_is
 from ._fill import fill
 from ._loader import Batched, Loader
@@ -40,6 +40,7 @@ _ARGUMENTS = (
     "cached_indices",
     "dtypes",
     "check",
+    "timeout",
 )
 # For a pickle that lacks some of them (made before they existed).
 _DEFAULTS: dict[str, Any] = {
@@ -52,6 +53,7 @@ _DEFAULTS: dict[str, Any] = {
     "cached_indices": None,
     "dtypes": None,
     "check": 2,
+    "timeout": 60.0,
 }
 
 
@@ -76,8 +78,12 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     sample. ``fields`` declares them instead, by the leaves' field names (see
     the module docstring), and may give dimensions that vary from sample to
     sample as ``None``: for ``(tokens, label)`` samples,
-    ``fields={"0": Field((None,), "int64"), "1": Field((), "int64")}``. Such
-    a cache needs ``max_bytes`` (it sizes the room for the variable values).
+    ``fields={"0": Field((None,), "int64"), "1": Field((), "int64")}``.
+    ``max_bytes`` sizes the room for the values of such fields (text
+    included); without it, 64 samples spread over the dataset are loaded
+    (and stored) before the file is created, and it gets room for 1.25
+    times their mean size per sample, capped by the free space (see
+    docs/torch.md).
 
     ``key`` names the cached content: the dataset and its deterministic
     preprocessing. Change it whenever they change: a cache is reused whenever
@@ -95,15 +101,29 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     differs), and the first miss of a process loads its sample twice (a
     :class:`~mmapcache.CacheError` when the two differ: random augmentation
     belongs in ``transform``). It costs ``check + 1`` sample loads per
-    process; ``check=0`` turns both checks off.
+    job: the processes a checking process starts (DataLoader workers,
+    spawned ranks) inherit its verdict with the dataset, and :meth:`loader`
+    checks in the main process before its workers start; ``check=0`` turns
+    both checks off.
+
+    A miss is loaded once per node: a sample another process (a worker,
+    another job) is loading is waited for and read from the file rather than
+    loaded again (single flight, see ``Cache.get_or_load_many``).
 
     ``transform`` runs after the cache on every access (random augmentation).
     ``copy=False`` returns zero-copy tensors over a read-only mapping of the
     file (an in-place write to one crashes the process with SIGSEGV rather
-    than corrupting the shared cache; a ``transform`` that writes to its
-    input is refused with a ``ValueError`` first); the default returns fresh
-    tensors.
+    than corrupting the shared cache); the default returns fresh tensors.
+    With a ``transform``, the transform always receives fresh, writable
+    tensors (``copy=False`` then copies each sample before it, as
+    ``copy=True`` does): whatever it writes stays in its own copy.
     ``verify=True`` checks each read against its slot checksum.
+
+    ``timeout`` (seconds, default 60) bounds each wait for another process
+    that holds the file's creation lock — creating or removing the file, or
+    checking a disk cache after a reboot (that wait lasts as long as the
+    check advances: see :meth:`Cache.open`) — before
+    :class:`~mmapcache.CacheTimeoutError`.
 
     ``cached_indices`` caches only those indices of ``dataset`` — one node's
     shard in a job spanning many nodes (see :class:`NodeShardSampler` and
@@ -133,6 +153,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         cached_indices: Sequence[int] | np.ndarray[Any, Any] | None = None,
         dtypes: Mapping[str, Any] | None = None,
         check: int = 2,
+        timeout: float = 60.0,
     ) -> None:
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, not {type(transform).__name__}")
@@ -148,28 +169,33 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             cached_indices=cached_indices,
             dtypes=dtypes,
             check=check,
+            timeout=timeout,
         )
         self.transform = transform
         self._start(settings)
 
-    def _start(self, settings: Settings) -> None:
+    def _start(self, settings: Settings, verdict: Verdict | None = None) -> None:
         self._settings = settings
-        self._session = Session(settings)
+        self._session = Session(settings, verdict)
         # The arguments, as attributes (and for pickling).
         self.dataset, self.key, self.path = settings.dataset, settings.key, settings.path
         self.max_bytes, self.capacity = settings.max_bytes, settings.capacity
         self.copy, self.verify, self.check = settings.copy, settings.verify, settings.check
+        self.timeout = settings.timeout
         self.fields, self.cached_indices, self.dtypes = settings.fields, settings.cached_indices, settings.dtypes
 
     # -- pickling: the path and the arguments, never the data -------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        return {name: self.__dict__[name] for name in _ARGUMENTS}
+        # The spot checks' verdict travels too: a process this one starts (a worker, a spawned rank) trusts it.
+        verdict = self._session.verdict()
+        return {**{name: self.__dict__[name] for name in _ARGUMENTS}, "verdict": verdict and verdict.state()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         given = {**_DEFAULTS, **state}
         self.transform = given["transform"]
-        self._start(Settings(**{name: given[name] for name in _ARGUMENTS if name != "transform"}))
+        settings = Settings(**{name: given[name] for name in _ARGUMENTS if name != "transform"})
+        self._start(settings, Verdict.of(given.get("verdict")))
 
     # -- the cache ---------------------------------------------------------------
 
@@ -188,10 +214,9 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Any:
-        sample = self._session.get(index)
         if self.transform is None:
-            return sample
-        return self._transformed([sample])[0]
+            return self._session.get(index)
+        return self._transformed([self._session.get(index, fresh=True)])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The samples at ``indices``: one vectorized read for the hits, one batch write for the misses.
@@ -202,16 +227,16 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         """
         if len(indices) == 0:
             return []
-        samples = self._session.get_many(indices)
-        return samples if self.transform is None else self._transformed(samples)
+        if self.transform is None:
+            return self._session.get_many(indices)
+        return self._transformed(self._session.get_many(indices, fresh=True))
 
     def _transformed(self, samples: list[Any]) -> list[Any]:
+        # The samples are fresh tensors even with copy=False (fresh=True above): a transform may write to
+        # its input (in place, through .data, on some calls only), and a write to a view of the read-only
+        # mapping of the shared file would kill the process with SIGSEGV.
         transform = self.transform
         assert transform is not None
-        session = self._session
-        if not session.transform_checked and session.views is not None:
-            check_in_place(transform, samples[0])  # copy=False: a transform that writes to its input is refused
-            session.transform_checked = True
         return [transform(sample) for sample in samples]
 
     # -- whole batches -------------------------------------------------------------
@@ -224,6 +249,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         sampler: torch.utils.data.Sampler[Any] | Iterable[Any] | None = None,
         num_workers: int = 0,
         drop_last: bool = False,
+        stateful: bool = False,
         **dataloader_kwargs: Any,
     ) -> torch.utils.data.DataLoader[Any]:
         """A DataLoader over this dataset that reads each batch of hits with one copy.
@@ -241,7 +267,17 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         (``pin_memory``, ``persistent_workers``, ``prefetch_factor``,
         ``multiprocessing_context``, ...) passes through, and samplers —
         ``DistributedSampler`` included — work as with ``DataLoader(ds)``.
+
+        ``stateful=True`` returns torchdata's ``StatefulDataLoader`` instead
+        (``pip install torchdata``; it then also takes ``snapshot_every_n_steps``):
+        save ``loader.state_dict()`` with a checkpoint, and a loader made the same
+        way and loads it with ``load_state_dict()`` yields exactly the batches that were
+        left in the epoch — with workers or without, over a full cache or one
+        still filling. Shuffle with a seeded ``generator=`` or a
+        ``NodeShardSampler`` so that a resumed job draws the same order.
         """
+        if not isinstance(stateful, bool):
+            raise TypeError(f"stateful must be True or False, not {stateful!r}")
         collate_fn = dataloader_kwargs.pop("collate_fn", None)
         batching = batch_size is not None or dataloader_kwargs.get("batch_sampler") is not None
         if collate_fn is None:
@@ -250,7 +286,13 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             collated = batching
         else:
             collated = False
-        return Loader(
+        if stateful:
+            from ._stateful import StatefulLoader
+
+            kind: type[Loader] = StatefulLoader
+        else:
+            kind = Loader
+        return kind(
             _batched(self, collated),
             batch_size=batch_size,
             shuffle=shuffle,
@@ -279,23 +321,42 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         """How the cache is used, by this process and by every process that uses the file.
 
         ``hits``, ``misses`` (reads that went to ``dataset``) and ``written``
-        (slots filled) count this process; ``total_hits``, ``total_misses``
+        (slots filled) count this process, and ``waited`` the hits among them
+        that were missing when this process looked and that it read once
+        another process — a worker, another job — had loaded them (single
+        flight: each sample is loaded once per node); ``total_hits``, ``total_misses``
         and ``total_written`` count every process that ever used the file —
         DataLoader workers, DDP ranks, other jobs — since it was created
         (they are kept in the file); ``processes`` is how many processes
         count into it now; ``filled``, ``capacity`` and ``length`` describe
         the file. For one epoch's hit rate across workers, subtract the totals
-        before it from those after it.
+        before it from those after it. A cache with variable-shape fields
+        adds its variable region (see :class:`~mmapcache.VariableRegion`):
+        ``variable_bytes`` in all, ``variable_claimed`` handed out to writers,
+        ``variable_used`` held by filled slots' values, and ``variable_free``
+        — samples whose values find no room are served uncached.
 
         Opens the cache (creating it from ``dataset[0]`` if missing).
         """
         session = self._session
         cache = session.handle()
         usage = cache.usage()
+        region = cache.variable_region
+        variable = (
+            {}
+            if region is None
+            else {
+                "variable_bytes": region.size,
+                "variable_claimed": region.claimed,
+                "variable_used": region.used,
+                "variable_free": region.free,
+            }
+        )
         return {
             "hits": session.hits,
             "misses": session.misses,
             "written": session.written,
+            "waited": session.waited,
             "total_hits": usage.total.hits,
             "total_misses": usage.total.misses,
             "total_written": usage.total.written,
@@ -303,6 +364,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             "filled": cache.filled,
             "capacity": cache.capacity,
             "length": cache.length,
+            **variable,
         }
 
     def __repr__(self) -> str:

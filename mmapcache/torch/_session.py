@@ -4,21 +4,26 @@ A :class:`Session` is made in every process that uses the dataset (it pickles
 as the dataset's :class:`~._settings.Settings` and starts afresh after
 unpickling, and its counters and lock start afresh after ``fork``). It opens
 the file on first use — or creates it from the first batch that misses —
-runs the once-per-process checks (:mod:`._checks`) at the right moments, reads
-hits and loads, checks and stores misses. Samples come back before the
-dataset's ``transform``.
+runs the checks (:mod:`._checks`) at the right moments, reads hits and loads,
+checks and stores misses. Samples come back before the dataset's ``transform``.
+
+Misses go through the core's single flight (``Cache.get_or_load_many``): a
+sample that another process — another DataLoader worker, another job — is
+loading is waited for and read, not loaded again. The spot checks that load
+samples run once per job: a session made from a pickle (a spawned worker) or
+inherited over ``fork`` takes its parent's :class:`~._checks.Verdict`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
-import time
 import warnings
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -27,9 +32,20 @@ from .._errors import CacheInUseError, SchemaMismatchError, StaleCacheError
 from .._field import Field
 from .._file import remove
 from .._format import slot_nbytes
+from .._heap import place
+from .._paths import free_bytes
+from .._sizes import format_bytes
 from .._slots import STRONGLY_ORDERED
 from ..cache import Cache
-from ._checks import check_deterministic, check_file, check_sample, check_stale, some_ready
+from ._checks import (
+    Verdict,
+    check_deterministic,
+    check_file,
+    check_sample,
+    check_stale,
+    file_identity,
+    some_ready,
+)
 from ._columns import ShapeVariesError, columns, new_batch, rows, set_row
 from ._schema import Schema, declaration, first_fields
 from ._settings import Settings, not_map_style
@@ -38,15 +54,13 @@ __all__ = ["Session"]
 
 log = logging.getLogger("mmapcache")
 
-_REFUTED_WAIT = 10.0  # seconds to wait for the holders of a refuted file to let go
-
 _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
     # Counters are per process; a lock held by another thread at fork time would never be released.
     for session in list(_LIVE):
-        session.hits = session.misses = session.written = 0
+        session.hits = session.misses = session.written = session.waited = 0
         session.lock = threading.Lock()
 
 
@@ -56,23 +70,30 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class Session:
     """This process's handle of the dataset's file, its counters, and its reads and writes."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, verdict: Verdict | None = None) -> None:
         self.settings = settings
         # Weakly ordered CPUs check every read (see mmapcache._slots); zero-copy views too.
         self.check_reads = settings.verify or not STRONGLY_ORDERED
         self.cache: Cache | None = None
         self.schema: Schema | None = None
         self.checked = False  # a sample from the dataset was compared with the cache's fields
-        self.deterministic = False  # the dataset gave the same sample twice (checked once per process)
-        self.transform_checked = False  # copy=False: the transform was seen not to write to its input
+        self.deterministic = False  # the dataset gave the same sample twice (checked once per job)
+        self.fresh: tuple[Any, ...] | None = None  # the file whose content was found fresh (checked once per job)
+        if verdict is not None and verdict.inherited():  # a process of the job that checked: trust it
+            self.deterministic, self.fresh = verdict.deterministic, verdict.file
         self.views: list[torch.Tensor | None] | None = None  # copy=False: tensors over a read-only mapping
         self.readonly: Cache | None = None
         self.lock = threading.Lock()
         self.hits = self.misses = self.written = 0
+        self.waited = 0  # misses read from the file once another process had loaded them (among the hits)
         _LIVE.add(self)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Session, (self.settings,))
+        return (Session, (self.settings, self.verdict()))
+
+    def verdict(self) -> Verdict | None:
+        """What this process's spot checks found, for the processes it starts (None: nothing yet)."""
+        return Verdict.here(self.fresh, deterministic=self.deterministic)
 
     # -- the file ------------------------------------------------------------------
 
@@ -82,7 +103,7 @@ class Session:
         if cache is None:
             if self.settings.length == 0:
                 raise ValueError("cannot create a cache of no samples (an empty dataset, or cached_indices empty)")
-            self.load([0], counted=False)
+            self.load([0])
             cache = self.cache
             assert cache is not None
         return cache
@@ -90,7 +111,8 @@ class Session:
     def opened(self) -> Cache | None:
         """The cache if its file exists (opened now if needed); None if nobody created it yet.
 
-        The first open in a process compares ``check`` cached samples with fresh ones.
+        The first open in a job compares ``check`` cached samples with fresh ones (not in a
+        process that inherited the verdict on this file from its parent).
         """
         # `is None`, not truthiness: a Cache has a __len__.
         if self.cache is not None:
@@ -103,8 +125,10 @@ class Session:
                 return None
             check_file(cache, self.settings)
             self._adopt(cache, checked=False)
-        if self.settings.check:
+        identity = file_identity(cache)
+        if self.settings.check and self.fresh != identity:
             self._check_content(cache)
+            self.fresh = identity
         return self.cache
 
     def _open_file(self) -> Cache | None:
@@ -112,43 +136,40 @@ class Session:
         settings = self.settings
         if settings.length == 0:
             return None  # an empty shard has no file
-        deadline = time.monotonic() + _REFUTED_WAIT
         while True:
             try:
+                named = os.stat(settings.path, follow_symlinks=False)
                 cache = Cache.open(
                     settings.path,
                     length=settings.length,
                     key=settings.key,
                     verify=settings.verify,
                     dataset_indices=settings.cached_indices,
+                    timeout=settings.timeout,
                 )
             except FileNotFoundError:
                 return None
-            if not (cache.refuted and settings.fields is None):
+            if not cache.refuted:
                 return cache
-            # A first try created it from a sample whose shapes the rest of the dataset does not share.
+            # A first try created it from a sample whose shapes the rest of the dataset does not share: it
+            # is never used again, so it is replaced even while processes of that try still hold it (they
+            # keep their nameless copy). mmapcache never links a removed file again, so the name held the
+            # opened file if it names the same one before and after the open; only that one is removed —
+            # another process may have replaced it already.
             cache.close()
             try:
-                remove(settings.path)
+                if not os.path.samestat(named, os.stat(settings.path, follow_symlinks=False)):
+                    continue
+                remove(settings.path, force=True, timeout=settings.timeout, same_as=named)
             except FileNotFoundError:
-                return None
-            except CacheInUseError as error:
-                if time.monotonic() > deadline:
-                    raise SchemaMismatchError(
-                        f"the cache at {settings.path} (key {settings.key!r}) was created with fields that do not "
-                        f"fit the dataset (a first try inferred them from one sample), and it is still open in "
-                        f"processes {error.pids}. Stop them (or close their datasets); the next use replaces it",
-                        path=settings.path,
-                    ) from None
-                time.sleep(0.05)
-                continue
+                continue  # replaced or removed meanwhile: open what the name holds now
             log.warning("removed %s: its fields were found not to fit the dataset; creating it anew", settings.path)
             return None
 
     def _create(self, fields: dict[str, Field], text_bytes: int | None = None) -> Cache:
         """Open the file, creating it with ``fields`` if it is missing.
 
-        ``text_bytes``: room for text values when ``max_bytes`` was not given (see :func:`_text_budget`).
+        ``text_bytes``: room for text values when ``max_bytes`` was not given (see :meth:`_size_variable`).
         """
         settings = self.settings
         with self.lock:
@@ -162,8 +183,10 @@ class Session:
                     max_bytes=settings.max_bytes if settings.max_bytes is not None else text_bytes,
                     verify=settings.verify,
                     dataset_indices=settings.cached_indices,
+                    timeout=settings.timeout,
                 )
                 self._adopt(cache, checked=True)
+                self.fresh = file_identity(cache)  # made from this job's samples (or a racing creator's, just now)
             assert self.cache is not None
             return self.cache
 
@@ -171,7 +194,7 @@ class Session:
         self.schema = schema = Schema(cache.fields, self.settings.path)
         self.checked = checked
         if not self.settings.copy:
-            self.readonly = Cache.open(self.settings.path, readonly=True)
+            self.readonly = Cache.open(self.settings.path, readonly=True, timeout=self.settings.timeout)
             views = self.readonly.views
             with warnings.catch_warnings():
                 # The mapping is PROT_READ: torch cannot make a tensor read-only,
@@ -187,7 +210,7 @@ class Session:
     def _check_content(self, cache: Cache) -> None:
         """Compare up to ``check`` cached samples with fresh ones from the dataset: a stale cache is refused.
 
-        Costs ``check`` sample loads per process (one more for the first, loaded twice:
+        Costs ``check`` sample loads per job (one more for the first, loaded twice:
         a dataset that is not deterministic is refused too).
         """
         positions = some_ready(cache, self.settings.check)
@@ -223,7 +246,7 @@ class Session:
         self.checked = True
 
     def _check_deterministic(self, index: int, sample: Any) -> None:
-        """The first miss of a process loads its sample twice: a random dataset must not be frozen in the cache."""
+        """The first miss of a job loads its sample twice: a random dataset must not be frozen in the cache."""
         check_deterministic(sample, self.fetch_indices([index])[0], index, self.settings)
         self.deterministic = True
 
@@ -239,8 +262,11 @@ class Session:
 
     # -- reading -------------------------------------------------------------------
 
-    def get(self, index: Any) -> Any:
-        """The sample at dataset index ``index`` (validated like ``ds[i]``), from the file or loaded."""
+    def get(self, index: Any, *, fresh: bool = False) -> Any:
+        """The sample at dataset index ``index`` (validated like ``ds[i]``), from the file or loaded.
+
+        ``fresh``: fresh tensors even with ``copy=False`` (what a transform gets).
+        """
         i = self.settings.index(index)
         shard = self.settings.cached_indices
         if shard is not None:  # a shard: its position in the file, if it is one of them
@@ -250,17 +276,15 @@ class Session:
             i = at
         cache = self.cache if self.cache is not None else self.opened()
         sample: Any = None
-        counted = False  # whether Cache.get counted a miss already
-        if cache is not None:
+        if cache is not None and i in cache:  # a miss is counted by the load (single flight)
             schema = self.schema
             assert schema is not None
-            views = self.views
+            views = None if fresh else self.views
             if views is None:
                 stored = cache.get(i)
                 if stored is not None:
                     sample = schema.build([[t] for t in schema.to_tensors(stored[n] for n in schema.names)])[0]
-                counted = True
-            elif i in cache:
+            else:
                 if not self.check_reads and not schema.ragged:
                     cache.count(hits=1)
                     sample = schema.build([[view[i]] for view in views if view is not None])[0]
@@ -272,24 +296,26 @@ class Session:
                             for k, (name, view) in enumerate(zip(schema.names, views, strict=True))
                         ]
                         sample = schema.build([[leaf] for leaf in leaves])[0]
-                counted = True
         if sample is None:
-            return self.load([i], counted=counted)[0]
+            return self.load([i])[0]
         self.hits += 1
         return sample
 
-    def get_many(self, indices: Sequence[int]) -> list[Any]:
-        """The samples at ``indices``: one vectorized read for the hits, one batch write for the misses."""
+    def get_many(self, indices: Sequence[int], *, fresh: bool = False) -> list[Any]:
+        """The samples at ``indices``: one vectorized read for the hits, one batch write for the misses.
+
+        ``fresh``: fresh tensors even with ``copy=False`` (what a transform gets).
+        """
         given = self.settings.indices(indices)
         idx = self.settings.positions(given)
         if idx is None:  # some are not among cached_indices: read those from the dataset
             return self._partly_cached(given)
         cache = self.cache if self.cache is not None else self.opened()
         if cache is None:  # nobody created the file yet: this batch creates it
-            return self.load(idx.tolist(), counted=False)
+            return self.load(idx.tolist())
         schema = self.schema
         assert schema is not None
-        if self.views is None:
+        if self.views is None or fresh:
             return schema.build([rows(column) for column in self.gather(cache, idx)])
         return self._read_views(cache, idx)
 
@@ -334,7 +360,8 @@ class Session:
         A fixed field's column is one fresh batch tensor (in a DataLoader worker, in shared
         memory); a variable field's is a list of fresh tensors, one per sample, each of its own
         shape. ``given_rows``/``leaves``: samples a worker already loaded and could not store;
-        ``counted``: the reads were counted in the file already (by that worker).
+        ``counted``: the reads were counted in the file already (by that worker). Misses are
+        loaded through :meth:`load` (which counts them).
         """
         schema = self.schema
         assert schema is not None
@@ -345,8 +372,11 @@ class Session:
             [schema.dtypes[schema.names.index(name)] for name in schema.fixed],
         )
         out = dict(zip(schema.fixed, arrays, strict=True))
-        read, hits = cache.read_many(idx, out=out, count=not counted)  # variable fields: lists
-        self.hits += int(np.count_nonzero(hits))
+        read, hits = cache.read_many(idx, out=out, count=False)  # variable fields: a sequence per field
+        found = int(np.count_nonzero(hits))
+        self.hits += found
+        if not counted:
+            cache.count(hits=found)
         batch = iter(tensors)
         gathered: list[Any] = [
             [None if a is None else schema.to_tensor(a, k) for a in read[name]] if schema.variable[k] else next(batch)
@@ -358,7 +388,7 @@ class Session:
                 hits[row] = True
         if not hits.all():
             missing = np.flatnonzero(~hits)
-            for row, sample in zip(missing.tolist(), self.load(idx[missing].tolist(), counted=True), strict=True):
+            for row, sample in zip(missing.tolist(), self.load(idx[missing].tolist()), strict=True):
                 set_row(gathered, row, schema.flatten(sample))
         return gathered
 
@@ -372,11 +402,10 @@ class Session:
         assert views is not None
         read: dict[str, Any] = {}
         if self.check_reads or schema.ragged:
-            read, hits = cache.read_many(idx)  # checks every slot; the copies of fixed fields are dropped
+            read, hits = cache.read_many(idx, count=False)  # checks every slot; the copies of fixed fields are dropped
         else:
             hits = cache.contains_many(idx)
-            ready = int(np.count_nonzero(hits))
-            cache.count(hits=ready, misses=len(idx) - ready)
+        cache.count(hits=int(np.count_nonzero(hits)))  # the misses are counted by the load
         found_rows = np.flatnonzero(hits)
         self.hits += len(found_rows)
         found = idx[found_rows].tolist()
@@ -393,7 +422,7 @@ class Session:
         for row, sample in zip(found_rows.tolist(), cached, strict=True):
             out[row] = sample
         missing = np.flatnonzero(~hits)
-        for row, sample in zip(missing.tolist(), self.load(idx[missing].tolist(), counted=True), strict=True):
+        for row, sample in zip(missing.tolist(), self.load(idx[missing].tolist()), strict=True):
             out[row] = sample
         return out
 
@@ -420,17 +449,58 @@ class Session:
                 f"{not_map_style(dataset)} ({type(dataset).__name__}.__getitem__ raised NotImplementedError)"
             ) from error
 
-    def load(self, positions: list[int], *, counted: bool) -> list[Any]:
-        """Misses: fetch from the dataset, write them back in one batch, return them as a hit would be.
+    def load(self, positions: list[int]) -> list[Any]:
+        """Misses: each loaded once per node and stored, then returned as a hit would be; counted in the file.
 
-        ``counted``: the cache already counted these misses in the file.
+        Through single flight (``Cache.get_or_load_many``): a sample another
+        process or thread is loading right now is waited for (bounded, and only
+        when loads are not cheap) and read from the file — counted as a hit and
+        as ``waited`` — instead of being loaded again. The first miss of a job
+        also loads its first sample twice (the determinism check). Before the
+        file exists, the batch creates it (:meth:`store`).
         """
-        self.misses += len(positions)
-        first_miss = not self.deterministic and bool(self.settings.check)
-        samples = self.store(positions, self.fetch(positions), first_miss=first_miss)
-        if not counted and self.cache is not None:
+        cache = self.cache if self.cache is not None else self.opened()
+        if cache is None:
+            self.misses += len(positions)
+            samples = self.store(positions, self.fetch(positions), first_miss=self._first_miss())
+            assert self.cache is not None
             self.cache.count(misses=len(positions))
-        return samples
+            return samples
+        schema = self.schema
+        assert schema is not None
+        before = _written(cache)
+        try:
+            batch, loaded = cache.get_or_load_many(positions, self._flight_load(schema))
+        except _VariesError as varies:  # raised once the held slots were let go: now the file may be refuted
+            raise ValueError(self._varying_shapes(schema, varies.error, varies.raw)) from None
+        fresh = int(np.count_nonzero(loaded))
+        self.written += _written(cache) - before
+        self.misses += fresh
+        self.hits += len(positions) - fresh
+        self.waited += len(positions) - fresh
+        return schema.samples([batch[name] for name in schema.names])
+
+    def _first_miss(self) -> bool:
+        """Whether the next load must also check that the dataset is deterministic (once per job)."""
+        return not self.deterministic and bool(self.settings.check)
+
+    def _flight_load(self, schema: Schema) -> Callable[[list[int]], dict[str, Any]]:
+        """The ``load`` single flight calls for the slots it holds: fetched, checked, as storage columns."""
+
+        def load(positions: list[int]) -> dict[str, Any]:
+            raw = self.fetch(positions)
+            indices = self.settings.sources(positions)
+            if not self.checked:
+                self._check_sample(raw[0], indices[0])
+            try:
+                stored = columns(schema, indices, raw, self.settings.dtypes, declared=self.settings.fields is not None)
+            except ShapeVariesError as error:
+                raise _VariesError(error, raw) from None
+            if self._first_miss():
+                self._check_deterministic(indices[0], raw[0])
+            return dict(zip(schema.names, stored, strict=True))
+
+        return load
 
     def store(self, positions: list[int], raw: list[Any], *, first_miss: bool = False) -> list[Any]:
         """Store freshly loaded samples (checked against the schema first); return them as a read would.
@@ -448,11 +518,17 @@ class Session:
             stored = self._columns(schema, indices, raw)
             if first_miss:
                 self._check_deterministic(indices[0], raw[0])
-            cache = self._create(fields, _text_budget(schema, stored, self.settings.length))
+            sized = self._size_variable(schema, positions, stored)
+            cache = self._create(fields, None if sized is None else sized.budget)
             assert self.schema is not None
             if self.schema.names != schema.names:  # another process created it, its fields in another order
                 schema = self.schema
                 stored = self._columns(schema, indices, raw)
+                if sized is not None:
+                    sized = sized._replace(columns=self._columns(schema, sized.indices, sized.raw))
+            if sized is not None and sized.positions:  # the samples loaded for sizing are stored, not wasted
+                batch = dict(zip(schema.names, sized.columns, strict=True))
+                self.written += int(np.count_nonzero(cache.put_many(sized.positions, batch)))
         else:
             if not self.checked:
                 self._check_sample(raw[0], indices[0])
@@ -464,6 +540,72 @@ class Session:
         written = cache.put_many(positions, dict(zip(schema.names, stored, strict=True)))
         self.written += int(np.count_nonzero(written))
         return schema.samples(stored)
+
+    def _size_variable(self, schema: Schema, positions: list[int], stored: list[Any]) -> _Sized | None:
+        """The byte budget of a new file with variable fields and no ``max_bytes``, from a spread sample.
+
+        ``SIZING_SAMPLES`` positions spread evenly over the file (the middles of as
+        many equal parts; the first batch's rows among them are not loaded again)
+        are loaded, checked and measured: the budget is the
+        fixed parts of every slot, plus ``SIZING_HEADROOM`` times the mean bytes of
+        a sample's variable values times the slots, plus 1 MiB (writers claim the
+        region in extents). It is capped by the file system's free space (a warning
+        says so, and what to do). The loaded samples are returned, to be stored.
+        """
+        settings = self.settings
+        if settings.max_bytes is not None or not schema.ragged:
+            return None
+        slots = settings.length if settings.capacity is None else min(settings.capacity, settings.length)
+        drawn = min(slots, SIZING_SAMPLES)
+        spread = sorted({int((j + 0.5) * slots / drawn) for j in range(drawn)})  # the middles of equal parts
+        extra = sorted(set(spread) - set(positions))
+        loaded = self.fetch(extra) if extra else []  # loads the user pays once, at creation (stored below)
+        # A sample that does not fit the fields is left out: it raises when it is read, as it would have.
+        fitting = [(p, sample) for p, sample in zip(extra, loaded, strict=True) if self._fits(schema, p, sample)]
+        extra = [p for p, _ in fitting]
+        indices, raw = self.settings.sources(extra), [sample for _, sample in fitting]
+        columns = self._columns(schema, indices, raw) if extra else [[] for _ in schema.names]
+        variable = [k for k, v in enumerate(schema.variable) if v]
+        # The mean over the spread sample only: the first batch (often the dataset's first samples) is
+        # no sample of the dataset; those of its rows that are in the spread sample count.
+        rows = {position: row for row, position in enumerate(positions)}
+        mine = [rows[p] for p in spread if p in rows] if extra else list(range(len(positions)))
+        values = [place(value.nbytes) for k in variable for value in columns[k]]
+        values += [place(stored[k][row].nbytes) for k in variable for row in mine]
+        measured = len(extra) + len(mine)
+        mean = sum(values) / max(measured, 1)
+        fixed = slots * slot_nbytes(schema.fields)
+        budget = fixed + math.ceil(SIZING_HEADROOM * mean * slots) + 2**20
+        free = free_bytes(settings.path.parent)
+        if free is not None and budget > free * 0.9:
+            capped = int(free * 0.9)
+            names = [schema.names[k] for k in variable]
+            log.warning(
+                "%s: the values of the variable fields %s take %s a sample on average (%d samples drawn), "
+                "so caching all %d samples needs about %s, but %s has only %s free: the cache is made with "
+                "%s, and samples whose values find no room are read from the dataset every time (see "
+                "stats()['variable_free'] and `mmapcache info`). Give max_bytes= to choose the size, or set "
+                "MMAPCACHE_DIR to a larger file system",
+                settings.path,
+                names,
+                format_bytes(int(mean)),
+                measured,
+                slots,
+                format_bytes(budget),
+                settings.path.parent,
+                format_bytes(free),
+                format_bytes(capped),
+            )
+            budget = capped
+        return _Sized(budget, extra, columns, indices, raw)
+
+    def _fits(self, schema: Schema, position: int, sample: Any) -> bool:
+        """Whether the sample at file position ``position`` can be stored with ``schema``."""
+        try:
+            columns(schema, self.settings.sources([position]), [sample], self.settings.dtypes, declared=True)
+        except (TypeError, ValueError):
+            return False
+        return True
 
     def _columns(self, schema: Schema, indices: list[int], raw: list[Any]) -> list[Any]:
         """:func:`~._columns.columns`, with the advice (and the refuted file) for shapes that vary."""
@@ -480,11 +622,11 @@ class Session:
         cache.refute()
         self.close()
         try:
-            remove(path)
+            remove(path, timeout=self.settings.timeout)
         except CacheInUseError:
             return (
-                "it is marked as not fitting the dataset, and the next try replaces it once the processes using "
-                "it now have let go (nothing to remove by hand)."
+                "it is marked as not fitting the dataset, and the next try replaces it, even while the processes "
+                "using it now still hold it (nothing to remove by hand)."
             )
         except FileNotFoundError:
             pass
@@ -514,16 +656,28 @@ class Session:
         )
 
 
-def _text_budget(schema: Schema, columns: list[Any], length: int) -> int | None:
-    """Bytes for a new file whose only variable fields are text and which got no ``max_bytes``.
+def _written(cache: Cache) -> int:
+    """Slots this handle has stored so far (the count it keeps in the file)."""
+    return cache._board.mine().written
 
-    The fixed parts of every slot, plus room for text values twice the mean size of the
-    first batch's (each value padded to 16 bytes), and 1 MiB: text found longer later may not
-    fit, and such samples are served uncached rather than failing.
-    """
-    variable = [k for k, v in enumerate(schema.variable) if v]
-    if not variable or any(schema.texts[k] is None for k in variable):
-        return None
-    count = max(len(columns[variable[0]]), 1)
-    mean = sum(len(value) + 16 for k in variable for value in columns[k]) / count
-    return length * slot_nbytes(schema.fields) + int(2 * mean * length) + 2**20
+
+class _VariesError(Exception):
+    """A sample whose shape does not fit the file's fields, found inside a single-flight load."""
+
+    def __init__(self, error: ShapeVariesError, raw: list[Any]) -> None:
+        super().__init__(str(error))
+        self.error, self.raw = error, raw
+
+
+SIZING_SAMPLES = 64  # samples a new file with variable fields and no max_bytes is sized from
+SIZING_HEADROOM = 1.25  # room for the variable values: this many times the sample's mean
+
+
+class _Sized(NamedTuple):
+    """A budget sized from a spread sample, and the samples loaded for it (stored once the file exists)."""
+
+    budget: int
+    positions: list[int]
+    columns: list[Any]
+    indices: list[int]
+    raw: list[Any]

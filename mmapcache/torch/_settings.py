@@ -42,6 +42,7 @@ class Settings:
     cached_indices: np.ndarray[Any, np.dtype[np.int64]] | None
     dtypes: dict[str, Any] | None
     check: int
+    timeout: float = 60.0
 
     @classmethod
     def checked(
@@ -58,6 +59,7 @@ class Settings:
         cached_indices: Sequence[int] | np.ndarray[Any, Any] | None,
         dtypes: Mapping[str, Any] | None,
         check: int,
+        timeout: float = 60.0,
     ) -> Settings:
         """The arguments of ``CachedDataset(...)``, each checked; TypeError/ValueError saying what is wrong."""
         if not isinstance(key, str):
@@ -76,6 +78,11 @@ class Settings:
             raise ValueError("give dtypes= or fields=, not both: fields= declares every field's dtype already")
         if isinstance(check, bool) or not isinstance(check, int) or check < 0:
             raise ValueError(f"check must be a number of samples (0 disables the check), not {check!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+            raise ValueError(
+                f"timeout must be a finite number of seconds >= 0, not {timeout!r}: how long to wait for another "
+                "process creating, removing or checking the cache file before CacheTimeoutError (default 60)"
+            )
         shard = None if cached_indices is None else _index_set(cached_indices, len(dataset))
         return cls(
             dataset=dataset,
@@ -89,6 +96,7 @@ class Settings:
             cached_indices=shard,
             dtypes=None if dtypes is None else storage_dtypes(dtypes),
             check=check,
+            timeout=float(timeout),
         )
 
     @property
