@@ -23,6 +23,7 @@ CASES = {
     "recipe_hf_datasets.py": ["--count", "120", "--side", "16", "--workers", "2"],
     "recipe_lightning.py": ["--length", "256", "--devices", "2", "--workers", "1", "--epochs", "1"],
     "recipe_from_stocaching.py": ["--length", "300", "--workers", "2"],
+    "stream_tokens.py": ["--count", "600", "--workers", "2", "--epochs", "2"],
 }
 
 

@@ -67,8 +67,10 @@ class Settings:
             raise TypeError(f"key must be a string naming the cached content, not {type(key).__name__}")
         if not key:
             raise ValueError("key must not be empty: it names the cached content (dataset + preprocessing)")
-        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            raise TypeError(f"dataset must be map-style (define __len__ and __getitem__); got {type(dataset).__name__}")
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not (
+            hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+        ):
+            raise TypeError(not_map_style(dataset))
         declared = declared_fields(fields) if fields is not None else None
         variable = declared is not None and any(field.variable for field in declared.values())
         if capacity is not None and max_bytes is not None and not variable:
@@ -145,6 +147,22 @@ class Settings:
             if int(idx.min()) < 0:
                 return np.fromiter((self.index(i) for i in indices), np.intp, len(indices))
         return idx
+
+
+def not_map_style(dataset: Any) -> str:
+    """The message for a dataset that cannot be read by index: a stream is CachedStream's."""
+    kind = type(dataset).__name__
+    if isinstance(dataset, torch.utils.data.IterableDataset) or hasattr(dataset, "__iter__"):
+        what = "an IterableDataset (a stream)" if isinstance(dataset, torch.utils.data.IterableDataset) else "iterable"
+        return (
+            f"dataset must be map-style (__len__ and a working __getitem__), but {kind} is {what}: cache a stream "
+            "with mmapcache.torch.CachedStream, which streams it once into the cache and then reads every epoch "
+            "from the file"
+        )
+    return (
+        f"dataset must be map-style (define __len__ and __getitem__); got {kind}. A stream, read by iterating "
+        "it, is cached with mmapcache.torch.CachedStream"
+    )
 
 
 def _default_path(key: str, shard: np.ndarray[Any, Any] | None = None) -> Path:
