@@ -87,7 +87,7 @@ class Settings:
         shard = None if cached_indices is None else _index_set(cached_indices, len(dataset))
         return cls(
             dataset=dataset,
-            path=Path(os.path.abspath(os.fspath(path))) if path is not None else _default_path(key, shard),
+            path=Path(os.path.abspath(os.fspath(path))) if path is not None else default_path(key, shard),
             key=key,
             max_bytes=max_bytes,
             capacity=capacity,
@@ -165,7 +165,7 @@ def not_map_style(dataset: Any) -> str:
     )
 
 
-def _default_path(key: str, shard: np.ndarray[Any, Any] | None = None) -> Path:
+def default_path(key: str, shard: np.ndarray[Any, Any] | None = None) -> Path:
     """``default_dir()/<key>-<hash>.mmc``; a shard's hash covers its index set too, so each shard has its own file."""
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._-")[:80] or "cache"
     named = hashlib.sha256(key.encode("utf-8"))

@@ -41,7 +41,7 @@ from .._tensors import tensor_to_numpy
 from ..cache import Cache
 from ._leaves import LeafShapeError, convert_leaf, fit
 from ._schema import Schema, declaration, declared_fields, describe, first_fields, storage_dtypes
-from ._settings import _default_path
+from ._settings import default_path
 
 __all__ = ["CachedStream"]
 
@@ -136,7 +136,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         self.shuffle = bool(shuffle)
         self.seed = seed
         self.epoch: int | None = None  # set_epoch's; None: each pass in a process draws the next
-        self.path = Path(os.path.abspath(os.fspath(path))) if path is not None else _default_path(key)
+        self.path = Path(os.path.abspath(os.fspath(path))) if path is not None else default_path(key)
         self._ranks: tuple[int, int] | None = None  # the main process's rank, handed to its workers
         self._init_process_state()
 
