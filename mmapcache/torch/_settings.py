@@ -25,7 +25,7 @@ from .._names import SUFFIX
 from .._paths import default_dir
 from ._schema import declared_fields, storage_dtypes
 
-__all__ = ["Settings"]
+__all__ = ["Settings", "default_path"]
 
 
 @dataclass(frozen=True, eq=False)
