@@ -8,13 +8,18 @@ Why a stored element is counted exactly once
 --------------------------------------------
 A writer of partition ``p`` holds the kernel lock on ``p``'s record and
 stores element ``j`` only when ``j == stored``. It writes ``pending = (slot,
-j)`` before it fills the slot and clears it after advancing ``stored``; each
-is one aligned 8-byte store. Killed
+j)`` and the slot's element record before it counts the slot, and clears
+``pending`` after advancing ``stored``; each is one aligned 8-byte store.
+A slot it fills before it counts it (a batch, :meth:`StreamRegion.reserve`)
+names no partition until then: a READY slot whose partition is not one of
+the file's holds no element. Killed
 
-* before the slot is READY: the slot is never READY (a hole nobody serves),
-  ``stored`` is still ``j``, and the next writer stores ``j`` elsewhere;
-* after READY, before ``stored`` moved: the next writer to take the lock
-  finds the pending slot READY with ``stored == j`` and rolls forward;
+* before the slot is READY, or before its element record names ``(p, j)``:
+  the slot is never counted (a hole nobody serves), ``stored`` is still
+  ``j``, and the next writer stores ``j`` elsewhere;
+* after READY with its record, before ``stored`` moved: the next writer to
+  take the lock finds the pending slot READY, recording ``(p, j)``, with
+  ``stored == j`` and rolls forward;
 * after ``stored`` moved: the pending element is below ``stored``, so the
   roll-forward does nothing twice.
 
@@ -34,9 +39,10 @@ from ._format import ELEMENT_RECORD_SIZE, PARTITION_RECORD_SIZE, Layout
 from ._locks import SlotLocks
 from ._slots import READY
 
-__all__ = ["ENDED", "FULL", "PartitionState", "StreamRegion", "read_region"]
+__all__ = ["ENDED", "FULL", "HOLE", "PartitionState", "StreamRegion", "read_region"]
 
 ENDED, FULL = 1, 2  # partition flags
+HOLE = 0xFFFFFFFF  # the partition of a slot that holds no element (yet)
 _BOOT_ID_SIZE = 16
 _ALLOCATED = 16  # offset of `allocated` in the stream page
 
@@ -158,8 +164,13 @@ class StreamRegion:
             return False
         pending = int(self.pending_slot[p])
         if pending:
-            element = int(self.pending_element[p])
-            if self.states[pending - 1] == READY and int(self.stored[p]) == element:
+            element, slot = int(self.pending_element[p]), pending - 1
+            if (
+                self.states[slot] == READY
+                and int(self.stored[p]) == element
+                and int(self.partition[slot]) == p
+                and int(self.element[slot]) == element
+            ):
                 self.stored[p] = element + 1  # published, then killed before it was counted
             self.pending_slot[p] = 0
         return True
@@ -189,6 +200,33 @@ class StreamRegion:
         """Count element ``element`` (its slot is READY)."""
         self.stored[p] = element + 1
         self.pending_slot[p] = 0
+
+    def reserve(self, slots: range) -> None:
+        """Mark ``slots`` as holding no element: they are filled first and counted one by one after (:meth:`count`)."""
+        self.partition[slots.start : slots.stop] = HOLE
+        self.element[slots.start : slots.stop] = 0
+
+    def count(self, p: int, first: int, slots: range) -> None:
+        """Count the READY reserved ``slots`` as elements ``first, first + 1, ...`` of ``p``, one at a time.
+
+        Each by the order of the module docstring: pending, element record,
+        ``stored``, pending cleared; a writer killed between two leaves the
+        ones after it holes.
+        """
+        pending_element, pending_slot, element, partition, stored = (
+            self.pending_element,
+            self.pending_slot,
+            self.element,
+            self.partition,
+            self.stored,
+        )
+        for j, slot in enumerate(slots, first):
+            pending_element[p] = j
+            pending_slot[p] = slot + 1
+            element[slot] = j
+            partition[slot] = p
+            stored[p] = j + 1
+            pending_slot[p] = 0
 
     def set_full(self, p: int) -> None:
         """An element of ``p`` did not fit; nothing after it is stored (the pending slot, if any, stays a hole)."""

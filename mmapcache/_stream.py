@@ -368,24 +368,15 @@ class PartitionWriter:
 
     def offer(self, j: int, sample: Mapping[str, Any]) -> bool:
         """Element ``j`` of the partition (0, 1, ... in stream order); True when this call stored it."""
-        if self.done:
+        if self.done or not self._may_store(j):
             return False
         stream = self.stream
-        if not self.held:
-            if not stream.try_lock(self.p):
-                return False
-            self.held = True
-            state = stream.state(self.p)
-            if state.ended or (j > state.stored and not state.full):
-                self._let_go()  # ended, or elements before j are missing: a later pass stores them
-                return False
         if j != stream.stored[self.p] or stream.flags[self.p] & FULL:
             return False
         if not self.slots:
             self.slots = stream.allocate(self.extent)
         if not self.slots:
-            stream.set_full(self.p)
-            log.warning("the stream cache %s is full: later elements are streamed uncached", self.cache.path)
+            self._full()
             return False
         slot, self.slots = self.slots[0], self.slots[1:]
         stream.begin(self.p, j, slot)
@@ -395,6 +386,56 @@ class PartitionWriter:
         stream.commit(self.p, j)
         self.stored += 1
         return True
+
+    def offer_many(self, first: int, batch: Mapping[str, Any], count: int) -> int:
+        """Elements ``first .. first + count - 1`` of the partition, as ``Cache.put_many`` takes them; how many it stored.
+
+        Those below the partition's ``stored`` are skipped (another pass has
+        them); the rest go into slots taken in one step, filled with one
+        ``put_many`` and only then counted, one by one (see ``_partitions.py``):
+        a pass killed in the middle leaves the uncounted ones holes, stored
+        again by the next pass.
+        """
+        if self.done or not self._may_store(first):
+            return 0
+        stream, p = self.stream, self.p
+        skip = int(stream.stored[p]) - first
+        if skip < 0 or skip >= count or stream.flags[p] & FULL:
+            return 0
+        slots = stream.allocate(count - skip)
+        if not slots:
+            self._full()
+            return 0
+        stream.reserve(slots)
+        rows = {
+            name: values[skip : skip + len(slots)] if skip or len(slots) < count else values
+            for name, values in batch.items()
+        }
+        stored = self.cache.put_many(np.arange(slots.start, slots.stop), rows)
+        fit = len(slots) if stored.all() else int(np.argmin(stored))  # only a full variable region refuses a row
+        stream.count(p, first + skip, slots[:fit])
+        self.stored += fit
+        if fit < count - skip:
+            self._full()
+        return fit
+
+    def _may_store(self, j: int) -> bool:
+        """Whether this pass holds the partition's lock with element ``j`` not beyond what is stored (take it if free)."""
+        if self.held:
+            return True
+        stream = self.stream
+        if not stream.try_lock(self.p):
+            return False
+        self.held = True
+        state = stream.state(self.p)
+        if state.ended or (j > state.stored and not state.full):
+            self._let_go()  # ended, or elements before j are missing: a later pass stores them
+            return False
+        return True
+
+    def _full(self) -> None:
+        self.stream.set_full(self.p)
+        log.warning("the stream cache %s is full: later elements are streamed uncached", self.cache.path)
 
     def finish(self, count: int) -> PartitionState:
         """The partition ended after ``count`` elements: mark it ended if this pass may; its state after."""

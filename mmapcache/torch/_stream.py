@@ -47,6 +47,9 @@ __all__ = ["CachedStream"]
 
 log = logging.getLogger("mmapcache")
 
+_BATCH = 64  # elements stored at a time in a first epoch (at most)
+_BATCH_BYTES = 4 << 20  # and at most about this many bytes of them
+
 
 def _rank() -> tuple[int, int]:
     """``(rank, world size)``: from ``torch.distributed`` once initialised, else ``RANK``/``WORLD_SIZE``, else one."""
@@ -265,19 +268,28 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
             yield self._build(schema, self._leaves(schema, element, j))
 
     def _fill(self, cache: Cache | None, partition: Partition) -> Iterator[Any]:
+        """Stream the partition, yielding each element at once and storing them a batch at a time.
+
+        An element is copied into the batch before it is yielded (what the
+        consumer does to it cannot change what is stored) and the batch is
+        stored when it is full, at the end of the partition, and when the
+        iteration stops early (a ``break``, an error, the iterator dropped).
+        """
         writer = None if cache is None else PartitionWriter(cache, partition)
+        batch = None if cache is None else self._batch()
         count = 0
         try:
             for element in self.stream:
                 if writer is None:
                     cache = self._opened(partition, plan=functools.partial(self._plan, element, count, partition))
                     assert cache is not None
-                    writer = PartitionWriter(cache, partition)
+                    writer, batch = PartitionWriter(cache, partition), self._batch()
+                assert batch is not None
                 schema = self._schema
                 assert schema is not None
                 leaves = self._leaves(schema, element, count)
-                if writer.offer(count, self._row(schema, leaves)):
-                    self._written += 1
+                if not writer.done and batch.add(count, leaves):
+                    self._store(writer, batch)
                 self._streamed += 1
                 yield self._build(schema, leaves)
                 count += 1
@@ -285,10 +297,25 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                 cache = self._opened(partition)
                 writer = None if cache is None else PartitionWriter(cache, partition)
             if writer is not None:
+                if batch is not None:
+                    self._store(writer, batch)
                 writer.finish(count)
         finally:
             if writer is not None:
-                writer.close()
+                try:
+                    if batch is not None and len(batch) and not writer.done:
+                        self._store(writer, batch)  # what was yielded before a break or an error
+                finally:
+                    writer.close()
+
+    def _batch(self) -> _Batch:
+        assert self._schema is not None
+        return _Batch(self._schema.fields)
+
+    def _store(self, writer: PartitionWriter, batch: _Batch) -> None:
+        first, rows, count = batch.take()
+        if count:
+            self._written += writer.offer_many(first, rows, count)
 
     def _plan(self, first: Any, index: int, partition: Partition) -> StreamPlan:
         fields = self._first_fields(first, index)
@@ -428,6 +455,50 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
 
     def __repr__(self) -> str:
         return f"CachedStream({type(self.stream).__name__}, path={str(self.path)!r}, key={self.key!r})"
+
+
+class _Batch:
+    """Elements of a partition waiting to be stored: their leaves copied into columns as ``put_many`` takes them."""
+
+    def __init__(self, fields: dict[str, Field]) -> None:
+        self.fields = list(fields.items())
+        row_bytes = sum(field.nbytes if not field.variable else 256 for _, field in self.fields)
+        self.size = max(1, min(_BATCH, _BATCH_BYTES // max(row_bytes, 1)))
+        self.fixed = [
+            None if field.variable else np.empty((self.size, *field.fixed_shape), field.dtype) for _, field in self.fields
+        ]
+        self.values: list[list[Any]] = [[] for _ in self.fields]
+        self.first = self.count = 0  # the partition's element in row 0, and the rows
+
+    def __len__(self) -> int:
+        return self.count
+
+    def add(self, j: int, leaves: list[Any]) -> bool:
+        """Copy the leaves of the partition's element ``j`` into the next row; True when the batch is full."""
+        row = self.count
+        if not row:
+            self.first = j
+        for k, leaf in enumerate(leaves):
+            column = self.fixed[k]
+            if column is not None:
+                column[row] = leaf
+            elif self.fields[k][1].text is None:
+                self.values[k].append(np.array(leaf, copy=True))
+            else:
+                self.values[k].append(leaf)  # text: a fresh array made from the str/bytes
+        self.count = row + 1
+        return self.count == self.size
+
+    def take(self) -> tuple[int, dict[str, Any], int]:
+        """``(first element, columns by field name, rows)``; the batch is empty after."""
+        count = self.count
+        rows = {
+            name: (column[:count] if (column := self.fixed[k]) is not None else self.values[k])
+            for k, (name, _) in enumerate(self.fields)
+        }
+        self.count = 0
+        self.values = [[] for _ in self.fields]
+        return self.first, rows, count
 
 
 def _writable(array: Any, text: str | None) -> Any:
