@@ -32,6 +32,7 @@ from ._heap import extent_size_for
 from ._holders import held_by
 from ._partitions import ENDED, FULL, PartitionState, StreamRegion, read_region
 from ._plan import creation_info
+from ._populate import populate
 from ._sizes import parse_bytes
 from .cache import Cache, attach_opened
 
@@ -55,6 +56,7 @@ __all__ = [
 log = logging.getLogger("mmapcache")
 
 _STREAM_VERSION = 8
+_POPULATE_ROW = 16384  # fixed fields with rows this large get their pages mapped a batch at a time
 _RESTART_SECONDS = 5.0  # how long processes of one new run may take to agree on restarting a fill
 
 
@@ -365,6 +367,7 @@ class PartitionWriter:
         self.held = False
         self.done = False  # nothing more to do for this pass: not ours, or ended, or we came too late
         self.stored = 0  # elements this pass stored
+        self.views: list[np.ndarray[Any, Any]] | None = None  # fixed fields whose pages are mapped ahead
 
     def offer(self, j: int, sample: Mapping[str, Any]) -> bool:
         """Element ``j`` of the partition (0, 1, ... in stream order); True when this call stored it."""
@@ -388,7 +391,7 @@ class PartitionWriter:
         return True
 
     def offer_many(self, first: int, batch: Mapping[str, Any], count: int) -> int:
-        """Elements ``first .. first + count - 1`` of the partition, as ``Cache.put_many`` takes them; how many it stored.
+        """Elements ``first .. first + count - 1`` of the partition, as ``put_many`` takes them; how many it stored.
 
         Those below the partition's ``stored`` are skipped (another pass has
         them); the rest go into slots taken in one step, filled with one
@@ -407,6 +410,7 @@ class PartitionWriter:
             self._full()
             return 0
         stream.reserve(slots)
+        self._populate(slots)
         rows = {
             name: values[skip : skip + len(slots)] if skip or len(slots) < count else values
             for name, values in batch.items()
@@ -419,8 +423,21 @@ class PartitionWriter:
             self._full()
         return fit
 
+    def _populate(self, slots: range) -> None:
+        """Map the pages of ``slots``' fixed fields in one system call each, before ``put_many`` writes them.
+
+        A fresh file's pages are mapped on first touch, one fault per 4 KiB
+        page: for 110 KB images, faulting them one by one took twice as long
+        as ``MADV_POPULATE_WRITE`` (Linux 5.14) over the batch.
+        """
+        if self.views is None:
+            self.views = [view for view in self.cache.views.values() if view[0].nbytes >= _POPULATE_ROW]
+        for view in self.views:
+            start = view[slots.start].ctypes.data
+            populate(start, view[slots.stop - 1].ctypes.data + view[0].nbytes - start)
+
     def _may_store(self, j: int) -> bool:
-        """Whether this pass holds the partition's lock with element ``j`` not beyond what is stored (take it if free)."""
+        """Whether this pass holds the lock of the partition, with element ``j`` not beyond what is stored."""
         if self.held:
             return True
         stream = self.stream

@@ -8,7 +8,6 @@ and back, and chooses, per epoch, between filling, reading and streaming.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import re
@@ -49,6 +48,7 @@ log = logging.getLogger("mmapcache")
 
 _BATCH = 64  # elements stored at a time in a first epoch (at most)
 _BATCH_BYTES = 4 << 20  # and at most about this many bytes of them
+_WAITING_BYTES = 64 << 20  # full batches kept while the file is being made, before waiting for it
 
 
 def _rank() -> tuple[int, int]:
@@ -268,54 +268,30 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
             yield self._build(schema, self._leaves(schema, element, j))
 
     def _fill(self, cache: Cache | None, partition: Partition) -> Iterator[Any]:
-        """Stream the partition, yielding each element at once and storing them a batch at a time.
-
-        An element is copied into the batch before it is yielded (what the
-        consumer does to it cannot change what is stored) and the batch is
-        stored when it is full, at the end of the partition, and when the
-        iteration stops early (a ``break``, an error, the iterator dropped).
-        """
-        writer = None if cache is None else PartitionWriter(cache, partition)
-        batch = None if cache is None else self._batch()
+        """Stream the partition, yielding each element at once; :class:`_Filler` stores them a batch at a time."""
+        filler = None if cache is None else _Filler(self, partition, cache)
+        schema = self._schema
         count = 0
         try:
             for element in self.stream:
-                if writer is None:
-                    cache = self._opened(partition, plan=functools.partial(self._plan, element, count, partition))
-                    assert cache is not None
-                    writer, batch = PartitionWriter(cache, partition), self._batch()
-                assert batch is not None
-                schema = self._schema
+                if filler is None:  # the first element, and no file yet: it is made while the stream goes on
+                    plan = self._plan(element, count, partition)
+                    schema = Schema(plan.fields, self.path)
+                    filler = _Filler(self, partition, None, plan)
                 assert schema is not None
                 leaves = self._leaves(schema, element, count)
-                if not writer.done and batch.add(count, leaves):
-                    self._store(writer, batch)
+                filler.add(count, leaves)
                 self._streamed += 1
                 yield self._build(schema, leaves)
                 count += 1
-            if writer is None:  # an empty partition: it ends once somebody made the file
+            if filler is None:  # an empty partition: it ends once somebody made the file
                 cache = self._opened(partition)
-                writer = None if cache is None else PartitionWriter(cache, partition)
-            if writer is not None:
-                if batch is not None:
-                    self._store(writer, batch)
-                writer.finish(count)
+                filler = None if cache is None else _Filler(self, partition, cache)
+            if filler is not None:
+                filler.finish(count)
         finally:
-            if writer is not None:
-                try:
-                    if batch is not None and len(batch) and not writer.done:
-                        self._store(writer, batch)  # what was yielded before a break or an error
-                finally:
-                    writer.close()
-
-    def _batch(self) -> _Batch:
-        assert self._schema is not None
-        return _Batch(self._schema.fields)
-
-    def _store(self, writer: PartitionWriter, batch: _Batch) -> None:
-        first, rows, count = batch.take()
-        if count:
-            self._written += writer.offer_many(first, rows, count)
+            if filler is not None:
+                filler.close()
 
     def _plan(self, first: Any, index: int, partition: Partition) -> StreamPlan:
         fields = self._first_fields(first, index)
@@ -457,6 +433,104 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         return f"CachedStream({type(self.stream).__name__}, path={str(self.path)!r}, key={self.key!r})"
 
 
+class _Filler:
+    """One pass's stores into the cache of its partition: the elements a batch at a time, the file made meanwhile.
+
+    Each element is copied into the current batch before it is yielded (what
+    the consumer does to it cannot change what is stored); a full batch is
+    stored at once with :meth:`PartitionWriter.offer_many`. Without a file
+    yet, a thread makes it (preallocating it takes ~0.4 ms per MB on tmpfs)
+    while the stream goes on and full batches wait for it, up to
+    ``_WAITING_BYTES``. What was yielded is stored also when the pass stops
+    early (a ``break``, an error, the iterator dropped): :meth:`close`.
+    """
+
+    def __init__(self, owner: CachedStream, partition: Partition, cache: Cache | None, plan: Any = None) -> None:
+        self.owner, self.partition = owner, partition
+        self.writer = None if cache is None else PartitionWriter(cache, partition)
+        self.fields: dict[str, Field] = cache.fields if cache is not None else plan.fields
+        self.batch = _Batch(self.fields)
+        self.waiting: list[_Batch] = []  # full batches, in stream order, not stored yet
+        self.spare: list[_Batch] = []  # stored ones, to fill again
+        self.opened: Cache | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        if cache is None:
+            self.thread = threading.Thread(target=self._open, args=(plan,), name="mmapcache-create", daemon=True)
+            self.thread.start()
+
+    def _open(self, plan: StreamPlan) -> None:
+        try:
+            self.opened = self.owner._opened(self.partition, plan=lambda: plan)
+        except BaseException as error:  # raised in the iterating thread, by _ready
+            self.error = error
+
+    def add(self, j: int, leaves: list[Any]) -> None:
+        """Element ``j`` of the partition, as storage arrays: copied into the batch, stored when the batch is full."""
+        if self.writer is not None and self.writer.done:
+            return  # not ours to store (another pass holds the partition, or it has ended)
+        if not self.batch.add(j, leaves):
+            return
+        self.waiting.append(self.batch)
+        self.batch = self.spare.pop() if self.spare else _Batch(self.fields)
+        if self._ready(wait=sum(batch.nbytes for batch in self.waiting) > _WAITING_BYTES):
+            self._store()
+
+    def finish(self, count: int) -> None:
+        """The partition ended after ``count`` elements: store what waits, then mark it ended if this pass may."""
+        self._flush()
+        if self.writer is not None:
+            self.writer.finish(count)
+
+    def close(self) -> None:
+        """Store what was yielded and waits (if the file is there), let go of the partition."""
+        try:
+            if self.writer is None or not self.writer.done:
+                self._flush()
+        finally:
+            if self.thread is not None:
+                self.thread.join()  # an error of an early stop is not raised from the cleanup
+            if self.writer is None and self.opened is not None:
+                self.writer = PartitionWriter(self.opened, self.partition)
+            if self.writer is not None:
+                self.writer.close()
+
+    def _flush(self) -> None:
+        if len(self.batch):
+            self.waiting.append(self.batch)
+            self.batch = _Batch(self.fields)
+        if self.waiting and self._ready(wait=True):
+            self._store()
+
+    def _ready(self, *, wait: bool) -> bool:
+        """Whether the writer is there (made once the file is, waiting for it with ``wait``)."""
+        if self.writer is None:
+            assert self.thread is not None
+            if not wait and self.thread.is_alive():
+                return False
+            self.thread.join()
+            self.thread = None
+            if self.error is not None:
+                error, self.error = self.error, None
+                raise error
+            assert self.opened is not None
+            self.writer = PartitionWriter(self.opened, self.partition)
+            if self.opened.fields != self.fields:  # made at once by another process, from another first element
+                self.writer.close()  # this pass stores nothing; a later one does
+        return True
+
+    def _store(self) -> None:
+        writer = self.writer
+        assert writer is not None
+        batches, self.waiting = self.waiting, []
+        for batch in batches:
+            if not writer.done:
+                first, rows, count = batch.take()
+                self.owner._written += writer.offer_many(first, rows, count)
+            batch.clear()
+            self.spare.append(batch)
+
+
 class _Batch:
     """Elements of a partition waiting to be stored: their leaves copied into columns as ``put_many`` takes them."""
 
@@ -464,14 +538,20 @@ class _Batch:
         self.fields = list(fields.items())
         row_bytes = sum(field.nbytes if not field.variable else 256 for _, field in self.fields)
         self.size = max(1, min(_BATCH, _BATCH_BYTES // max(row_bytes, 1)))
+        self.row_bytes = row_bytes
         self.fixed = [
-            None if field.variable else np.empty((self.size, *field.fixed_shape), field.dtype) for _, field in self.fields
+            None if field.variable else np.empty((self.size, *field.fixed_shape), field.dtype)
+            for _, field in self.fields
         ]
         self.values: list[list[Any]] = [[] for _ in self.fields]
         self.first = self.count = 0  # the partition's element in row 0, and the rows
 
     def __len__(self) -> int:
         return self.count
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.row_bytes
 
     def add(self, j: int, leaves: list[Any]) -> bool:
         """Copy the leaves of the partition's element ``j`` into the next row; True when the batch is full."""
@@ -490,15 +570,17 @@ class _Batch:
         return self.count == self.size
 
     def take(self) -> tuple[int, dict[str, Any], int]:
-        """``(first element, columns by field name, rows)``; the batch is empty after."""
+        """``(first element, columns by field name, rows)``."""
         count = self.count
         rows = {
             name: (column[:count] if (column := self.fixed[k]) is not None else self.values[k])
             for k, (name, _) in enumerate(self.fields)
         }
+        return self.first, rows, count
+
+    def clear(self) -> None:
         self.count = 0
         self.values = [[] for _ in self.fields]
-        return self.first, rows, count
 
 
 def _writable(array: Any, text: str | None) -> Any:
