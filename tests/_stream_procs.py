@@ -1,13 +1,21 @@
 """A process that streams one partition of a deterministic stream through a stream cache (for tests/test_stream.py).
 
-Run as ``python tests/_stream_procs.py PATH RANK RANKS WORKER WORKERS LENGTH [--die MODE AT] [--pause S]``.
-Element ``j`` of partition ``p`` is :func:`element` ``(p, j)``; the
+Run as ``python tests/_stream_procs.py PATH RANK RANKS WORKER WORKERS LENGTH [--die MODE AT] [--pause S]
+[--batch K] [--stop N]``. Element ``j`` of partition ``p`` is :func:`element` ``(p, j)``; the
 partition has ``LENGTH`` elements. ``--die`` kills the process with SIGKILL
 at element ``AT``: ``before-store`` (a slot was taken and announced, nothing
 written), ``after-publish`` (the slot is READY, the element not counted),
 ``after-count`` (counted, the pending slot not cleared). ``--pause`` sleeps
 that long after each element (so a test can kill it mid-fill). It prints
 ``stored N`` and ``ended E`` at the end.
+
+``--batch K`` offers the elements ``K`` at a time (``offer_many``, as
+``CachedStream`` does); ``--die`` then takes the batch modes ``batch-filled``
+(the batch starting at ``AT`` is READY in its slots, nothing counted),
+``batch-recording`` (its first half counted, the next element announced, its
+slot's record half written) and ``batch-counting`` (the same with the record
+written, the element not counted). ``--stop N`` gives up after ``N`` elements (the
+lock let go, the partition not ended), as an abandoned iterator does.
 """
 
 from __future__ import annotations
@@ -41,7 +49,15 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run(path: Path, partition: Partition, length: int, die: tuple[str, int] | None, pause: float) -> None:
+def run(
+    path: Path,
+    partition: Partition,
+    length: int,
+    die: tuple[str, int] | None,
+    pause: float,
+    batch: int = 0,
+    stop: int | None = None,
+) -> None:
     cache = open_stream(
         path,
         key=KEY,
@@ -53,6 +69,9 @@ def run(path: Path, partition: Partition, length: int, die: tuple[str, int] | No
     writer = PartitionWriter(cache, partition)
     stream = region(cache)
     p = partition.index
+    if batch:
+        _batches(cache, writer, stream, p, length, batch, die, pause, stop)
+        return
     for j in range(length):
         if die is not None and die[1] == j and die[0] != "after-count":
             _die_at(cache, writer, stream, p, j, die[0])
@@ -82,19 +101,75 @@ def _die_at(cache: Any, writer: PartitionWriter, stream: Any, p: int, j: int, mo
     _die()
 
 
+def _batches(
+    cache: Any,
+    writer: PartitionWriter,
+    stream: Any,
+    p: int,
+    length: int,
+    size: int,
+    die: tuple[str, int] | None,
+    pause: float,
+    stop: int | None,
+) -> None:
+    end = length if stop is None else stop
+    for first in range(0, end, size):
+        count = min(size, end - first)
+        elements = [element(p, j) for j in range(first, first + count)]
+        rows = {name: [e[name] for e in elements] for name in FIELDS}
+        rows["value"] = np.stack(rows["value"])
+        if die is not None and die[1] == first:
+            _die_in_batch(cache, stream, p, first, rows, count, die[0])
+        writer.offer_many(first, rows, count)
+        if pause:
+            time.sleep(pause * count)
+    if stop is not None:
+        writer.close()
+        print(f"stored {writer.stored}", flush=True)
+        return
+    state = writer.finish(length)
+    print(f"stored {writer.stored}", flush=True)
+    print(f"ended {int(state.ended)}", flush=True)
+
+
+def _die_in_batch(cache: Any, stream: Any, p: int, first: int, rows: dict[str, Any], count: int, mode: str) -> None:
+    """Do what ``offer_many`` does for the batch at ``first`` up to the point ``mode`` names, then die."""
+    assert int(stream.stored[p]) == first, "the batch is next"
+    slots = stream.allocate(count)
+    stream.reserve(slots)
+    assert cache.put_many(np.arange(slots.start, slots.stop), rows).all()
+    if mode == "batch-filled":
+        _die()
+    assert mode in ("batch-recording", "batch-counting")
+    half = count // 2
+    stream.count(p, first, slots[:half])
+    slot, j = slots[half], first + half
+    stream.pending_element[p] = j
+    stream.pending_slot[p] = slot + 1
+    stream.element[slot] = j
+    if mode == "batch-counting":
+        stream.partition[slot] = p  # else its partition is not written yet: the slot holds no element
+    _die()
+
+
 def main(argv: list[str]) -> None:
     path, rank, ranks, worker, workers, length = Path(argv[0]), *map(int, argv[1:6])
     rest = argv[6:]
     die = None
     pause = 0.0
+    batch, stop = 0, None
     while rest:
         if rest[0] == "--die":
             die, rest = (rest[1], int(rest[2])), rest[3:]
         elif rest[0] == "--pause":
             pause, rest = float(rest[1]), rest[2:]
+        elif rest[0] == "--batch":
+            batch, rest = int(rest[1]), rest[2:]
+        elif rest[0] == "--stop":
+            stop, rest = int(rest[1]), rest[2:]
         else:
             raise SystemExit(f"unknown argument {rest[0]}")
-    run(path, Partition(rank, ranks, worker, workers), length, die, pause)
+    run(path, Partition(rank, ranks, worker, workers), length, die, pause, batch, stop)
 
 
 if __name__ == "__main__":

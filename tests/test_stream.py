@@ -170,6 +170,54 @@ def test_a_writer_killed_at_any_step_of_storing_an_element_leaves_it_stored_exac
         assert ready == status.stored == 30  # no READY slot outside the count: nothing served twice
 
 
+def _counted_ready(cache: Cache, slots_used: int) -> int:
+    """READY slots that name a partition (a batch killed before counting leaves READY slots that name none)."""
+    stream = region(cache)
+    ready = stream.states[:slots_used] == 2
+    return int(np.count_nonzero(ready & (stream.partition[:slots_used] < len(stream.stored))))
+
+
+@pytest.mark.parametrize(
+    ("moment", "counted", "recovered"),
+    [("batch-filled", 12, 12), ("batch-recording", 15, 15), ("batch-counting", 15, 16)],
+)
+def test_a_writer_killed_in_the_middle_of_storing_a_batch_leaves_each_element_counted_once(
+    tmp_path: Path, moment: str, counted: int, recovered: int
+) -> None:
+    path = tmp_path / "s.mmc"
+    _killed(path, Partition(), 40, "--batch", "6", "--die", moment, "12")  # elements 12-17: 15 is announced
+    with _open(path) as cache:
+        status = stream_status(cache)
+        assert not status.complete
+        assert status.stored == counted  # a partial batch is counted element by element, never beyond
+        assert [j for _, j in _elements(cache)] == list(range(counted))
+    result = _run(path, Partition(), 40, "--batch", "7")  # rolls forward only an element recorded in full
+    assert result == {"stored": 40 - recovered, "ended": 1}
+    with _open(path) as cache:
+        status = stream_status(cache)
+        assert status.cached
+        assert _elements(cache) == _whole(1, 40)
+        assert _counted_ready(cache, status.slots_used) == status.stored == 40  # the killed batch's rest: holes
+
+
+def test_jobs_with_batches_at_different_offsets_on_one_partition_store_each_element_once(tmp_path: Path) -> None:
+    path = tmp_path / "s.mmc"
+    first = _run(path, Partition(), 200, "--batch", "16", "--stop", "45")  # gives up in its third batch
+    assert first == {"stored": 45}
+    jobs = [_start(path, Partition(), 200, "--batch", str(size), "--pause", "0.0005") for size in (5, 7, 11)]
+    stored = []
+    for job in jobs:
+        out, err = job.communicate(timeout=120)
+        assert job.returncode == 0, err
+        stored.append(int(out.split()[1]))
+    assert sum(stored) == 200 - 45  # between them, each from where the partition stood when it took it
+    with _open(path) as cache:
+        status = stream_status(cache)
+        assert status.cached
+        assert _elements(cache) == _whole(1, 200)
+        assert _counted_ready(cache, status.slots_used) == 200
+
+
 def test_a_complete_cache_is_read_in_a_fresh_permutation_each_epoch_split_evenly_across_ranks_and_workers(
     tmp_path: Path,
 ) -> None:
