@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from mmapcache import Cache, Field
 from mmapcache._stream import stream_status
-from mmapcache.torch import CachedStream, pad_collate
+from mmapcache.torch import CachedStream, Padded, pad_collate
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -61,6 +61,76 @@ def test_the_first_epoch_yields_the_stream_in_order_as_the_cache_returns_it(tmp_
         assert cached["caption"] == element["caption"]
         assert torch.equal(cached["tokens"], element["tokens"])
         assert torch.equal(cached["x"], element["x"])
+
+
+def _stored_labels(ds: CachedStream) -> list[int]:
+    """The labels a complete cache holds, one per stored element (a later epoch, in stored order)."""
+    ds.shuffle = False
+    return [int(element["label"]) for element in ds]
+
+
+@pytest.mark.parametrize("how", ["break", "del"])
+def test_an_iterator_abandoned_mid_epoch_stores_what_it_yielded_and_the_next_epoch_the_rest(
+    tmp_path: Path, how: str
+) -> None:
+    ds = CachedStream(Numbers(100), tmp_path / "s.mmc", key="k", fields=FIELDS, max_bytes="1MiB")
+    seen = []
+    if how == "break":
+        for element in ds:
+            seen.append(int(element["label"]))
+            if len(seen) == 10:
+                break
+    else:
+        iterator = iter(ds)
+        seen = [int(next(iterator)["label"]) for _ in range(10)]
+        del iterator
+    assert seen == list(range(10))
+    assert ds.stats()["stored"] == 10  # fewer than a batch: stored when the iterator was let go, not lost
+    assert [int(element["label"]) for element in ds] == list(range(100))  # the rest of epoch 1
+    stats = ds.stats()
+    assert (stats["complete"], stats["stored"], stats["total"]) == (True, 100, 100)
+    assert _stored_labels(ds) == list(range(100))  # each element once
+
+
+def test_changing_a_yielded_element_in_place_does_not_change_what_is_stored(tmp_path: Path) -> None:
+    ds = CachedStream(Numbers(150), tmp_path / "s.mmc", key="k", fields=FIELDS, max_bytes="1MiB", shuffle=False)
+    for element in ds:
+        element["x"].add_(1000)  # an in-place augmentation, before the element's batch is stored
+        element["tokens"].zero_()
+    for element in ds:
+        expected = numbered(int(element["label"]))
+        assert torch.equal(element["x"], expected["x"])
+        assert torch.equal(element["tokens"], expected["tokens"])
+
+
+def test_an_error_making_the_file_in_the_background_is_raised_from_the_iteration(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    ds = CachedStream(Numbers(100), tmp_path / "a-file" / "s.mmc", key="k", fields=FIELDS, max_bytes="1MiB")
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
+        list(ds)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_token_sequences_through_pad_collate_give_exact_padded_batches_in_every_epoch(
+    tmp_path: Path, workers: int
+) -> None:
+    ds = CachedStream(Numbers(60), tmp_path / "s.mmc", key="k", fields=FIELDS, max_bytes="1MiB")
+    loader = DataLoader(ds, batch_size=8, num_workers=workers, collate_fn=pad_collate)
+    for epoch in range(2):  # the first fills the cache, the second reads it
+        ds.set_epoch(epoch)
+        labels = []
+        for batch in loader:
+            tokens = batch["tokens"]
+            assert isinstance(tokens, Padded)
+            for k, label in enumerate(batch["label"].tolist()):
+                expected = numbered(label)["tokens"]
+                assert int(tokens.lengths[k]) == len(expected)
+                assert torch.equal(tokens.data[k, : len(expected)], expected)
+                assert not tokens.data[k, len(expected) :].any()  # padded with zeros
+            assert tokens.data.shape[1] == int(tokens.lengths.max())
+            labels += batch["label"].tolist()
+        assert sorted(labels) == list(range(60))
+    assert ds.stats()["complete"]
 
 
 def test_later_epochs_read_only_the_file_in_a_fresh_permutation_each(tmp_path: Path) -> None:
