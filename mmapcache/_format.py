@@ -280,7 +280,7 @@ partition, record `p` at `partitions_offset + p * 64`:
 | offset | size | content |
 |-------:|-----:|---------|
 | 0 | 8 | stored, uint64: the partition's elements `0 .. stored - 1` are in the file, each in exactly one READY slot |
-| 8 | 8 | pending slot, uint64: 1 + the slot a writer is filling with element `stored`; 0 if none |
+| 8 | 8 | pending slot, uint64: 1 + the slot a writer is filling or counting as element `stored`; 0 if none |
 | 16 | 8 | pending element, uint64: the element that pending slot holds |
 | 24 | 8 | total, uint64: the partition's elements, when it has ended; else 0 |
 | 32 | 4 | flags, uint32: bit 0 *ended* (the partition was read to its end by a writer that stored every element it could), bit 1 *full* (an element did not fit; none after it is stored); other bits zero |
@@ -289,14 +289,15 @@ partition, record `p` at `partitions_offset + p * 64`:
 The element table, at `elements_offset`: one record of 16 bytes per slot,
 slot `i`'s at `elements_offset + i * 16`: the element (uint64) and the
 partition (uint32) the slot holds, then 4 zero bytes. It is meaningful only
-for a READY slot below `allocated`.
+for a READY slot below `allocated`; a partition that is not one of the
+file's (a writer writes `0xFFFFFFFF`) means the slot holds no element.
 
 - A writer of partition `p` holds an exclusive `F_OFD_SETLK` lock on the
   first byte of `p`'s record for as long as it writes the partition; the
   kernel drops it when the writer dies. A writer that takes the lock first
-  *recovers*: if pending slot is non-zero, that slot is READY and `stored`
-  equals pending element, it sets `stored` to pending element + 1; then it
-  sets pending slot to 0.
+  *recovers*: if pending slot is non-zero, that slot is READY, its element
+  record is (pending element, `p`) and `stored` equals pending element, it
+  sets `stored` to pending element + 1; then it sets pending slot to 0.
 - A writer stores element `j` only when `j == stored`, `ended` and `full`
   are clear: it takes a slot by advancing `allocated` (holding an exclusive
   `F_OFD_SETLKW` lock on the byte at `stream_offset + 16`; when `allocated`
@@ -304,7 +305,13 @@ for a READY slot below `allocated`.
   pending slot, then the slot's element record, fills the slot by the slot
   rules below, then sets `stored` to `j + 1` and pending slot to 0. When the
   slot cannot hold the sample (the variable region is full) the slot stays
-  not READY and the writer sets `full`. So a writer killed at any instant
+  not READY and the writer sets `full`. A writer MAY instead store the
+  elements `j, j + 1, ...` a batch at a time: it takes their slots in one
+  advance of `allocated`, writes partition `0xFFFFFFFF` in their element
+  records, fills them by the slot rules, then counts them in order, each as
+  above with the slot already READY — pending element, pending slot, the
+  element record (element, then partition), `stored`, pending slot 0 — and
+  stops at the first slot it could not fill. So a writer killed at any instant
   leaves each element of `p` in at most one counted READY slot, and a
   READY slot of `p` is counted exactly when its element is below `stored`.
 - A writer that read partition `p` from element 0 to its end, holding the
