@@ -331,6 +331,10 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         arrays: list[Any] = []
         try:
             for leaf, (name, field) in zip(schema.flatten(element), fields, strict=True):
+                quick = _quick(leaf, field)
+                if quick is not None and (self.dtypes is None or name not in self.dtypes):
+                    arrays.append(quick)
+                    continue
                 if self.dtypes is not None and name in self.dtypes:
                     leaf = convert_leaf(leaf, field, name)
                 fitted = fit(leaf, field, name)
@@ -581,6 +585,50 @@ class _Batch:
     def clear(self) -> None:
         self.count = 0
         self.values = [[] for _ in self.fields]
+
+
+def _quick(leaf: Any, field: Field) -> Any:
+    """``leaf`` as its storage array when it is of the commonest kinds and plainly fits ``field``, else ``None``.
+
+    The per-element fast path of ``_leaves`` (a few µs less than the general
+    checks, which still run for everything else, and give the errors): an array
+    or CPU tensor of the field's exact dtype and a shape that fits, an int for
+    an int64 scalar, a ``str`` for a str field.
+    """
+    kind = type(leaf)
+    if kind is np.ndarray or kind is torch.Tensor:
+        if field.torch_dtype is not None or field.text is not None:
+            return None
+        if kind is torch.Tensor:
+            if (
+                leaf.dtype != _TORCH_DTYPES.get(field.dtype)
+                or leaf.requires_grad
+                or leaf.layout != torch.strided
+                or not leaf.is_cpu
+                or leaf.is_nested
+                or leaf.is_conj()
+                or leaf.is_neg()
+            ):
+                return None
+            leaf = leaf.numpy()
+        elif leaf.dtype != field.dtype:
+            return None
+        return leaf if leaf.shape == field.shape or field.fits(leaf.shape) else None
+    if kind is int and field.dtype == _INT64 and not field.shape:
+        return np.array(leaf, _INT64) if -(2**63) <= leaf < 2**63 else None
+    if kind is str and field.text == "str":
+        try:
+            return np.frombuffer(leaf.encode("utf-8"), np.uint8)
+        except UnicodeEncodeError:
+            return None
+    return None
+
+
+_INT64 = np.dtype(np.int64)
+_TORCH_DTYPES = {
+    np.dtype(name): getattr(torch, name)
+    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
+}
 
 
 def _writable(array: Any, text: str | None) -> Any:
