@@ -347,9 +347,10 @@ def _describe(partitioning: tuple[int, int] | None) -> str:
 class PartitionWriter:
     """One process's pass over its partition while the cache is not complete: :meth:`offer` every element.
 
-    The pass stores element ``j`` when it holds the partition's lock and ``j``
-    is the next element to store; it never waits for the lock (another
-    process that holds it stores the same elements). :meth:`finish` marks the
+    Or :meth:`offer_many` every batch of consecutive elements. The pass stores
+    element ``j`` when it holds the partition's lock and ``j`` is the next
+    element to store; it never waits for the lock (another process that holds
+    it stores the same elements). :meth:`finish` marks the
     partition ended when this pass saw every element from the first stored
     by nobody else; :meth:`close` lets go of the lock (also on a break or an
     error). A process that dies lets go too: the kernel drops the lock.

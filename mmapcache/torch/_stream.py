@@ -79,6 +79,13 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
     across ranks (padded by wrap-around, as ``DistributedSampler`` does) and
     workers, and ``len()`` is the count per rank.
 
+    The first epoch stores its elements a batch at a time (up to 64 elements,
+    or about 4 MiB): each is copied into the batch before it is yielded, so
+    what the training loop does to it never changes what is stored, and an
+    iteration stopped early (a ``break``, an error, the iterator dropped)
+    stores what it yielded. A new file is made in a thread while the first
+    elements stream.
+
     Samples are what :class:`CachedDataset` caches (tensors, arrays, Python
     scalars, ``str``/``bytes``, a tuple/list/dict of those one level deep);
     each element comes back as a read from the cache returns it, already in
