@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["empty_aligned", "gather", "gather_runs", "native"]
+__all__ = ["accelerated", "empty_aligned", "gather", "gather_runs", "native"]
 
 
 def _load_native() -> ModuleType | None:
@@ -64,6 +64,7 @@ def _load_native() -> ModuleType | None:
 
 
 native = _load_native()
+accelerated = native is not None  # public as mmapcache.accelerated
 
 PAGE = 4096
 

@@ -41,6 +41,7 @@ from ._admin import (
 )
 from ._errors import CacheError, CacheFormatError
 from ._file import LOCK_SUFFIX, TEMP_MARK, remove
+from ._gather import accelerated
 from ._holders import spelled_pids
 from ._paths import SUFFIX, default_dir
 from ._resize import resize
@@ -643,7 +644,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"mmapcache {__version__}")
+    compiled = "yes" if accelerated else "no"
+    parser.add_argument("--version", action="version", version=f"mmapcache {__version__} (compiled gather: {compiled})")
     parser.add_argument("-v", "--verbose", action="store_true", help="also log what the library does")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     for name, summary, description, run in _COMMANDS:
