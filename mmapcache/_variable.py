@@ -28,13 +28,22 @@ from ._format import PAYLOAD_ALIGNMENT, descriptor_nbytes
 from ._gather import gather_runs
 from ._jagged import Jagged, split_shape
 
-__all__ = ["MAX_DIMENSION", "VariableColumn", "check_dimensions", "shape_bytes", "text_value", "texts", "value_bytes"]
+__all__ = [
+    "MAX_DIMENSION",
+    "NO_ROWS",
+    "VariableColumn",
+    "check_dimensions",
+    "shape_bytes",
+    "text_value",
+    "texts",
+    "value_bytes",
+]
 
 _DIM = np.dtype("<u4")
 _OFFSET = np.dtype("<u8")
 _LITTLE = sys.byteorder == "little"
-_NO_ROWS = np.zeros(0, np.intp)
-_NO_ROWS.flags.writeable = False
+NO_ROWS = np.zeros(0, np.intp)  # an empty, read-only row list (no row failed)
+NO_ROWS.flags.writeable = False
 
 
 MAX_DIMENSION = 2**32 - 1  # a descriptor holds one uint32 per dimension
@@ -316,7 +325,7 @@ class VariableColumn:
                 present = np.ones(count, bool)
             present[impossible] = False
         else:
-            impossible = _NO_ROWS
+            impossible = NO_ROWS
         return Jagged._trusted(values, offsets, shapes, present), impossible
 
     def gather_numpy(

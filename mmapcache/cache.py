@@ -40,7 +40,7 @@ from ._paths import filesystem_type, is_memory_filesystem
 from ._sizes import parse_bytes
 from ._slots import EMPTY, READY, STRONGLY_ORDERED, SlotTable
 from ._values import coerce_batch, coerce_sample
-from ._variable import VariableColumn, check_dimensions, text_value, texts
+from ._variable import NO_ROWS, VariableColumn, check_dimensions, text_value, texts
 from ._verify import Problem, failed_rows, intact, intact_parts, region_problems, slot_problems
 
 __all__ = ["Cache", "Problem"]
@@ -629,7 +629,7 @@ class Cache:
         missing there (``None``).
         """
         batches: dict[str, Any] = {}
-        bad = np.zeros(len(idx), bool)
+        bad, damaged = np.zeros(len(idx), bool), False
         every = len(rows) == len(idx)  # rows are 0..n-1 in order (get_many, or read_many of all hits)
         for column in mapped.variables:
             jagged, impossible = column.gather(idx, None if every else rows)
@@ -639,8 +639,9 @@ class Cache:
                 batches[column.name] = values
             else:
                 batches[column.name] = jagged
-            bad[impossible] = True
-        for row in np.flatnonzero(bad).tolist():
+            if len(impossible):  # rare: skip the array work for a batch without any
+                bad[impossible] = damaged = True
+        for row in np.flatnonzero(bad).tolist() if damaged else ():
             self._report_damage(int(idx[row]))
         if self._verify:
             for row in rows[~bad[rows]].tolist():
@@ -649,7 +650,7 @@ class Cache:
                 if parts is None or not intact_parts(mapped.slots, i, parts):
                     self._report_mismatch(i)
                     bad[row] = True
-        failed = np.flatnonzero(bad)
+        failed = np.flatnonzero(bad) if damaged or self._verify else NO_ROWS
         if len(failed):
             batches = {name: _without(values, failed) for name, values in batches.items()}
         merged = {name: out[name] if name in out else batches[name] for name in self._fields}
