@@ -42,6 +42,7 @@ __all__ = [
 _DIM = np.dtype("<u4")
 _OFFSET = np.dtype("<u8")
 _LITTLE = sys.byteorder == "little"
+_INT64 = np.dtype(np.int64)
 NO_ROWS = np.zeros(0, np.intp)  # an empty, read-only row list (no row failed)
 NO_ROWS.flags.writeable = False
 
@@ -288,18 +289,12 @@ class VariableColumn:
         others, and impossible rows, come back missing (``None``, length 0).
         A row is impossible when a fixed dimension of its descriptor differs
         from the field's, or its value would not lie within the region.
-        Through the compiled gather when it is there, else numpy (the same result).
+        Through the compiled gather when it is there, else :meth:`gather_numpy` (the same result).
         """
-        if _gather.native is not None:
-            return self.gather_native(indices, rows)
-        return self.gather_numpy(indices, rows)
-
-    def gather_native(
-        self, indices: np.ndarray[Any, Any], rows: np.ndarray[Any, Any] | None = None
-    ) -> tuple[Jagged, np.ndarray[Any, Any]]:
-        """:meth:`gather` through the compiled gather: one call reads, checks and copies every row."""
         native = _gather.native
-        assert native is not None
+        if native is None:
+            return self.gather_numpy(indices, rows)
+        # One call reads, checks and copies every row (_cgather.c).
         count = len(indices)
         offsets = np.empty(count + 1, np.int64)
         shapes = np.empty((count, self._ndim), np.int64) if self._head > 1 else None
@@ -307,8 +302,8 @@ class VariableColumn:
             self._region,
             self._descriptors,
             self._width,
-            indices if indices.dtype == np.int64 and indices.flags.c_contiguous else indices.astype(np.int64),
-            rows if rows is None or rows.dtype == np.int64 else rows.astype(np.int64),
+            indices if indices.dtype == _INT64 and indices.flags.c_contiguous else indices.astype(np.int64),
+            rows if rows is None or rows.dtype == _INT64 else rows.astype(np.int64),
             self._dims,
             self._unit,
             offsets,

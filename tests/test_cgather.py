@@ -116,7 +116,7 @@ def test_the_compiled_gather_reads_what_the_numpy_gather_reads(
         idx = np.array(data.draw(st.lists(st.integers(0, SLOTS - 1), max_size=300), label="idx"), np.intp)
         chosen = data.draw(st.none() | st.lists(st.booleans(), min_size=len(idx), max_size=len(idx)), label="rows")
         rows = None if chosen is None else np.flatnonzero(np.array(chosen, bool))
-        compiled, bad = column.gather_native(idx, rows)
+        compiled, bad = column.gather(idx, rows)  # the compiled gather (needs_native)
         fallback, bad_numpy = column.gather_numpy(idx, rows)
         same(compiled, fallback)
         assert bad.tolist() == bad_numpy.tolist()
@@ -150,7 +150,7 @@ def test_descriptors_that_point_outside_the_region_are_impossible_rows_and_nothi
         damage(column, 4, 16, [2**32 - 1, 2**31 + 1])  # past 2**64: would wrap to a few bytes
         damage(column, 5, size - 4, [2, 2])  # exactly the last 4 bytes: possible
         idx = np.arange(8, dtype=np.intp)
-        batch, bad = column.gather_native(idx)
+        batch, bad = column.gather(idx)
         assert bad.tolist() == [1, 2, 3, 4]
         assert batch.present.tolist() == [True, False, False, False, False, True, True, True]
         assert batch.shapes.tolist()[1:5] == [[0, 0]] * 4
