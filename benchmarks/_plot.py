@@ -210,7 +210,7 @@ def plot_variable(var: Results, out: Path) -> Path:
     ``get_many`` through the compiled gather and, where the run measured it,
     through the numpy fallback (an install without a C compiler); ``get``.
     """
-    fig, ax = plt.subplots(figsize=(8, 4.4))
+    fig, ax = plt.subplots(figsize=(9.5, 4.6))
     labels, values, errors, colours = [], [], [], []
     reads = (
         ("per_round_get_many_speed", "get_many", COLOURS["mmapcache"]),

@@ -8,8 +8,9 @@ so a descriptor or value that does not belong together fails verification.
 
 Reads are the hot path, so descriptors are read through ``memoryview`` casts
 (a Python int per index, no numpy scalar), a value is copied out of a typed
-view of the region (two numpy calls), and a batch is validated with array
-operations and copied into one buffer, a :class:`Jagged` (``_gather.gather_runs``).
+view of the region (two numpy calls), and a batch is read, validated and
+copied into one buffer, a :class:`Jagged`, by one call of the compiled gather
+(``_cgather.c``) or, without it, by array operations and ``_gather.gather_runs``.
 """
 
 from __future__ import annotations
