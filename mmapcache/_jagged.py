@@ -267,7 +267,7 @@ class Jagged(Sequence[Any]):
     def lengths(self) -> np.ndarray[Any, np.dtype[np.int64]]:
         """int64, one per row: how many ``tail``-shaped units each holds (0 for a missing row)."""
         if self._lengths is None:
-            self._lengths = _frozen(np.diff(self.offsets))
+            self._lengths = _frozen(np.subtract(self.offsets[1:], self.offsets[:-1]))  # np.diff: 3x the cost
         return self._lengths
 
     @property

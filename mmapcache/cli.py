@@ -40,6 +40,7 @@ from ._admin import (
 )
 from ._errors import CacheError, CacheFormatError
 from ._file import remove
+from ._gather import accelerated
 from ._holders import spelled_pids
 from ._names import LOCK_SUFFIX, SUFFIX, TEMP_MARK
 from ._paths import default_dir
@@ -646,7 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"mmapcache {__version__}")
+    compiled = "yes" if accelerated else "no"
+    parser.add_argument("--version", action="version", version=f"mmapcache {__version__} (compiled gather: {compiled})")
     parser.add_argument("-v", "--verbose", action="store_true", help="also log what the library does")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     for name, summary, description, run in _COMMANDS:
