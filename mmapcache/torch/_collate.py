@@ -169,6 +169,10 @@ class _Padder:
         return _pad(column, self.padding_value, name)
 
 
+# Same-size signed dtypes, whose kernels torch has where the unsigned ones lack them (index_put).
+_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
 def _pad(column: list[torch.Tensor], padding_value: float, name: str) -> Padded:
     ndim = column[0].ndim
     if ndim == 0:
@@ -189,7 +193,8 @@ def _pad(column: list[torch.Tensor], padding_value: float, name: str) -> Padded:
     if ndim == 1:
         # Sequences: many short rows. One masked copy of them all costs half the per-row loop.
         filled = torch.arange(longest[0], device=data.device) < lengths.to(data.device)  # (batch, longest)
-        data[filled] = torch.cat(column).to(dtype)
+        bits = _SIGNED.get(dtype, dtype)  # torch has no masked assignment for uint16/32/64: move their bits
+        data.view(bits)[filled] = torch.cat(column).to(dtype).view(bits)
         return Padded(data, lengths[:, 0])
     for row, tensor in zip(data, column, strict=True):
         row[tuple(slice(0, size) for size in tensor.shape)] = tensor

@@ -34,6 +34,7 @@ __all__ = [
     "infer_fields",
     "sample_fields",
     "storage_dtypes",
+    "with_dtypes",
 ]
 
 
@@ -134,6 +135,21 @@ def storage_dtypes(dtypes: Mapping[str, Any]) -> dict[str, Any]:
     return dict(dtypes)
 
 
+def with_dtypes(declared: dict[str, Field], dtypes: Mapping[str, Any]) -> dict[str, Field]:
+    """``fields=`` with the dtypes ``dtypes=`` sets: each named field keeps its declared shape."""
+    fields = dict(declared)
+    for name, dtype in dtypes.items():
+        if name not in fields:
+            raise ValueError(
+                f"dtypes= names the field {name!r}, but fields= declares {list(fields)}; name one of those, or "
+                "give its dtype in fields= directly"
+            )
+        if fields[name].text is not None:
+            raise TypeError(f"dtypes= gives field {name!r} a dtype, but fields= declares it as {fields[name].text}")
+        fields[name] = Field(fields[name].shape, dtype)
+    return fields
+
+
 def sample_fields(sample: Any, index: int, dtypes: Mapping[str, Any] | None) -> dict[str, Field]:
     """``sample``'s own fields, with the storage dtypes ``dtypes=`` sets."""
     fields = infer_fields(sample)
@@ -151,7 +167,7 @@ def sample_fields(sample: Any, index: int, dtypes: Mapping[str, Any] | None) -> 
 
 def check_declared_sample(sample: Any, index: int, fields: Mapping[str, Field]) -> None:
     """TypeError/ValueError naming the field unless ``sample`` fits ``fields=``."""
-    problem = misfit(sample, fields)
+    problem = misfit(sample, fields, convert=True)
     if problem is not None:
         kind, message = problem
         raise kind(f"dataset[{index}] does not fit fields=: {message}")
