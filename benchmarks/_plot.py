@@ -218,6 +218,7 @@ def plot_variable(var: Results, out: Path) -> Path:
     for bar in ax.patches:
         bar.set_color(COLOURS["mmapcache"])
     ax.axhline(1, color=LIMIT, linestyle="--", label="a fixed field of the same bytes")
+    ax.axhline(0.8, color=LIMIT, linestyle=":", label="get_many target, rows of 64 B-4 KiB")
     ax.set_ylabel("speed vs the fixed field (1 = as fast)")
     ax.legend(fontsize=8)
     return _save(fig, out / "variable.png", "Variable-shape fields: reads against a fixed field of the same bytes")

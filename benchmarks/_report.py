@@ -162,8 +162,11 @@ def variable_table(var: Results) -> str:
         rows.append([label, "`get_many` speed vs fixed", _q(spread(r["per_round_get_many_speed"]))])
         rows.append([label, "`get` time vs fixed", _q(spread(r["per_round_get_time"]))])
     space = var["space"]
-    rows.append(["tokens", "file / (payload + records) at a 1.05x budget", f"{space['at_bound_ratio']:.3f}"])
-    rows.append(["tokens", "padded to the longest document instead", f"{space['padded_ratio']:.1f}"])
+    what = f"tokens {space.get('dtype', 'int32')}"
+    rows.append([what, "file / (payload + records) at a 1.05x budget", f"{space['at_bound_ratio']:.3f}"])
+    if space.get("smallest_ratio") is not None:
+        rows.append([what, "smallest file that stores every sample", f"{space['smallest_ratio']:.3f}"])
+    rows.append([what, "padded to the longest document instead", f"{space['padded_ratio']:.1f}"])
     fill = var["fill"]
     rows.append(["tokens", "fill throughput, 2 processes / 1", _q(spread(fill["variable_speedup"]))])
     rows.append(["fixed twin", "fill throughput, 2 processes / 1", _q(spread(fill["fixed_speedup"]))])

@@ -5,11 +5,13 @@ Measured in one run, each figure a ratio to a baseline timed in the same rounds:
 * **read** — ``get_many(256 random indices)`` of a variable field against the
   same call on a *fixed* field whose rows hold the same total bytes (row size =
   the variable dataset's mean), and ``get`` of 256 random indices likewise.
-  Three datasets: token ids (int32, lengths log-normal, median 256), images at
-  native resolution (uint8, 3 x 160..288 x 160..288, ~150 KB) and detection
-  boxes (float32, 0..20 x 4, ~170 B). Targets (issue 10): ``get_many`` speed
-  >= 0.8x, ``get`` time <= 1.5x.
-* **space** — the token dataset filled completely: file bytes against
+  Four datasets: token ids (int32, and uint16 as an 8k-50k vocabulary needs;
+  lengths log-normal, median 256), images at native resolution (uint8, 3 x
+  160..288 x 160..288, ~150 KB) and detection boxes (float32, 0..20 x 4,
+  ~170 B). ``get_many`` returns a variable field as one ``Jagged`` batch.
+  Targets: ``get_many`` speed >= 0.8x for rows of 64 B - 4 KiB, >= 0.95x for
+  large rows; ``get`` time <= 1.5x.
+* **space** — the uint16 token dataset filled completely: file bytes against
   payload + per-slot records (target <= 1.05x), with the budget set to that
   bound, filled by one process and by two at once; the smallest budget that
   still holds every sample (bisection); and padding every sample to the
@@ -94,9 +96,9 @@ class Ragged:
 
 def make_ragged(name: str, total_bytes: int, seed: int = 0) -> Ragged:
     rng = np.random.default_rng(seed)
-    if name == "tokens":
-        field = Field((None,), "int32")
-        mean = 4 * float(token_lengths(100_000, seed).mean())
+    if name in ("tokens", "tokens16"):
+        field = Field((None,), "int32" if name == "tokens" else "uint16")
+        mean = field.dtype.itemsize * float(token_lengths(100_000, seed).mean())
         shapes: list[tuple[int, ...]] = [(int(k),) for k in token_lengths(int(total_bytes / mean), seed)]
     elif name == "images":
         field = Field((3, None, None), "uint8")
@@ -109,8 +111,10 @@ def make_ragged(name: str, total_bytes: int, seed: int = 0) -> Ragged:
     counts = np.array([int(np.prod(s)) for s in shapes], np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     pool_len = int(counts.sum())
-    if field.dtype.kind == "u":
+    if field.dtype == np.uint8:
         pool = np.frombuffer(rng.bytes(pool_len), np.uint8).copy()
+    elif field.dtype.kind == "u":
+        pool = rng.integers(0, 50_000, pool_len).astype(field.dtype)
     elif field.dtype.kind == "i":
         pool = rng.integers(0, 50_000, pool_len, dtype=np.int32)
     else:
@@ -348,7 +352,7 @@ def _fill_all(path: Path, data: Ragged, budget: int, procs: int) -> dict[str, An
 
 
 def bench_space(directory: Path, total: int, steps: int) -> dict[str, Any]:
-    data = make_ragged("tokens", total, seed=3)
+    data = make_ragged("tokens16", total, seed=3)
     fields = {"x": data.field}
     payload = data.total
     records = data.n * slot_nbytes(fields)  # slot record + descriptor, per slot
@@ -373,10 +377,12 @@ def bench_space(directory: Path, total: int, steps: int) -> dict[str, Any]:
         else:
             low = mid
     longest = max(s[0] for s in data.shapes)
-    padded_fields = {"x": Field((longest,), "int32"), "length": Field((), "int32")}
+    padded_fields = {"x": Field((longest,), data.field.dtype), "length": Field((), "int32")}
     padded = data.n * slot_nbytes(padded_fields) + overhead
     return {
         "samples": data.n,
+        "field": repr(data.field),
+        "dtype": str(data.field.dtype),
         "lengths": {
             "median": float(np.median([s[0] for s in data.shapes])),
             "mean": float(np.mean([s[0] for s in data.shapes])),
@@ -420,7 +426,7 @@ def main() -> None:
     directory = Path(tempfile.mkdtemp(prefix="mmapcache-bench-", dir=args.dir))
     try:
         reads = []
-        for name in ("tokens", "images", "boxes"):
+        for name in ("tokens", "tokens16", "images", "boxes"):
             data = make_ragged(name, read_total)
             row = bench_reads(data, directory, rounds, reps)
             reads.append(row)
@@ -460,11 +466,12 @@ def main() -> None:
 def print_targets(results: dict[str, Any]) -> None:
     rows: list[list[Any]] = []
     for r in results["read"]:
-        rows.append([f"{r['dataset']}: get_many speed vs fixed", ">= 0.8", r["get_many_speed"]])
+        bound = ">= 0.95" if r["mean_sample_bytes"] > 4096 else ">= 0.8"
+        rows.append([f"{r['dataset']}: get_many speed vs fixed", bound, r["get_many_speed"]])
         rows.append([f"{r['dataset']}: a list of views alone (floor) vs fixed", "-", r["views_floor_speed"]])
         rows.append([f"{r['dataset']}: get time vs fixed", "<= 1.5", r["get_time"]])
     s = results["space"]
-    rows.append(["tokens: file / (payload + records), 1.05x budget", "<= 1.05", s["at_bound_ratio"]])
+    rows.append(["uint16 tokens: file / (payload + records), 1.05x budget", "<= 1.05", s["at_bound_ratio"]])
     rows.append(
         [
             "  ... every sample stored, 1 process / 2",

@@ -22,7 +22,9 @@ from ._field import Field
 from ._file import in_use, remove
 from ._flight import Claims
 from ._heap import VariableRegion
+from ._jagged import Jagged
 from ._paths import default_dir
+from ._resize import Resized, resize
 from ._version import __version__
 from .cache import Cache, Problem
 
@@ -40,8 +42,10 @@ __all__ = [
     "DiskUsage",
     "Field",
     "GcReport",
+    "Jagged",
     "Problem",
     "ReadonlyCacheError",
+    "Resized",
     "SchemaMismatchError",
     "StaleCacheError",
     "UnsafeCacheFileError",
@@ -55,4 +59,5 @@ __all__ = [
     "info",
     "list_caches",
     "remove",
+    "resize",
 ]

@@ -28,6 +28,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import shutil
 import stat
 import time
 from collections.abc import Iterator
@@ -37,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ._counters import Usage, read_usage
+from ._counters import REFUTED, Usage, read_flags, read_usage
 from ._errors import CacheError, CacheFormatError, CacheInUseError, CacheTimeoutError, UnsafeCacheFileError
 from ._file import (
     LOCK_SUFFIX,
@@ -52,7 +53,16 @@ from ._file import (
 from ._format import COUNTER_RECORD_SIZE, Header, Layout, descriptor_nbytes
 from ._heap import VariableRegion
 from ._locks import SlotLocks, flock_holders, try_lock_exclusive
-from ._paths import SUFFIX, check_file_stat, default_dir, filesystem_type, free_bytes, is_network_filesystem
+from ._paths import (
+    CHECK_OWNER,
+    CHECK_PREFIX,
+    SUFFIX,
+    check_file_stat,
+    default_dir,
+    filesystem_type,
+    free_bytes,
+    is_network_filesystem,
+)
 from ._residency import resident_bytes
 from ._sizes import format_bytes, parse_duration
 from ._slots import READY, WRITING
@@ -133,6 +143,8 @@ class CacheInfo:
     ``pids`` lists the processes holding it open where ``/proc/locks`` tells.
     ``filled`` counts READY slots, ``writing`` slots being written now or
     abandoned by a writer that died (the next writer reclaims them).
+    ``refuted``: a process found that the fields, inferred from a first
+    sample, do not fit the dataset (see ``Cache.refute``).
     """
 
     path: Path
@@ -155,10 +167,23 @@ class CacheInfo:
     usage: Usage | None = None
     variable: VariableRegion | None = None
     indices_digest: str | None = None  # the digest of the dataset index table (a shard's cache), if any
+    refuted: bool = False  # a process found the fields, inferred from a first sample, do not fit the dataset
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def uncounted_pids(self) -> tuple[int, ...]:
+        """Processes that have the cache open but count its use only in themselves (not in ``usage``).
+
+        Readonly handles, and handles that found every usage record taken
+        (their counts join the totals when they close). Known where
+        ``/proc/locks`` tells who has the file open.
+        """
+        if self.usage is None or not self.usage.shared:
+            return ()
+        return tuple(pid for pid in self.pids if pid not in self.usage.processes)
 
     @property
     def fill(self) -> float | None:
@@ -193,6 +218,8 @@ class CacheInfo:
             "usage": self.usage.to_dict() if self.usage is not None else None,
             "variable": self.variable.to_dict() if self.variable is not None else None,
             "indices_digest": self.indices_digest,
+            "refuted": self.refuted,
+            "uncounted_pids": list(self.uncounted_pids),
         }
 
 
@@ -201,9 +228,11 @@ class Removed:
     """A file :func:`gc` removed (or, in a dry run, would remove).
 
     ``kind`` is ``"cache"``, ``"corrupt"`` (a damaged cache file),
-    ``"leftover"`` (the temporary file of a creator that died) or ``"lock"``
+    ``"leftover"`` (the temporary file of a creator that died), ``"lock"``
     (the lock file of a cache that does not exist: its creation failed, or the
-    cache was deleted without ``mmapcache rm``).
+    cache was deleted without ``mmapcache rm``) or ``"check"`` (the private
+    directory of a :func:`mmapcache.testing.check_concurrent_access` run that
+    died, with everything in it).
     """
 
     path: Path
@@ -438,22 +467,25 @@ def _inspect(path: Path, location: _Location) -> tuple[CacheInfo, Exception | No
         try:
             header, layout = read_header(fd, str(path))
             filled, writing = _count_states(fd, header)
-            usage = _read_usage(fd, layout)
+            usage, flags = _read_usage(fd, layout)
             variable = _read_variable_region(fd, header, layout)
         except (CacheError, OSError) as error:
             return _broken(path, location, error, st=st, in_use=in_use, pids=pids), error
     finally:
         os.close(fd)
     healthy = _healthy(path, location, st, header, in_use, pids, filled, writing)
-    return replace(healthy, usage=usage, variable=variable), None
+    return replace(healthy, usage=usage, variable=variable, refuted=bool(flags & REFUTED)), None
 
 
-def _read_usage(fd: int, layout: Layout) -> Usage:
-    """The usage counters, read with pread; live owners found with a lock probe (no mapping, no writes)."""
+def _read_usage(fd: int, layout: Layout) -> tuple[Usage, int]:
+    """The usage counters and the file's flags, read with pread; live owners found with a lock probe.
+
+    No mapping, no writes.
+    """
     if not layout.counter_records:
-        return read_usage(None, layout, SlotLocks(fd))
+        return read_usage(None, layout, SlotLocks(fd)), 0
     region = os.pread(fd, layout.counter_records * COUNTER_RECORD_SIZE, layout.counters_offset)
-    return read_usage(region, layout, SlotLocks(fd))
+    return read_usage(region, layout, SlotLocks(fd)), read_flags(region, layout)
 
 
 def _usage(fd: int, st: os.stat_result) -> tuple[bool, tuple[int, ...]]:
@@ -469,7 +501,7 @@ def _read_variable_region(fd: int, header: Header, layout: Layout) -> VariableRe
     """How full the variable region is, read with pread: the claimed counter, and READY values' bytes."""
     if not layout.variable_size:
         return None
-    (claimed,) = np.frombuffer(os.pread(fd, 8, layout.allocator_offset), np.dtype("<u8"))
+    claimed, refused = np.frombuffer(os.pread(fd, 16, layout.allocator_offset), np.dtype("<u8")).tolist()
     table = os.pread(fd, header.capacity * header.record_size, header.header_size)
     ready = np.frombuffer(table, np.uint8)[:: header.record_size] == READY
     used = 0
@@ -480,7 +512,7 @@ def _read_variable_region(fd: int, header: Header, layout: Layout) -> VariableRe
         raw = np.frombuffer(os.pread(fd, header.capacity * size, layout.field_offsets[name]), np.uint8)
         dims = raw.reshape(header.capacity, size)[:, 8 : 8 + 4 * len(spec.shape)].copy().view("<u4")
         used += value_bytes(dims[ready], spec.dtype.itemsize)
-    return VariableRegion(layout.variable_size, int(claimed), used)
+    return VariableRegion(layout.variable_size, claimed, used, refused)
 
 
 def _count_states(fd: int, header: Header) -> tuple[int, int]:
@@ -583,8 +615,10 @@ def gc(
     files that are not mmapcache files are kept. Temporary files left by
     creators that died are removed once they are as old, and so are orphan
     lock files (a cache's ``.lock`` whose cache is gone; see
-    :func:`remove_orphan_lock`). ``dry_run=True`` reports what would go and
-    removes nothing.
+    :func:`remove_orphan_lock`). The private ``check-*`` directories of
+    :mod:`mmapcache.testing` runs that were killed are removed whatever their
+    age (a running check keeps a lock on them). ``dry_run=True`` reports what
+    would go and removes nothing.
     """
     age = parse_duration(older_than) if isinstance(older_than, str) else float(older_than)
     if age < 0:
@@ -613,7 +647,88 @@ def gc(
         if path.name not in guarded[path.parent]:
             limit = time.time() if path.with_name(stem) in abandoned else cutoff
             _collect_orphan_lock(path, limit, dry_run, removed, kept)
+    _collect_checks(base, cutoff, dry_run, removed, kept)
     return GcReport(base, age, dry_run, tuple(removed), tuple(kept))
+
+
+_UNOWNED_GRACE = 60.0  # seconds a check directory without an owner file is left alone (it may be starting)
+
+
+def _collect_checks(base: Path, cutoff: float, dry_run: bool, removed: list[Removed], kept: list[Kept]) -> None:
+    """Remove the private directories of ``mmapcache.testing`` checks that died (SIGKILL, a node reboot).
+
+    A running check holds an exclusive ``flock`` on the directory's owner
+    file; when that lock is free the check is gone, whatever the age. A
+    directory whose files a process still holds (a worker that outlived its
+    check) is kept and reported.
+    """
+    try:
+        with os.scandir(base) as scan:
+            names = sorted(entry.name for entry in scan if entry.name.startswith(CHECK_PREFIX))
+    except OSError:
+        return
+    for name in names:
+        path = base / name
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        try:
+            fd: int | None = os.open(path / CHECK_OWNER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            fd = None  # made by an older mmapcache, or a check starting now: only once old
+            if st.st_mtime > min(cutoff, time.time() - _UNOWNED_GRACE):
+                continue
+        except OSError:
+            continue
+        try:
+            if fd is not None and not try_lock_exclusive(fd):
+                kept.append(Kept(path, "a running mmapcache.testing check uses it", st.st_mtime, in_use=True))
+                continue
+            held = _held_file(path)
+            if held is not None:
+                reason = f"a process of a check that died still has {held.name} open"
+                kept.append(Kept(path, reason, st.st_mtime, in_use=True))
+                continue
+            nbytes = _tree_bytes(path)
+            if not dry_run:
+                shutil.rmtree(path, ignore_errors=True)  # holding the owner's lock: no check runs in it
+            removed.append(Removed(path, "check", nbytes, st.st_mtime))
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def _tree_files(directory: Path) -> Iterator[Path]:
+    for root, _, files in os.walk(directory):
+        for name in files:
+            if name != CHECK_OWNER:
+                yield Path(root) / name
+
+
+def _held_file(directory: Path) -> Path | None:
+    """A file under ``directory`` that some process holds a ``flock`` on (an open cache, a creation lock)."""
+    for path in _tree_files(directory):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if not try_lock_exclusive(fd):
+                return path
+        finally:
+            os.close(fd)
+    return None
+
+
+def _tree_bytes(directory: Path) -> int:
+    total = 0
+    for path in _tree_files(directory):
+        with contextlib.suppress(OSError):
+            total += os.lstat(path).st_blocks * 512
+    return total
 
 
 def _collect_cache(item: CacheInfo, cutoff: float, dry_run: bool, removed: list[Removed], kept: list[Kept]) -> None:

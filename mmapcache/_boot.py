@@ -23,7 +23,10 @@ every slot (8 bytes a slot: 5 MB for 100 GB of 147 KB samples) and compares
 every READY slot that is not synced with its checksum, reading its bytes
 from the disk with read-ahead (``_cold``). Slots that differ are reset to
 EMPTY and filled again like any miss; slots that match are marked synced (they
-were just read back from the disk); then the running boot id is written. The
+were just read back from the disk). The variable region's allocation counter
+may have missed the disk while slots that use the region reached it: it is
+moved past the end of every value kept, so that no new value is placed over
+one. Then the running boot id is written. The
 cost is the bytes written since the last :func:`sync_slots`, read at device speed:
 nothing for a cache synced after its fill, the whole cache (100 GB: about
 30 s at 3 GB/s) for one never synced.
@@ -111,11 +114,19 @@ def check_boot(
     *,
     lock: Callable[[], contextlib.AbstractContextManager[Any]],
     readahead: Readahead | None,
+    reconcile: Callable[[], object] | None = None,
+    progress: Callable[[int, int], object] | None = None,
 ) -> Checked | None:
     """After a reboot, compare every READY slot not synced with its checksum; reset those that differ.
 
     ``None`` when the file's boot id is the running kernel's (no scan).
     ``lock`` excludes other checkers; the caller must have write access.
+    ``reconcile`` runs once the slots are settled, before the boot id is
+    written: it brings what the slots depend on (the variable region's
+    allocation counter) in line with the slots that were kept.
+    ``progress(done, total)`` is told how many suspect slots were compared,
+    before each slot (the caller publishes it for processes waiting on the
+    lock, and throttles it).
     """
     if page.current():
         return None
@@ -123,7 +134,15 @@ def check_boot(
         if page.current():  # another process checked while we waited
             return None
         suspect = np.flatnonzero((np.asarray(slots.states) == READY) & (np.asarray(slots.synced) == 0))
-        torn = _compare(slots, parts, suspect, readahead)
+        if len(suspect):
+            log.warning(
+                "%d slot(s) were filled and not synced before a reboot: comparing them with their checksums "
+                "(reading them from the disk) before they are served; other processes wait for this",
+                len(suspect),
+            )
+        torn = _compare(slots, parts, suspect, readahead, progress)
+        if reconcile is not None:
+            reconcile()
         page.record()
     if torn:
         log.warning(
@@ -135,10 +154,17 @@ def check_boot(
     return Checked(len(suspect), tuple(torn))
 
 
-def _compare(slots: SlotTable, parts: Parts, suspect: np.ndarray[Any, Any], readahead: Readahead | None) -> list[int]:
+def _compare(
+    slots: SlotTable,
+    parts: Parts,
+    suspect: np.ndarray[Any, Any],
+    readahead: Readahead | None,
+    progress: Callable[[int, int], object] | None = None,
+) -> list[int]:
     """Check ``suspect`` slots in chunks, the next chunk's reads queued before this one is hashed."""
     torn = []
     chunks = [suspect[k : k + _CHUNK] for k in range(0, len(suspect), _CHUNK)]
+    done = 0
     for k, chunk in enumerate(chunks):
         if readahead is not None:
             if k == 0:
@@ -146,6 +172,9 @@ def _compare(slots: SlotTable, parts: Parts, suspect: np.ndarray[Any, Any], read
             if k + 1 < len(chunks):
                 readahead.hint(chunks[k + 1])
         for i in chunk.tolist():
+            if progress is not None:
+                progress(done, len(suspect))
+            done += 1
             found = parts(i)
             if found is not None and intact_parts(slots, i, found):
                 slots.synced[i] = 1  # just read back intact from the disk

@@ -26,7 +26,7 @@ import numpy as np
 from ._format import COUNTER_RECORD_SIZE, Layout
 from ._locks import SlotLocks
 
-__all__ = ["REFUTED", "Board", "Counts", "Usage", "read_usage"]
+__all__ = ["REFUTED", "Board", "Counts", "Usage", "read_flags", "read_usage"]
 
 _PID, _HITS, _MISSES, _WRITTEN = range(4)
 REFUTED = 1  # record 0's flags: the inferred fields were found not to fit the dataset (see _format.py)
@@ -66,7 +66,10 @@ class Usage:
     ``total`` counts every process since the file was created (record 0 plus
     every record); ``processes`` maps the pid of each process that has the
     cache open *and counts into the file* to its counts; ``shared`` is False
-    for a file without counters (format version 1).
+    for a file without counters (format version 1). A process may have the
+    cache open without counting into it: a readonly handle counts only in its
+    own process, and a handle that found all 255 records taken counts in its
+    own process until it closes, when its counts join the totals.
     """
 
     total: Counts = Counts()
@@ -91,6 +94,13 @@ def _records(buffer: Any, layout: Layout) -> np.ndarray[Any, np.dtype[np.uint64]
 
 def _counts(row: np.ndarray[Any, Any]) -> Counts:
     return Counts(int(row[_HITS]), int(row[_MISSES]), int(row[_WRITTEN]))
+
+
+def read_flags(region: bytes | None, layout: Layout) -> int:
+    """Record 0's flags in a counter region's bytes (0 for a file without counters)."""
+    if region is None or not layout.counter_records:
+        return 0
+    return int.from_bytes(region[4:8], "little")  # the upper half of record 0's pid word
 
 
 def read_usage(region: bytes | np.ndarray[Any, Any] | None, layout: Layout, locks: SlotLocks) -> Usage:
@@ -122,10 +132,10 @@ def _owned(locks: SlotLocks, layout: Layout, r: int) -> bool:
 class Board:
     """This handle's counter record (or, without one, counts kept in the process)."""
 
-    __slots__ = ("_layout", "_local", "_locks", "_mine", "_record", "_records")
+    __slots__ = ("_layout", "_local", "_locks", "_mine", "_record", "_records", "_writable")
 
     def __init__(self, buffer: Any, layout: Layout, locks: SlotLocks, *, writable: bool) -> None:
-        self._layout, self._locks = layout, locks
+        self._layout, self._locks, self._writable = layout, locks, writable
         self._records = _records(buffer, layout) if layout.counter_records else None
         self._local = np.zeros(_WORDS, np.uint64)
         self._mine: Any = self._local  # what add() writes to: our record's words, or _local
@@ -150,7 +160,11 @@ class Board:
     def _retire(self, r: int) -> None:
         """Move record ``r``'s counts into record 0 (under record 0's lock) and zero it."""
         assert self._records is not None
-        row = self._records[r]
+        self._add_to_retired(self._records[r])
+
+    def _add_to_retired(self, row: Any) -> None:
+        """Move the counts of ``row`` (a record's words, or ours) into record 0, under its lock."""
+        assert self._records is not None
         if row[_HITS:].any():
             zero = _offset(self._layout, 0)
             self._locks.claim_wait(zero)
@@ -213,6 +227,7 @@ class Board:
         """
         self._local = np.zeros(_WORDS, np.uint64)
         self._mine, self._record = self._local, 0
+        self._writable = self._writable and claim  # never through the parent's description
         if claim and self._records is not None and buffer is not None and not self._readonly_buffer(buffer):
             self._claim(buffer)
 
@@ -225,6 +240,9 @@ class Board:
         if self._record and self._locks.fd >= 0:
             self._retire(self._record)
             self._locks.release(_offset(self._layout, self._record))
+        elif self._writable and self._records is not None and self._locks.fd >= 0:
+            # Every record was taken when we opened: our counts join the totals now.
+            self._add_to_retired(self._local)
         self._local = np.zeros(_WORDS, np.uint64)
         self._mine, self._record = self._local, 0
         self._records = None  # let go of the mapping: it is unmapped after its last user

@@ -70,6 +70,12 @@ class Field:
             self._dtype, self._torch_dtype = np.dtype(np.uint8), None
             return
         self._dtype, self._torch_dtype = _normalize_dtype(dtype)
+        if self._dtype.itemsize == 0 and None in self._shape:
+            raise ValueError(
+                f"Field({self._shape!r}, {self.dtype_name!r}): a field with variable dimensions needs a dtype "
+                "of at least one byte, and this one has none (a structured dtype without fields or with "
+                "empty ones); give the dtype a field of non-zero size, or use a fixed shape"
+            )
         span = math.prod(d for d in self._shape if d) * self._dtype.itemsize  # numpy checks it even with a 0
         if span > _MAX_NBYTES:
             raise ValueError(

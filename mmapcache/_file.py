@@ -27,7 +27,9 @@ hex digits of the SHA-256 of ``N``, and ``N``'s extension (``.mmc``), short
 enough that every side name fits. The side files are:
 
 - ``<stem>.lock``: the creation lock (never deleted while in use; see
-  :func:`creation_lock`);
+  :func:`creation_lock`); its holder may write one line of JSON into it
+  saying what it does and how far it is (:class:`LockStatus`: the check
+  after a reboot does), which waiters log;
 - ``<stem>.tmp-<pid>-<8 hex>``: the file a creator builds before linking it
   to ``N``; only a holder of the creation lock makes or deletes one.
 
@@ -51,10 +53,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import logging
+import math
 import os
 import secrets
 import stat
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -105,6 +110,7 @@ __all__ = [
     "LOCK_SUFFIX",
     "TEMP_MARK",
     "Expected",
+    "LockStatus",
     "OpenedFile",
     "in_use",
     "is_temp_name_of",
@@ -112,6 +118,7 @@ __all__ = [
     "new_temp_path",
     "open_or_create",
     "read_header",
+    "read_lock_status",
     "remove",
     "side_stem",
     "temp_stem",
@@ -533,7 +540,12 @@ def _refresh_mtime(fd: int) -> None:
 
 @contextmanager
 def creation_lock(path: Path, timeout: float) -> Iterator[None]:
-    """Hold the side-file lock that serialises creating and removing ``path``."""
+    """Hold the side-file lock that serialises creating, removing, clearing and checking ``path``.
+
+    ``timeout`` bounds a wait in which nothing moves: while the holder
+    publishes progress (:class:`LockStatus`, e.g. the check after a reboot),
+    the wait goes on, and is logged.
+    """
     lock_path = lock_path_for(path)
     _check_lock_file(lock_path)
     # filelock 4: a native flock only (no soft marker files that get deleted),
@@ -541,18 +553,111 @@ def creation_lock(path: Path, timeout: float) -> Iterator[None]:
     lock = filelock.UnixFileLock(
         lock_path, timeout=timeout, mode=0o600, fallback_to_soft=False, preserve_lock_file=True
     )
-    try:
-        lock.acquire()
-    except filelock.Timeout:
-        raise CacheTimeoutError(
-            f"waited {timeout:g} s for the lock {lock_path} (another process is creating or "
-            "removing this cache); pass a larger timeout= if creating it takes longer",
-            path=path,
-        ) from None
+    _acquire(lock, path, lock_path, timeout)
     try:
         yield
     finally:
         lock.release()
+
+
+_POLL = 0.5  # seconds between two looks at the holder's progress while waiting for a creation lock
+_LOG_EVERY = 10.0  # seconds between two log lines of a waiter
+
+
+def _acquire(lock: filelock.UnixFileLock, path: Path, lock_path: Path, timeout: float) -> None:
+    """Take ``lock``, waiting while its holder makes progress and for ``timeout`` seconds without any."""
+    if timeout <= 0:
+        try:
+            lock.acquire(timeout=0)
+            return
+        except filelock.Timeout:
+            raise _timeout_error(path, lock_path, timeout, None) from None
+    seen: dict[str, Any] | None = None
+    moved = time.monotonic()  # the last time the holder was seen to make progress (or the wait began)
+    logged = -math.inf
+    while True:
+        try:
+            lock.acquire(timeout=max(min(_POLL, moved + timeout - time.monotonic()), 0.001))
+            return
+        except filelock.Timeout:
+            pass
+        status, now = read_lock_status(lock_path), time.monotonic()
+        if status is not None and status != seen:
+            seen, moved = status, now
+            if now - logged >= _LOG_EVERY:
+                logged = now
+                log.warning("waiting for %s", _describe(status, path))
+        if now - moved >= timeout:
+            raise _timeout_error(path, lock_path, timeout, seen)
+
+
+def _describe(status: dict[str, Any], path: Path) -> str:
+    """``pid 12, which checks PATH after a reboot: 40% (1024 of 2560 slots)``."""
+    done, total = status.get("done"), status.get("total")
+    text = f"pid {status.get('pid')}, which {status.get('doing', f'holds the lock of {path}')}"
+    if isinstance(done, int) and isinstance(total, int) and total:
+        text += f": {100 * done / total:.0f}% ({done} of {total} {status.get('unit', 'items')})"
+    return text
+
+
+def _timeout_error(path: Path, lock_path: Path, timeout: float, status: dict[str, Any] | None) -> CacheTimeoutError:
+    if status is not None:
+        what = f"{_describe(status, path)}, made no progress in that time"
+    else:
+        what = "another process holds it: it is creating, removing or clearing this cache"
+    return CacheTimeoutError(
+        f"waited {timeout:g} s for the lock {lock_path} ({what}); pass a larger timeout= if that process needs longer",
+        path=path,
+    )
+
+
+class LockStatus:
+    """What the holder of a creation lock is doing, written into the lock file for its waiters.
+
+    One line of JSON (``pid``, ``doing``, ``done``, ``total``, ``unit``),
+    replaced at most every :data:`_POLL` / 2 seconds and removed by
+    :meth:`clear`. The lock file's contents mean nothing else: filelock
+    never reads or writes them.
+    """
+
+    def __init__(self, path: Path, doing: str, unit: str) -> None:
+        self._lock_path, self._doing, self._unit = lock_path_for(path), doing, unit
+        self._last = -math.inf
+
+    def publish(self, done: int, total: int, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < _POLL / 2:
+            return
+        self._last = now
+        line = {"pid": os.getpid(), "doing": self._doing, "done": done, "total": total, "unit": self._unit}
+        self._write(json.dumps(line).encode() + b"\n")
+
+    def clear(self) -> None:
+        self._write(b"")
+
+    def _write(self, data: bytes) -> None:
+        with suppress(OSError):  # progress is for people: never a reason to fail the work
+            fd = os.open(self._lock_path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.pwrite(fd, data, 0)
+                os.ftruncate(fd, len(data))
+            finally:
+                os.close(fd)
+
+
+def read_lock_status(lock_path: Path) -> dict[str, Any] | None:
+    """The status the holder of ``lock_path`` published (``None``: none, or unreadable)."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        status = json.loads(os.pread(fd, 4096, 0) or b"null")
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    return status if isinstance(status, dict) else None
 
 
 def _check_lock_file(lock_path: Path) -> None:

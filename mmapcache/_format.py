@@ -178,7 +178,11 @@ The value is the C-ordered array of that shape and the field's dtype,
 `prod(shape) * itemsize` bytes, which MUST lie within the variable region; it
 starts on a multiple of 16. The allocation page's first 8 bytes are
 `claimed`, uint64: the bytes of the variable region handed out so far, from
-its start.
+its start. Its next 8 bytes are `refused`, uint64: how many times a writer
+found no room for a value (informational, for people: nothing in reading or
+writing samples depends on it; older writers leave it 0). A
+writer adds to it only while holding the allocation lock (below); clearing
+the cache sets it to 0. The rest of the page is zero.
 
 - A writer takes space only by advancing `claimed`, and only while holding an
   exclusive `F_OFD_SETLKW` lock on the allocation page's first byte; it takes
@@ -228,6 +232,14 @@ boot (`/proc/sys/kernel/random/boot_id`); the rest of the page is zero.
   matched (their bytes were read back from the disk) and then write the
   running kernel's boot id into the page. Processes doing this SHOULD exclude
   each other (mmapcache holds the creation lock, `<stem>.lock`).
+- The allocation page can miss the disk while slots that use the variable
+  region reach it. Before writing the boot id, a process with write access
+  MUST raise `claimed` (rounded up to 16, at most `variable_size`) to cover
+  the end of every value of a READY slot it keeps, so that no value written
+  afterwards is placed over one of them.
+- A process that resets slots a crash could find synced (clearing the cache)
+  MUST make the reset reach stable storage (`fdatasync`) before any of their
+  bytes are written again.
 - Within one boot every process sees the same page cache, so a file whose
   boot id is the running kernel's is read as in other versions: its open
   costs no scan.

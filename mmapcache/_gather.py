@@ -1,10 +1,35 @@
-"""Vectorized reads of many slots into freshly allocated, page-aligned arrays.
+"""Vectorized reads of many slots into freshly allocated arrays: fixed rows, and ragged byte runs.
 
 A gather into a buffer that sits a few bytes off a page boundary, while the
 source rows are page aligned, can run many times slower (4K aliasing: the
 CPU mistakes loads for dependents of earlier stores to the same low address
 bits). Large glibc allocations sit 16 bytes off a page, so outputs are
 allocated page aligned instead.
+
+Ragged runs (:func:`gather_runs`: the values of a variable field, each at its
+own offset of the variable region, with its own length) are copied into one
+contiguous buffer without a Python object per run. numpy has no "copy these
+byte runs" loop, but fancy indexing copies fixed-size items from any strided
+view, so runs are cut into chunks of ``C`` bytes:
+
+1. The output is a grid of ``C``-byte chunks. Chunk ``c`` starts at output
+   byte ``c * C``, which lies in run ``r``; it is read from ``r``'s source at
+   the same distance from the run's start, through a view of the region as
+   overlapping ``C``-byte items one byte apart (one fancy index for all
+   chunks). Its bytes past the end of run ``r`` are garbage.
+2. Each run's first ``C`` bytes (its *head*) are copied again to where the run
+   starts in the output, in run order, through a view of the output as
+   overlapping ``C``-byte items (one fancy assignment). A head rewrites the
+   garbage step 1 left after the previous run; its own bytes past its run's
+   end are garbage that the next head rewrites, and the last one spills into
+   ``C`` bytes of slack after the output. This relies on a fancy assignment
+   writing its items in index order, which numpy's 1-D loop does
+   (tests/test_jagged.py checks it against per-run copies).
+3. A run that ends within ``C`` bytes of the region's end would read past it:
+   its chunks are clamped (garbage) and the run is copied exactly at the end.
+
+Runs of 16 KiB and more on average are copied with one ``concatenate`` of
+per-run views instead: the views then cost nothing next to the copy.
 """
 
 from __future__ import annotations
@@ -14,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["empty_aligned", "gather"]
+__all__ = ["empty_aligned", "gather", "gather_runs"]
 
 PAGE = 4096
 
@@ -37,4 +62,77 @@ def gather(source: np.ndarray[Any, Any], indices: np.ndarray[Any, np.dtype[np.in
     """
     out = empty_aligned((len(indices), *source.shape[1:]), source.dtype)
     np.take(source, indices, axis=0, out=out, mode="clip")
+    return out
+
+
+LARGE_RUNS = 16 * 1024  # mean run bytes from which per-run views + one concatenate win
+
+
+def _chunk_size(mean: float) -> int:
+    """The chunk for runs of ``mean`` bytes (measured in benchmarks/bench_variable.py: per-chunk cost vs slack)."""
+    return 256 if mean < 512 else 512
+
+
+def _chunks(region: np.ndarray[Any, np.dtype[np.uint8]], size: int) -> np.ndarray[Any, Any]:
+    """``region`` as overlapping ``size``-byte items, one byte apart (item ``i`` is ``region[i:i + size]``)."""
+    chunks: np.ndarray[Any, Any] = np.ndarray(
+        (len(region) - size + 1,), np.dtype((np.void, size)), buffer=region, strides=(1,)
+    )
+    return chunks
+
+
+def gather_runs(
+    region: np.ndarray[Any, np.dtype[np.uint8]],
+    starts: np.ndarray[Any, np.dtype[np.int64]],
+    bounds: np.ndarray[Any, np.dtype[np.int64]],
+    *,
+    views: dict[int, np.ndarray[Any, Any]] | None = None,
+) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """The byte runs ``region[starts[k]:starts[k] + bounds[k + 1] - bounds[k]]``, back to back.
+
+    ``bounds`` (``len(starts) + 1`` entries from 0) are where each run goes in
+    the output; every run must lie within ``region``. Returns a fresh buffer
+    whose first ``bounds[-1]`` bytes are the runs (it may be longer).
+    ``views`` caches the chunk views of ``region`` between calls.
+    """
+    total = int(bounds[-1])
+    count = len(starts)
+    out: np.ndarray[Any, np.dtype[np.uint8]]
+    if total == 0:
+        return np.empty(0, np.uint8)
+    if total >= LARGE_RUNS * count:
+        out = np.empty(total, np.uint8)
+        ends = bounds[1:] - bounds[:-1] + starts
+        np.concatenate([region[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)], out=out)
+        return out
+    size = _chunk_size(total / count)
+    if len(region) < size:  # a tiny region: no chunk fits in it
+        out = np.empty(total, np.uint8)
+        for k, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)):
+            out[a:b] = region[int(starts[k]) : int(starts[k]) + b - a]
+        return out
+    source = None if views is None else views.get(size)
+    if source is None:
+        source = _chunks(region, size)
+        if views is not None:
+            views[size] = source
+    last = len(region) - size
+    # 1. The grid: chunk c comes from the run holding output byte c * size.
+    firsts = -(-bounds // size)  # the first chunk starting in each run
+    grid = int(firsts[-1])
+    where = np.zeros(grid + 1, np.int64)  # one chunk more (from offset 0): slack for the last head
+    where[:grid] = np.repeat(starts - bounds[:-1], np.diff(firsts))
+    where[:grid] += np.arange(0, grid * size, size)
+    ends = starts + np.diff(bounds)
+    unsafe = np.flatnonzero(ends > last) if int(ends.max()) > last else ()
+    if len(unsafe):
+        np.minimum(where, last, out=where)
+    out = source[where].view(np.uint8)
+    # 2. The heads, in run order.
+    heads = _chunks(out, size)
+    heads[bounds[:-1]] = source[np.minimum(starts, last) if len(unsafe) else starts]
+    # 3. Runs near the region's end, exactly.
+    for k in np.asarray(unsafe, np.intp).tolist():
+        a, b, start = int(bounds[k]), int(bounds[k + 1]), int(starts[k])
+        out[a:b] = region[start : start + b - a]
     return out

@@ -20,12 +20,22 @@ Why this is crash-safe, per record:
   is the slot published READY (the slot protocol in ``_slots.py``). A writer
   killed before that leaves the slot WRITING, which the next writer reclaims
   into space of its own; READY never points at bytes that were not written.
+* After a crash (a disk cache, format version 5) the allocation page may
+  have missed the disk while slots that use the region reached it: the check
+  after the reboot (``_boot.py``) moves ``claimed`` past the end of every value
+  it keeps (:meth:`Heap.cover`), and ``Cache.verify`` reports a counter behind
+  the values or beyond the region.
 * What a dead writer had claimed but not filled is lost until the cache is
   cleared: at most one extent per writer that died. ``claimed`` minus the
   bytes of READY values is that loss plus what live writers hold in reserve
   (``mmapcache info`` shows both numbers).
 * After ``fork`` a child must not write into its parent's extent: it forgets
   it and claims its own (see ``_handle.py``).
+
+A value that finds no room is not stored; the writer that found so (holding
+the lock already) adds one to the allocation page's ``refused`` word, so that
+every process, and ``mmapcache info``, sees how many stores the budget turned
+away (a sample refused in two epochs counts twice).
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ __all__ = ["Heap", "VariableRegion", "extent_size_for", "place"]
 log = logging.getLogger("mmapcache")
 
 MiB = 2**20
+REFUSED_OFFSET = 8  # the allocation page's second word: stores refused for lack of room
 
 
 def extent_size_for(region_size: int) -> int:
@@ -65,24 +76,46 @@ class VariableRegion:
     ``size`` bytes in all; ``claimed`` handed out to writers in extents;
     ``used`` held by READY values. ``claimed - used`` is what writers hold in
     reserve, plus what writers that died or cleared slots left behind.
+    ``refused``: stores turned away because the region had no room for a
+    value, by every process since the file was created or cleared (a sample
+    refused in two epochs counts twice; 0 in files of writers older than
+    this counter). Grow the budget with :func:`mmapcache.resize`.
     """
 
     size: int
     claimed: int
     used: int
+    refused: int = 0
 
     @property
     def free(self) -> int:
         return self.size - self.claimed
 
     def to_dict(self) -> dict[str, int]:
-        return {"size": self.size, "claimed": self.claimed, "used": self.used, "free": self.free}
+        return {
+            "size": self.size,
+            "claimed": self.claimed,
+            "used": self.used,
+            "free": self.free,
+            "refused": self.refused,
+        }
 
 
 class Heap:
     """One handle's allocator in the variable region of a mapping."""
 
-    __slots__ = ("_end", "_full_warned", "_lock_offset", "_locks", "_pos", "claimed", "extent", "region", "size")
+    __slots__ = (
+        "_end",
+        "_full_warned",
+        "_lock_offset",
+        "_locks",
+        "_pos",
+        "claimed",
+        "extent",
+        "refused",
+        "region",
+        "size",
+    )
 
     def __init__(self, buffer: Any, layout: Layout, locks: SlotLocks) -> None:
         self.size, self.extent = layout.variable_size, layout.extent_size
@@ -91,6 +124,9 @@ class Heap:
         )
         self.claimed: np.ndarray[Any, np.dtype[np.uint64]] = np.ndarray(
             (1,), np.dtype("<u8"), buffer=buffer, offset=layout.allocator_offset
+        )
+        self.refused: np.ndarray[Any, np.dtype[np.uint64]] = np.ndarray(
+            (1,), np.dtype("<u8"), buffer=buffer, offset=layout.allocator_offset + REFUSED_OFFSET
         )
         self._locks, self._lock_offset = locks, layout.allocator_offset
         self._pos = self._end = 0  # this process's current extent, [pos, end)
@@ -123,6 +159,7 @@ class Heap:
             start = int(self.claimed[0])
             left = self.size - start
             if left < need:
+                self.refused[0] += 1  # under the lock: no update is lost
                 return None
             self.claimed[0] = start + min(run, left)
             return start
@@ -135,8 +172,8 @@ class Heap:
             self._full_warned = True
             log.warning(
                 "the variable region of %s is full (%d bytes): further samples with variable-shape "
-                "fields are not cached and are read from the dataset each time. Give a larger max_bytes "
-                "when creating the cache (remove it first: `mmapcache rm %s`)",
+                "fields are not cached and are read from the dataset each time. Give it a larger max_bytes "
+                "with `mmapcache resize %s --max-bytes SIZE` or mmapcache.resize(): what is cached stays",
                 path,
                 self.size,
                 path,
@@ -146,7 +183,27 @@ class Heap:
         """After fork, in the child: the current extent is the parent's."""
         self._pos = self._end = 0
 
+    def cover(self, end: int) -> bool:
+        """Make ``claimed`` cover the first ``end`` bytes and stay within the region; whether it moved.
+
+        For a counter that fell behind the values that use the region (its
+        page missed the disk before a crash while the slots reached it): no
+        new value may then be placed over a live one. A counter beyond the
+        region is brought back to its end (the region stays full).
+        """
+        self._locks.claim_wait(self._lock_offset)
+        try:
+            claimed = int(self.claimed[0])
+            wanted = min(max(claimed, place(end)), self.size)
+            if wanted == claimed:
+                return False
+            self.claimed[0] = wanted
+            return True
+        finally:
+            self._locks.release(self._lock_offset)
+
     def reset(self) -> None:
         """Everything was cleared (the caller holds the exclusive in-use lock): start from the beginning."""
         self.claimed[0] = 0
+        self.refused[0] = 0
         self._pos = self._end = 0

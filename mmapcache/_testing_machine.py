@@ -10,6 +10,7 @@ which becomes the message of the ``AssertionError`` when a step goes wrong.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import itertools
 import os
@@ -27,10 +28,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from ._errors import CacheInUseError
 from ._file import remove
-from ._paths import default_dir
+from ._paths import CHECK_OWNER, CHECK_PREFIX, default_dir
 from ._testing_worker import Process, StepError, Zygote, wait_until
 
-__all__ = ["Run", "Summary", "machine_class"]
+__all__ = ["OutOfTime", "Run", "Summary", "machine_class"]
 
 BATCH = 8  # indices in one load, at most
 UNIVERSE = 32  # loads draw from the first indices only: overlapping loads are what break caches
@@ -107,7 +108,10 @@ class Run:
         self.length = 0
         self.mmapcache = False  # whether the dataset keeps its samples in an mmapcache Cache
         self._names = itertools.count()
-        self.directory = Path(tempfile.mkdtemp(prefix="check-", dir=default_dir()))
+        self.directory = Path(tempfile.mkdtemp(prefix=CHECK_PREFIX, dir=default_dir()))
+        # Held while the check runs: `mmapcache gc` removes the directory of a check that died.
+        self._owner = os.open(self.directory / CHECK_OWNER, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._owner, fcntl.LOCK_EX)
         self.zygote = Zygote(make_dataset, oracle)
         self.workers: list[Process] = []
         self.observer: Process | None = None
@@ -133,21 +137,36 @@ class Run:
             process.stop()
         self.zygote.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+        os.close(self._owner)
         self.summary.seconds = time.monotonic() - self.started
 
-    def begin_example(self, *, replay: bool = False) -> str | None:
-        """A fresh path for the next example, or None once the time is up.
+    def out_of_time(self) -> bool:
+        """Whether the deadline has passed with nothing failed and some sample compared: the check ends now."""
+        return (
+            self.failed_at is None
+            and self.deadline is not None
+            and time.monotonic() > self.deadline
+            and self.summary.samples > 0
+        )
 
-        Out of time, an example still draws its steps but runs none of them
-        (Hypothesis must see the same draws for the same data), so the
-        remaining examples pass in microseconds. The final replay of a
-        shrunk failure always runs.
+    def begin_example(self, *, replay: bool = False) -> str | None:
+        """A fresh path for the next example, or None once shrinking has had its time.
+
+        Past the deadline (and once a sample was compared) this raises
+        :class:`OutOfTime`, which ends the whole check. Out of shrinking time,
+        an example still draws its steps but runs none of them (Hypothesis
+        must see the same draws for the same data), so the remaining
+        candidates pass in microseconds. The final replay of a shrunk failure
+        always runs.
         """
         now = time.monotonic()
-        if self.failed_at is None:
-            if self.deadline is not None and now > self.deadline and self.summary.examples:
-                return None
-        elif now > self.failed_at + self.shrink_seconds and not current_build_context().is_final:
+        if self.out_of_time():
+            raise OutOfTime
+        if (
+            self.failed_at is not None
+            and now > self.failed_at + self.shrink_seconds
+            and not current_build_context().is_final
+        ):
             return None  # shrinking had its time: keep the story found so far
         if replay:
             self.replays += 1
@@ -205,6 +224,15 @@ def _rotated(indices: Sequence[int], shift: int) -> list[int]:
     return [*indices[k:], *indices[:k]]
 
 
+class OutOfTime(KeyboardInterrupt):
+    """The deadline passed: ends a check between two steps.
+
+    A ``KeyboardInterrupt`` because that is what Hypothesis lets through
+    without treating it as a failure to replay and shrink; only
+    ``check_concurrent_access`` raises and catches it.
+    """
+
+
 class _FailedError(Exception):
     """A step went wrong; the example records it, runs no further step, and fails at its end."""
 
@@ -223,6 +251,8 @@ def _unless_done(method: _Method) -> _Method:
     @functools.wraps(method)
     def live(self: Any, *args: Any, **kwargs: Any) -> None:
         if self.path is not None and self.failure is None:
+            if self.run.out_of_time():
+                raise OutOfTime
             try:
                 method(self, *args, **kwargs)
             except _FailedError as failed:
@@ -260,6 +290,7 @@ def machine_class(run: Run) -> type[RuleBasedStateMachine]:
 
         def __init__(self) -> None:
             super().__init__()
+            self.run = run
             self.path = run.begin_example()
             self.trace: list[tuple[Callable[..., None], tuple[Any, ...], dict[str, Any]]] = []
             self._reset()

@@ -9,7 +9,7 @@ so a descriptor or value that does not belong together fails verification.
 Reads are the hot path, so descriptors are read through ``memoryview`` casts
 (a Python int per index, no numpy scalar), a value is copied out of a typed
 view of the region (two numpy calls), and a batch is validated with array
-operations and copied into one buffer that its rows view.
+operations and copied into one buffer, a :class:`Jagged` (``_gather.gather_runs``).
 """
 
 from __future__ import annotations
@@ -23,12 +23,31 @@ import numpy as np
 
 from ._field import Field
 from ._format import PAYLOAD_ALIGNMENT, descriptor_nbytes
+from ._gather import gather_runs
+from ._jagged import Jagged, split_shape
 
-__all__ = ["VariableColumn", "shape_bytes", "text_value", "texts", "value_bytes"]
+__all__ = ["MAX_DIMENSION", "VariableColumn", "check_dimensions", "shape_bytes", "text_value", "texts", "value_bytes"]
 
 _DIM = np.dtype("<u4")
 _OFFSET = np.dtype("<u8")
 _LITTLE = sys.byteorder == "little"
+
+
+MAX_DIMENSION = 2**32 - 1  # a descriptor holds one uint32 per dimension
+
+
+def check_dimensions(name: str, values: Any) -> None:
+    """Refuse values of a variable field ``name`` with a dimension a descriptor cannot hold (``ValueError``).
+
+    ``values`` is one array or a list of them (a batch). Called before any
+    slot is claimed, so a refused value leaves every slot as it was.
+    """
+    for value in values if isinstance(values, list) else (values,):
+        if value.shape and max(value.shape) > MAX_DIMENSION:
+            raise ValueError(
+                f"field {name!r}: a value of shape {value.shape} has a dimension of {max(value.shape)}, more "
+                f"than the cache format holds (2**32 - 1 = {MAX_DIMENSION} per dimension); split the value"
+            )
 
 
 def value_bytes(dims: np.ndarray[Any, Any], itemsize: int) -> int:
@@ -62,9 +81,11 @@ class VariableColumn:
     """The descriptors of one variable field in a mapping, and reads and writes through them."""
 
     __slots__ = (
+        "_chunk_views",
         "_dim_words",
         "_dims_mv",
         "_fixed_axes",
+        "_head",
         "_item",
         "_ndim",
         "_offset_words",
@@ -73,8 +94,11 @@ class VariableColumn:
         "_row_bytes",
         "_rows",
         "_size",
+        "_table",
         "_tail",
         "_typed",
+        "_unit",
+        "_unit_tail",
         "dims",
         "dtype",
         "field",
@@ -91,12 +115,20 @@ class VariableColumn:
         table = np.ndarray((capacity, width), np.uint8, buffer=buffer, offset=offset)
         self.offsets: np.ndarray[Any, Any] = table[:, :8].view(_OFFSET)[:, 0]
         self.dims: np.ndarray[Any, Any] = table[:, 8 : 8 + 4 * ndim].view(_DIM)
+        # Whole descriptors as one item each: a batch reads them with one fancy index.
+        self._table: np.ndarray[Any, Any] = np.ndarray(
+            (capacity,), np.dtype((np.void, width)), buffer=buffer, offset=offset
+        )
         # Fast scalar access: word k of slot i is at i * words_per_slot + k.
         raw = memoryview(buffer)[offset : offset + capacity * width]
         self._offsets_mv = raw.cast("Q") if _LITTLE and capacity else None
         self._dims_mv = raw.cast("I") if _LITTLE and capacity else None
         self._offset_words, self._dim_words = width // 8, width // 4
         self._fixed_axes = tuple((axis, d) for axis, d in enumerate(field.shape) if d is not None)
+        # A batch read: the dimensions up to the last variable one count units of the fixed rest.
+        self._head, self._unit_tail = split_shape(field.shape)
+        self._unit = math.prod(self._unit_tail) * field.dtype.itemsize
+        self._chunk_views: dict[int, np.ndarray[Any, Any]] = {}
         self._region, self._size, self._item = region, len(region), field.dtype.itemsize
         # A view of the region in the field's dtype, when every value's offset is a multiple of its itemsize.
         usable = len(region) // self._item * self._item
@@ -183,15 +215,31 @@ class VariableColumn:
         result = self._region[offset : offset + nbytes].view(self.dtype).reshape(shape).copy()
         return result
 
-    def copy_many(self, indices: np.ndarray[Any, Any]) -> tuple[list[Any], np.ndarray[Any, Any]]:
-        """Fresh copies of the values of ``indices`` (rows of one new buffer), and which rows are impossible."""
+    def spans(self, indices: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], ...]:
+        """``(shapes, starts, counts, ends, bad)`` of the values of ``indices`` (int64 arrays; ``bad``: bool).
+
+        ``bad`` marks the descriptors :meth:`locate` finds impossible. No
+        overflow hides one: a shape whose element count cannot fit the region
+        is bad however large its product (counted in floating point first;
+        its ``count`` and ``end`` are then 0 and ``start``).
+        """
         shapes = self.dims[indices].astype(np.int64)
-        starts = self.offsets[indices].astype(np.int64)
-        counts = shapes.prod(axis=1) if self._ndim else np.ones(len(indices), np.int64)
+        starts = self.offsets[indices].astype(np.int64)  # offsets >= 2**63 become negative: bad
+        if self._ndim:
+            huge = shapes.astype(np.float64).prod(axis=1) * self._item > self._size
+            counts = np.where(huge, 0, shapes.prod(axis=1))
+        else:
+            huge, counts = np.zeros(len(indices), bool), np.ones(len(indices), np.int64)
+        bad = huge | (starts < 0) | (starts > self._size)
         ends = starts + counts * self._item
-        bad = (ends > self._size) | (starts < 0)
+        bad |= ends > self._size
         for axis, d in self._fixed_axes:
             bad |= shapes[:, axis] != d
+        return shapes, starts, counts, ends, bad
+
+    def copy_many(self, indices: np.ndarray[Any, Any]) -> tuple[list[Any], np.ndarray[Any, Any]]:
+        """Fresh copies of the values of ``indices`` (rows of one new buffer), and which rows are impossible."""
+        shapes, starts, counts, ends, bad = self.spans(indices)
         values: list[Any] = [None] * len(indices)
         good = np.flatnonzero(~bad)
         if not len(good):
@@ -205,6 +253,60 @@ class VariableColumn:
         for row, value in zip(good.tolist(), rows, strict=True):
             values[row] = value
         return values, np.flatnonzero(bad)
+
+    def gather(
+        self, indices: np.ndarray[Any, Any], rows: np.ndarray[Any, Any] | None = None
+    ) -> tuple[Jagged, np.ndarray[Any, Any]]:
+        """The values of slots ``indices`` as one :class:`Jagged` (one gather), and which rows are impossible.
+
+        ``rows``: the positions in ``indices`` to read (the READY ones); the
+        others, and impossible rows, come back missing (``None``, length 0).
+        """
+        count = len(indices)
+        wanted = indices if rows is None else indices[rows]
+        found = self._table[wanted].view(np.uint8).reshape(len(wanted), self._table.itemsize)
+        starts = found[:, :8].view(_OFFSET)[:, 0].astype(np.int64)
+        shapes = found[:, 8 : 8 + 4 * self._ndim].view(_DIM).astype(np.int64)
+        head = self._head
+        units = shapes[:, 0].copy() if head == 1 else shapes[:, :head].prod(axis=1)
+        nbytes = units * self._unit
+        bad = (starts < 0) | (starts + nbytes > self._size)
+        for axis, d in self._fixed_axes:
+            bad |= shapes[:, axis] != d
+        if bad.any():
+            units[bad] = nbytes[bad] = starts[bad] = 0
+        if rows is not None and len(wanted) != count:
+            full = np.zeros(count, np.int64)
+            full[rows] = units
+            units = full
+            full_bytes = np.zeros(count, np.int64)
+            full_bytes[rows] = nbytes
+            nbytes = full_bytes
+            full_starts = np.zeros(count, np.int64)
+            full_starts[rows] = starts
+            starts = full_starts
+            if head > 1:
+                full_shapes = np.zeros((count, shapes.shape[1]), np.int64)
+                full_shapes[rows] = shapes
+                shapes = full_shapes
+            impossible = rows[np.flatnonzero(bad)]
+            found = np.zeros(count, bool)
+            found[rows] = ~bad
+            present: np.ndarray[Any, Any] | None = found
+        else:
+            impossible = np.flatnonzero(bad)
+            present = ~bad if len(impossible) else None
+        bounds = np.zeros(count + 1, np.int64)
+        np.cumsum(nbytes, out=bounds[1:])
+        data = gather_runs(self._region, starts, bounds, views=self._chunk_views)
+        total = int(bounds[-1]) // max(self._unit, 1) if self._unit else int(units.sum())
+        values = data[: total * self._unit].view(self.dtype).reshape(total, *self._unit_tail)
+        offsets = bounds // self._unit if self._unit else np.concatenate([[0], np.cumsum(units)])
+        if head > 1:
+            if present is not None:
+                shapes[~present, :head] = 0
+            return Jagged._trusted(values, offsets, shapes, present), impossible
+        return Jagged._trusted(values, offsets, None, present), impossible
 
     def _copy_rows(self, firsts: np.ndarray[Any, Any], counts: np.ndarray[Any, Any]) -> list[Any]:
         """Values whose first dimension alone varies: slices of the region's row view, into one buffer."""

@@ -17,7 +17,7 @@ import numpy as np
 from ._checksum import checksum
 from ._slots import READY, WRITING, SlotTable
 
-__all__ = ["Problem", "failed_rows", "intact", "intact_parts", "slot_problems"]
+__all__ = ["Problem", "failed_rows", "intact", "intact_parts", "region_problems", "slot_problems"]
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,11 @@ class Problem:
     match its checksum), ``"stuck"`` (WRITING, and its writer is gone),
     ``"state"`` (an invalid state byte), ``"variable"`` (a variable value
     described outside the variable region or with the wrong shape) or
-    ``"overlap"`` (two slots' variable values share bytes). ``fixed`` says
-    whether ``fix=True`` reset the slot to EMPTY.
+    ``"overlap"`` (two slots' variable values share bytes) or ``"region"``
+    (the variable region's allocation counter is behind the values that use
+    it, so new values would overwrite them, or beyond the region; ``index``
+    is ``None``). ``fixed`` says whether ``fix=True`` reset the slot to EMPTY
+    (for ``"region"``: moved the counter past every value, within the region).
     """
 
     kind: str
@@ -38,7 +41,9 @@ class Problem:
     fixed: bool = False
 
     def __str__(self) -> str:
-        return self.message + (" (fixed: slot reset to empty)" if self.fixed else "")
+        if not self.fixed:
+            return self.message
+        return self.message + (" (fixed: counter moved)" if self.kind == "region" else " (fixed: slot reset to empty)")
 
 
 def intact(slots: SlotTable, index: int, arrays: Iterable[np.ndarray[Any, Any]]) -> bool:
@@ -111,6 +116,28 @@ def slot_problems(
         )
         for p in problems
     ]
+
+
+def region_problems(size: int, claimed: int, used: int, end: int) -> list[Problem]:
+    """What is wrong with a variable region whose counter says ``claimed`` of ``size`` bytes were handed out.
+
+    ``used``: bytes READY values hold; ``end``: where the last of them ends.
+    Space is only handed out by advancing the counter, so every value lies
+    below it, and it never passes the region's end.
+    """
+    if claimed > size:
+        message = (
+            f"the variable region's allocation counter says {claimed} bytes were handed out, beyond the "
+            f"region's {size} bytes"
+        )
+        return [Problem("region", None, message)]
+    if used > claimed or end > claimed:
+        message = (
+            f"the variable region's allocation counter says {claimed} bytes were claimed, but READY values "
+            f"use {used} bytes and reach byte {end}: new values would overwrite them"
+        )
+        return [Problem("region", None, message)]
+    return []
 
 
 def _overlaps(spans: list[tuple[int, int, int]], known: set[int | None]) -> list[Problem]:

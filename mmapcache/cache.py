@@ -11,8 +11,10 @@ import os
 import socket
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec
 
@@ -24,7 +26,7 @@ from ._cold import prefetch_later, readahead_for
 from ._counters import REFUTED, Usage
 from ._errors import CacheError, CacheInUseError, CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike, normalize_fields
-from ._file import Expected, NewFile, OpenedFile, creation_lock, open_or_create, read_header
+from ._file import Expected, LockStatus, NewFile, OpenedFile, creation_lock, open_or_create, read_header
 from ._flight import HELD_HERE as _HELD_HERE
 from ._flight import WAIT_TIMEOUT, Claims, Flight, get_or_load_many
 from ._format import MAX_FILE_SIZE, Header, Layout, indices_digest, max_slots, slot_nbytes
@@ -32,12 +34,14 @@ from ._gather import empty_aligned, gather
 from ._handle import Handle, closed_error
 from ._heap import VariableRegion, extent_size_for
 from ._holders import held_by
+from ._jagged import Jagged
 from ._locks import flock_holders, lock_exclusive_soon
+from ._paths import filesystem_type, is_memory_filesystem
 from ._sizes import parse_bytes
 from ._slots import EMPTY, READY, STRONGLY_ORDERED, SlotTable
 from ._values import coerce_batch, coerce_sample
-from ._variable import VariableColumn, text_value, texts, value_bytes
-from ._verify import Problem, failed_rows, intact, intact_parts, slot_problems
+from ._variable import VariableColumn, check_dimensions, text_value, texts
+from ._verify import Problem, failed_rows, intact, intact_parts, region_problems, slot_problems
 
 __all__ = ["Cache", "Problem"]
 
@@ -233,7 +237,10 @@ class Cache:
         limit the cacheable slots to indices ``< capacity`` (default: all
         ``length``); ``max_bytes`` budgets the per-slot data and slot records,
         the header and page padding come on top. They only apply when the file
-        is created. ``timeout`` bounds the wait for another creator.
+        is created. ``timeout`` bounds a wait for another process that
+        creates, removes or clears the file and makes no progress; a check
+        after a reboot in another process (a cache on a disk) is waited for
+        while it advances, and the wait is logged with its progress.
         ``verify=True`` checks every read against the slot's checksum and
         treats a mismatch as a miss.
 
@@ -256,6 +263,8 @@ class Cache:
         try:
             mapped = _Mapped(handle, header, layout)
             _check_after_reboot(path, mapped, readonly=readonly, timeout=timeout)
+            if mapped.boot is None:
+                _warn_if_on_a_disk(path, header.version, os.fstat(opened.fd))
         except BaseException:
             handle.close()  # a failed open leaks no descriptor and no in-use lock
             raise
@@ -440,6 +449,11 @@ class Cache:
     ) -> dict[str, np.ndarray[Any, Any]]:
         """Stacked samples ``{field: array of shape (len(indices), *shape)}``, one gather per field.
 
+        A variable-shape field comes back as a :class:`Jagged`: a read-only
+        sequence of its rows (``len``, indexing, iteration, as a list of
+        arrays) held as one contiguous ``values`` array and ``offsets``,
+        filled by one gather; a text field as a list of ``str`` (``bytes``).
+
         With ``out`` — ``{field: ndarray}`` of shape ``(len(indices), *shape)``,
         the field's dtype, C-contiguous and writable, for every field — the
         rows are written into those buffers (nothing is allocated) and ``out``
@@ -480,7 +494,8 @@ class Cache:
         ``arrays`` maps each field to ``(len(indices), *shape)`` rows (``out``
         when given, see :meth:`get_many`); ``hits[k]`` says whether row ``k``
         holds sample ``indices[k]``. Rows of misses are left as they were
-        (uninitialised in a fresh buffer). With ``verify``, a row that fails
+        (uninitialised in a fresh buffer); in a variable field's
+        :class:`Jagged` (or a text field's list) they are ``None``. With ``verify``, a row that fails
         its checksum is a miss. A cold epoch's batch is an ordinary partial
         hit, so this is the read for callers that fill misses themselves.
         ``count=False`` leaves the usage counters alone (for a caller that
@@ -534,7 +549,7 @@ class Cache:
         if not isinstance(out, Mapping) or out.keys() != fixed.keys():
             got = list(out) if isinstance(out, Mapping) else type(out).__name__
             variable = [name for name in self._fields if name not in fixed]
-            also = f" (variable-shape fields {variable} always come back as lists)" if variable else ""
+            also = f" (variable-shape fields {variable} always come back in new buffers: Jagged)" if variable else ""
             raise ValueError(f"out must map every fixed-shape field {list(fixed)} to an array{also}, got {got}")
         for name, field in fixed.items():
             buffer = out[name]
@@ -606,26 +621,25 @@ class Cache:
         out: dict[str, Any],
         rows: np.ndarray[Any, Any],
     ) -> tuple[dict[str, Any], np.ndarray[Any, Any]]:
-        """Add each variable field's values for ``rows`` of ``idx`` to ``out`` as lists; and the bad rows.
+        """Add each variable field's values for ``rows`` of ``idx`` to ``out``; and the bad rows.
 
-        A row is bad when a descriptor is impossible or (with ``verify``) the
-        slot fails its checksum; its entries are ``None``.
+        A numeric field becomes one :class:`Jagged` (one gather), a text field
+        a list of ``str``/``bytes``. A row is bad when a descriptor is
+        impossible or (with ``verify``) the slot fails its checksum; it is
+        missing there (``None``).
         """
-        lists: dict[str, list[Any]] = {}
+        batches: dict[str, Any] = {}
         bad = np.zeros(len(idx), bool)
         every = len(rows) == len(idx)  # rows are 0..n-1 in order (get_many, or read_many of all hits)
         for column in mapped.variables:
-            values, impossible = column.copy_many(idx if every else idx[rows])
+            jagged, impossible = column.gather(idx, None if every else rows)
             if column.field.text is not None:  # a text field: str or bytes
-                values, undecodable = texts(column.field.text, values)
+                values, undecodable = texts(column.field.text, list(jagged))
                 impossible = np.union1d(impossible, undecodable).astype(np.intp)
-            bad[rows[impossible]] = True
-            if every:
-                lists[column.name] = values
-                continue
-            lists[column.name] = [None] * len(idx)
-            for row, value in zip(rows.tolist(), values, strict=True):
-                lists[column.name][row] = value
+                batches[column.name] = values
+            else:
+                batches[column.name] = jagged
+            bad[impossible] = True
         for row in np.flatnonzero(bad).tolist():
             self._report_damage(int(idx[row]))
         if self._verify:
@@ -636,10 +650,9 @@ class Cache:
                     self._report_mismatch(i)
                     bad[row] = True
         failed = np.flatnonzero(bad)
-        for row in failed.tolist():
-            for values in lists.values():
-                values[row] = None
-        merged = {name: out[name] if name in out else lists[name] for name in self._fields}
+        if len(failed):
+            batches = {name: _without(values, failed) for name, values in batches.items()}
+        merged = {name: out[name] if name in out else batches[name] for name in self._fields}
         return merged, failed
 
     def _report_damage(self, index: int) -> None:
@@ -673,6 +686,8 @@ class Cache:
         if i >= self._capacity or mapped.states[i] == READY:
             return False
         arrays = coerce_sample(sample, self._fields)
+        if mapped.variables:
+            self._check_dimensions(arrays)
         handle = self._handle
         with handle.write_lock:
             handle.check_usable(writing=True)
@@ -694,6 +709,8 @@ class Cache:
         if not len(todo):
             return stored
         arrays = coerce_batch(batch, self._fields, len(idx))
+        if mapped.variables:
+            self._check_dimensions(arrays)
         handle = self._handle
         with handle.write_lock:
             handle.check_usable(writing=True)
@@ -702,6 +719,12 @@ class Cache:
                 stored[row] = fill(mapped, int(idx[row]), arrays, row)
         self._board.add(written=int(np.count_nonzero(stored)))
         return stored
+
+    def _check_dimensions(self, arrays: list[Any]) -> None:
+        """Variable values must fit their descriptors: checked before any slot is claimed."""
+        for (name, field), values in zip(self._fields.items(), arrays, strict=True):
+            if field.variable:
+                check_dimensions(name, values)
 
     @staticmethod
     def _fill(mapped: _Mapped, index: int, arrays: list[np.ndarray[Any, Any]], row: int | None) -> bool:
@@ -914,7 +937,8 @@ class Cache:
         mapped = self._live()
         if mapped.heap is None:
             return None
-        return VariableRegion(mapped.heap.size, int(mapped.heap.claimed[0]), _bytes_used(mapped))
+        heap = mapped.heap
+        return VariableRegion(heap.size, int(heap.claimed[0]), _region_use(mapped)[0], int(heap.refused[0]))
 
     def clear(self) -> None:
         """Mark every slot empty. Refuses with :class:`CacheInUseError` while any other handle is open."""
@@ -937,6 +961,11 @@ class Cache:
                         mapped.slots.synced[:] = 0
                         if mapped.heap is not None:
                             mapped.heap.reset()
+                        if mapped.boot is not None:
+                            # On a disk, before anyone refills: a crash must not find the old
+                            # synced READY records beside new bytes (a synced slot is never
+                            # checked after a reboot).
+                            os.fdatasync(fd)
                     finally:
                         fcntl.flock(fd, fcntl.LOCK_SH)
                     return
@@ -990,6 +1019,14 @@ class Cache:
             problems = self._header_problems(handle.fd)
             ranges = (lambda ready: _value_ranges(mapped, ready)) if mapped.variables else None
             problems += slot_problems(mapped.slots, mapped.parts, fix=fix, ranges=ranges)
+            if mapped.heap is not None:
+                used, end = _region_use(mapped)
+                found = region_problems(mapped.heap.size, int(mapped.heap.claimed[0]), used, end)
+                problems += [replace(p, fixed=fix and mapped.heap.cover(end)) for p in found]
+            if fix and mapped.boot is not None and any(p.fixed for p in problems):
+                # Reset slots may have been synced: their new state must be on the disk before
+                # their bytes are written again (see clear()).
+                os.fdatasync(handle.fd)
         return problems
 
     def _header_problems(self, fd: int) -> list[Problem]:
@@ -1115,7 +1152,19 @@ def _check_after_reboot(path: Path, mapped: _Mapped, *, readonly: bool, timeout:
         return
     if not readonly:
         lock = functools.partial(creation_lock, path, timeout)
-        check_boot(mapped.boot, mapped.slots, mapped.parts, lock=lock, readahead=mapped.readahead)
+        status = LockStatus(path, f"checks {path} after a reboot", "slots")
+        try:
+            check_boot(
+                mapped.boot,
+                mapped.slots,
+                mapped.parts,
+                lock=lock,
+                readahead=mapped.readahead,
+                reconcile=functools.partial(_cover_values, mapped),
+                progress=status.publish,
+            )
+        finally:
+            status.clear()
         return
     try:  # resetting torn slots takes write access: a writable handle checks, then we read
         Cache(path, timeout=timeout).close()
@@ -1126,6 +1175,25 @@ def _check_after_reboot(path: Path, mapped: _Mapped, *, readonly: bool, timeout:
             "without readonly=True (or run `mmapcache verify --fix PATH`) as a user who may write it",
             path=path,
         ) from None
+
+
+_warned_without_boot: set[tuple[int, int]] = set()
+
+
+def _warn_if_on_a_disk(path: Path, version: int, st: os.stat_result) -> None:
+    """Warn (once per file and process) about a file made in memory and used from a disk: no reboot check."""
+    kind = filesystem_type(path.parent)
+    if is_memory_filesystem(kind) or (st.st_dev, st.st_ino) in _warned_without_boot:
+        return
+    _warned_without_boot.add((st.st_dev, st.st_ino))
+    warnings.warn(
+        f"{path} is on a disk ({kind or 'unknown file system'}) but was made on a memory file system (format "
+        f"version {version}, without the boot page of version 5): after a crash or power loss mmapcache cannot "
+        "tell which of its slots reached the disk, and may serve samples whose bytes did not. Make it on the "
+        f"disk instead: remove it (`mmapcache rm {path}`) and let the next run create and fill it there",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _reopen_cache(path: str, readonly: bool, verify: bool, timeout: float) -> Cache:
@@ -1246,17 +1314,54 @@ def _creation_info() -> dict[str, Any]:
     }
 
 
-def _bytes_used(mapped: _Mapped) -> int:
-    """Bytes of the variable region that READY slots' values hold."""
+def _without(values: Any, rows: np.ndarray[Any, Any]) -> Any:
+    """A variable field's batch with ``rows`` made missing (``None``): they failed their checks."""
+    if isinstance(values, Jagged):
+        kept = list(values)
+        for row in rows.tolist():
+            kept[row] = None
+        return Jagged.from_arrays(kept, dtype=values.dtype, tail=values.tail, ndim=values.shapes.shape[1])
+    for row in rows.tolist():
+        values[row] = None
+    return values
+
+
+def _region_use(mapped: _Mapped) -> tuple[int, int]:
+    """``(used, end)``: bytes of the variable region that READY slots' values hold, and where the last ends.
+
+    Values whose descriptors are impossible (see ``VariableColumn.spans``) are left out.
+    """
     ready = np.flatnonzero(np.asarray(mapped.slots.states) == READY)
-    return sum(value_bytes(column.dims[ready], column.dtype.itemsize) for column in mapped.variables)
+    used = end = 0
+    for column in mapped.variables:
+        _, _, counts, ends, bad = column.spans(ready)
+        good = ~bad
+        used += int(counts[good].sum()) * column.dtype.itemsize
+        if good.any():
+            end = max(end, int(ends[good].max()))
+    return used, end
 
 
 def _value_ranges(mapped: _Mapped, ready: np.ndarray[Any, Any]) -> list[tuple[int, int, int]]:
     """``(start, end, slot)`` in the variable region of every variable value of the ``ready`` slots."""
     spans = []
     for column in mapped.variables:
-        starts = column.offsets[ready].astype(np.int64)
-        ends = starts + column.dims[ready].astype(np.int64).prod(axis=1) * column.dtype.itemsize
-        spans += list(zip(starts.tolist(), ends.tolist(), ready.tolist(), strict=True))
+        _, starts, _, ends, bad = column.spans(ready)
+        good = ~bad
+        spans += list(zip(starts[good].tolist(), ends[good].tolist(), ready[good].tolist(), strict=True))
     return spans
+
+
+def _cover_values(mapped: _Mapped) -> None:
+    """After a reboot: make the allocation counter cover every value kept (its page may have missed the disk)."""
+    heap = mapped.heap
+    if heap is None:
+        return
+    before = int(heap.claimed[0])
+    if heap.cover(_region_use(mapped)[1]):
+        log.warning(
+            "the allocation counter of the variable region (%d bytes handed out) did not cover the values "
+            "kept after the reboot; moved to %d bytes so that new values never overwrite them",
+            before,
+            int(heap.claimed[0]),
+        )

@@ -43,6 +43,7 @@ from ._errors import CacheError, CacheFormatError
 from ._file import LOCK_SUFFIX, TEMP_MARK, remove
 from ._holders import spelled_pids
 from ._paths import SUFFIX, default_dir
+from ._resize import resize
 from ._sizes import format_age, format_bytes, parse_duration
 from ._version import __version__
 from .cache import Cache, Problem
@@ -106,6 +107,8 @@ def _fill(item: CacheInfo) -> str:
     region = item.variable
     if region is not None and region.size:
         text += f", variable {100 * region.claimed / region.size:.0f}% claimed"
+    if item.refuted:
+        text += ", refuted"
     return text
 
 
@@ -174,10 +177,25 @@ def _reads(item: CacheInfo) -> str:
         return "not counted (format version 1)"
     total = usage.total
     rate = "" if total.hit_rate is None else f" ({100 * total.hit_rate:.1f}% hits)"
-    text = f"{total.hits} hits, {total.misses} misses{rate}, {total.written} slots written, by all processes"
+    text = f"{total.hits} hits, {total.misses} misses{rate}, {total.written} slots written"
+    uncounted = item.uncounted_pids
+    text += ", by all processes" if not uncounted else ", by the processes that count into the file"
     for pid, counts in sorted(usage.processes.items()):
         text += f"; pid {pid}: {counts.hits} hits, {counts.misses} misses, {counts.written} written"
+    if uncounted:
+        many = len(uncounted) != 1
+        text += (
+            f"; {len(uncounted)} more process{'es' if many else ''} {'have' if many else 'has'} it open and "
+            f"count{'' if many else 's'} only in {'themselves' if many else 'itself'} ({spelled_pids(uncounted)}: "
+            "readonly handles, or all 255 usage records taken; the latter add their counts when they close)"
+        )
     return text
+
+
+_REFUTED = (
+    "yes: a process found that the fields, inferred from a first sample, do not fit the dataset; the next "
+    "CachedDataset without fields= replaces the file once nobody has it open (or `mmapcache rm` it)"
+)
 
 
 def _filled(item: CacheInfo) -> str:
@@ -212,6 +230,7 @@ def _variable(item: CacheInfo) -> str:
     return (
         f"{format_bytes(region.claimed)} of {format_bytes(region.size)} claimed ({share:.1f}%), "
         f"{format_bytes(region.used)} in cached values, {format_bytes(region.free)} free"
+        + (f"; {region.refused} stores refused for lack of room (grow it: mmapcache resize)" if region.refused else "")
     )
 
 
@@ -252,6 +271,7 @@ def format_info(item: CacheInfo, now: float) -> str:
         ),
         ("capacity", _capacity(item)),
         ("filled", _filled(item)),
+        *([("refuted", _REFUTED)] if item.refuted else []),
         *([("variable region", _variable(item))] if item.variable is not None else []),
         ("reads", _reads(item)),
         ("fields", fields[0]),
@@ -290,6 +310,8 @@ def format_gc(report: GcReport, now: float) -> str:
             what = "leftover of an unfinished creation"
         elif item.kind == "lock":
             what = f"lock file of a cache that no longer exists (made {_age(item.last_used, now)})"
+        elif item.kind == "check":
+            what = "directory of an mmapcache.testing check that was killed"
         else:
             what = f"last used {_age(item.last_used, now)}"
         damaged = " (damaged)" if item.kind == "corrupt" else ""
@@ -416,6 +438,28 @@ def _rm(argument: str, *, force: bool) -> str:
     return f"removed {path} ({format_bytes(size)})"
 
 
+def _cmd_resize(args: argparse.Namespace) -> int:
+    try:
+        done = resize(_resolve(args.path), max_bytes=args.max_bytes)
+    except ValueError as error:  # a budget that does not grow the cache, or does not parse
+        _print_error(error)
+        return EXIT_USAGE
+    if args.json:
+        print(_json(done.to_dict()))
+        return EXIT_OK
+    variable = (
+        f", variable region {format_bytes(done.old_variable_bytes)} -> {format_bytes(done.new_variable_bytes)}"
+        if done.new_variable_bytes
+        else f", {done.old_capacity} -> {done.new_capacity} slots"
+    )
+    dropped = f"; {done.dropped} that failed their checksum were dropped" if done.dropped else ""
+    print(
+        f"resized {done.path}: {format_bytes(done.old_bytes)} -> {format_bytes(done.new_bytes)}{variable}; "
+        f"{done.kept} cached samples kept{dropped}"
+    )
+    return EXIT_OK
+
+
 def _cmd_gc(args: argparse.Namespace) -> int:
     report = gc(args.dir, older_than=args.older_than, dry_run=args.dry_run, recursive=args.recursive)
     print(_json(report.to_dict()) if args.json else format_gc(report, time.time()))
@@ -533,6 +577,21 @@ examples:
         _cmd_gc,
     ),
     (
+        "resize",
+        "give a cache a larger budget, keeping what it holds",
+        """\
+Build a copy of the cache at PATH with the budget --max-bytes (read as at
+creation: the fixed part of every slot plus the values of variable and text
+fields), copy every cached sample into it and put it in the old one's place.
+Safe while other processes use the cache: they keep the old file until they
+reopen it (what they fill meanwhile stays there). Both files take space until
+then. Only grows: a smaller budget is refused.
+
+examples:
+  mmapcache resize tokens.mmc --max-bytes 8GiB""",
+        _cmd_resize,
+    ),
+    (
         "df",
         "free space where caches live, and warnings about it",
         """\
@@ -555,8 +614,10 @@ def _add_arguments(name: str, sub: argparse.ArgumentParser) -> None:
             "dir", nargs="?", metavar="DIR", help="directory to look in (default: the default cache directory)"
         )
         sub.add_argument("-r", "--recursive", action="store_true", help="also look in subdirectories")
-    if name in ("info", "verify"):
+    if name in ("info", "verify", "resize"):
         sub.add_argument("path", metavar="PATH", help="a cache file, or a name in the default directory")
+    if name == "resize":
+        sub.add_argument("--max-bytes", required=True, metavar="SIZE", help="the new budget: 8GiB, 500MB, bytes")
     if name == "verify":
         sub.add_argument("--fix", action="store_true", help="reset bad slots to empty")
     if name == "rm":
@@ -571,7 +632,7 @@ def _add_arguments(name: str, sub: argparse.ArgumentParser) -> None:
             help="remove caches not used for this long: 90s, 30m, 12h, 7d, 2w (default: %(default)s)",
         )
         sub.add_argument("-n", "--dry-run", action="store_true", help="show what would be removed, remove nothing")
-    if name in ("ls", "info", "gc", "df"):
+    if name in ("ls", "info", "gc", "df", "resize"):
         sub.add_argument("--json", action="store_true", help="print JSON for scripts instead of text")
 
 

@@ -27,8 +27,13 @@ expected. docs/testing.md explains what the check explores and what it cannot.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
 import pickle
-from collections.abc import Callable, Mapping
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 try:
@@ -47,11 +52,12 @@ from hypothesis.extra import numpy as hnp
 from hypothesis.stateful import get_state_machine_test
 
 from ._field import Field, FieldsLike, normalize_fields
-from ._testing_machine import STEPS, Run, Summary, machine_class
+from ._testing_machine import STEPS, OutOfTime, Run, Summary, machine_class
 
 __all__ = ["DTYPES", "Summary", "check_concurrent_access", "fields", "samples"]
 
 MAX_EXAMPLES = 25
+MAX_PROCESSES = 32  # worker processes a check may start (plus the observer)
 
 
 def check_concurrent_access(
@@ -86,19 +92,37 @@ def check_concurrent_access(
     Samples are compared exactly: same structure (tuple, list, dict), same
     dtype names, shapes and bytes; tensors, arrays and Python numbers match
     across kinds. ``max_examples`` bounds the Hypothesis examples (up to 20
-    steps each), ``deadline`` the seconds after which no new example starts;
-    ``seed`` makes the choice of steps repeatable (timing never is).
+    steps each), ``deadline`` the seconds the call takes: once they have
+    passed, no further step starts (the call ends after the step in progress
+    and the processes' shutdown), unless no sample has been compared yet — a
+    check always compares some. Once a failure was found, shrinking it takes
+    up to ``MMAPCACHE_TESTING_SHRINK_SECONDS`` (30 s) more. ``processes`` is
+    at most 32. ``seed`` makes the choice of steps repeatable (timing never is).
+
+    Run in the main thread, SIGTERM (with its default action) first stops
+    the processes and removes the check's directory, then ends the process as
+    usual; after a SIGKILL, ``mmapcache gc`` removes the directory.
 
     Returns a :class:`Summary` of what ran. Raises ``AssertionError`` with the
     shrunk steps when a sample is wrong, a stored one is lost, a process
-    raises, dies or hangs (60 s), or a cache in use is removed.
+    raises, dies or hangs (60 s), or a cache in use is removed; and when the
+    run ended without comparing a single sample. Arguments of the wrong type
+    raise ``TypeError``, out-of-range ones ``ValueError``, before anything runs.
     """
-    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-        raise ValueError(f"processes must be a positive int, not {processes!r}")
-    if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
-        raise ValueError(f"max_examples must be a positive int, not {max_examples!r}")
-    if deadline is not None and not deadline > 0:
-        raise ValueError(f"deadline must be a positive number of seconds or None, not {deadline!r}")
+    _check_int("processes", processes, MAX_PROCESSES)
+    _check_int("max_examples", max_examples)
+    if not isinstance(kill, bool):
+        raise TypeError(f"kill must be True or False, not {type(kill).__name__} {kill!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int or None, not {type(seed).__name__} {seed!r}")
+    if deadline is not None:
+        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
+            raise TypeError(
+                f"deadline must be a number of seconds (int or float) or None, not {type(deadline).__name__} "
+                f"{deadline!r}"
+            )
+        if not 0 < deadline < math.inf:
+            raise ValueError(f"deadline must be a positive, finite number of seconds or None, not {deadline!r}")
     for name, value in (("make_dataset", make_dataset), ("oracle", oracle)):
         if not callable(value):
             raise TypeError(f"{name} must be callable, not {type(value).__name__}")
@@ -109,6 +133,47 @@ def check_concurrent_access(
                 f"{name} must be picklable to reach the worker processes (a module-level function, or "
                 f"functools.partial of one or of a class); pickling {value!r} failed: {error}"
             ) from None
+    with _cleaned_up_on_sigterm():
+        return _check(make_dataset, oracle, processes, max_examples, kill, seed, deadline)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: unwind (stopping the processes, removing the directory), then die of it.
+
+    A ``KeyboardInterrupt`` so that Hypothesis lets it through untouched.
+    """
+
+
+@contextlib.contextmanager
+def _cleaned_up_on_sigterm() -> Iterator[None]:
+    """While a check runs in the main thread with SIGTERM's default action: SIGTERM unwinds it first."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # die of it, as without the handler
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _check(
+    make_dataset: Callable[[str], Any],
+    oracle: Callable[[int], Any],
+    processes: int,
+    max_examples: int,
+    kill: bool,
+    seed: int | None,
+    deadline: float | None,
+) -> Summary:
     run = Run(make_dataset, oracle, processes=processes, kill=kill, deadline=deadline)
     try:
         run.start()
@@ -129,6 +194,8 @@ def check_concurrent_access(
             test = hypothesis.seed(seed)(test)
         try:
             test()
+        except OutOfTime:
+            pass  # the deadline passed between two steps, nothing had failed: the check is over
         except AssertionError as failure:
             raise AssertionError(_report(run, failure, replayed=True)) from None
         except Flaky:
@@ -138,7 +205,24 @@ def check_concurrent_access(
             raise AssertionError(_report(run, run.shortest[1], replayed=False)) from None
     finally:
         run.close()
+    if not run.summary.samples:
+        raise AssertionError(
+            f"check_concurrent_access compared no sample with the oracle ({run.summary}): a run that "
+            "compares nothing shows nothing. Give it more examples (max_examples=) or more time (deadline=)"
+        )
     return run.summary
+
+
+def _check_int(name: str, value: Any, most: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, not {value!r}")
+    if most is not None and value > most:
+        raise ValueError(
+            f"{name} must be at most {most}, not {value!r}: each is a Python process of its own (with the "
+            "dataset and its imports), and a few already make every race the check looks for"
+        )
 
 
 def _report(run: Run, failure: AssertionError | str, *, replayed: bool) -> str:
@@ -196,6 +280,9 @@ def fields(*, variable: bool | None = None, max_fields: int = 4) -> st.SearchStr
     ``variable=True`` at least one dimension is ``None`` (such a cache needs
     ``max_bytes``), with ``False`` none is, and by default either.
     """
+    if variable is not None and not isinstance(variable, bool):
+        raise TypeError(f"variable must be True, False or None, not {type(variable).__name__} {variable!r}")
+    _check_int("max_fields", max_fields)
     return _fields(variable, max_fields)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import mmapcache
-from mmapcache import Cache, Field, ReadonlyCacheError, SchemaMismatchError
+from mmapcache import Cache, CacheMissError, Field, Jagged, ReadonlyCacheError, SchemaMismatchError
 
 FIELDS = {"image": Field((3, 8, 8), "uint8"), "label": Field((), "int64")}
 
@@ -664,7 +665,8 @@ def test_variable_fields_round_trip(cache_dir: Path) -> None:
         assert cache.put_many([1, 3, 5], {name: [ragged(i)[name] for i in (1, 3, 5)] for name in RAGGED}).all()
         assert_ragged(cache[4], 4)
         batch = cache.get_many([3, 8, 0])
-        assert isinstance(batch["tokens"], list)
+        assert isinstance(batch["tokens"], Jagged)
+        assert batch["tokens"].lengths.tolist() == [len(ragged(i)["tokens"]) for i in (3, 8, 0)]
         assert batch["label"].tolist() == [3, 8, 0]
         for row, i in enumerate([3, 8, 0]):
             assert_ragged({name: batch[name][row] for name in RAGGED}, i)
@@ -788,3 +790,71 @@ def test_a_forked_child_fills_its_own_extent(cache_dir: Path) -> None:
         assert cache.verify() == [], "no two slots share bytes"
         for i in range(40):
             assert_ragged(cache[i], i)
+
+
+def test_verify_finds_an_allocation_counter_behind_the_values_or_beyond_the_region(cache_dir: Path) -> None:
+    with Cache.open(cache_dir / "r.mmc", RAGGED, length=10, max_bytes="1MiB") as cache:
+        for i in range(1, 8):
+            cache.put(i, ragged(i))
+        assert cache._mapped is not None
+        assert cache._mapped.heap is not None
+        claimed = cache._mapped.heap.claimed
+        region = cache.variable_region
+        assert region is not None
+        assert 0 < region.used <= region.claimed
+        claimed[0] = 16  # as if the allocation page had missed the disk: new values would reuse live bytes
+        problems = [p for p in cache.verify() if p.kind == "region"]
+        assert len(problems) == 1, problems
+        assert "claimed" in problems[0].message
+        assert f"use {region.used} bytes" in problems[0].message
+        fixed = cache.verify(fix=True)
+        assert [p.fixed for p in fixed if p.kind == "region"] == [True]
+        assert cache.verify() == []
+        assert int(claimed[0]) >= region.used
+        assert cache.put(9, ragged(9))
+        for i in (*range(1, 8), 9):
+            assert_ragged(cache[i], i)
+        claimed[0] = region.size + 4096  # beyond the region
+        problems = [p for p in cache.verify() if p.kind == "region"]
+        assert len(problems) == 1, problems
+        assert "beyond" in problems[0].message
+        cache.verify(fix=True)
+        assert int(claimed[0]) == region.size, "a counter beyond the region is brought back to its end"
+        assert cache.verify() == []
+
+
+def test_a_descriptor_whose_shape_product_overflows_is_a_damaged_slot_for_every_read(
+    cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cube = {"v": Field((None, None, None), "int8")}
+    with Cache.open(cache_dir / "r.mmc", cube, length=4, max_bytes="1MiB") as cache:
+        for i in range(4):
+            cache.put(i, {"v": np.full((1, 2, i + 1), i, np.int8)})
+        assert cache._mapped is not None
+        cache._mapped.variables[0].dims[2] = [2**21, 2**21, 2**21]  # 2**63 elements: wraps in int64
+        with caplog.at_level(logging.WARNING, logger="mmapcache"):
+            assert cache.get(2) is None
+            with pytest.raises(CacheMissError) as raised:
+                cache.get_many([1, 2, 3])
+            assert raised.value.missing.tolist() == [2]
+            values, hits = cache.read_many([1, 2, 3])
+            assert hits.tolist() == [True, False, True]
+            assert values["v"][1] is None
+        assert caplog.text.count("slot 2 of") == 3
+        assert "cannot be in the file" in caplog.text
+        assert [(p.kind, p.index) for p in cache.verify()] == [("variable", 2)]
+
+
+def test_a_dimension_beyond_the_format_is_refused_before_the_slot_is_claimed(cache_dir: Path) -> None:
+    grid = {"v": Field((None, None), "uint8"), "label": Field((), "int64")}
+    with Cache.open(cache_dir / "r.mmc", grid, length=4, max_bytes="1MiB") as cache:
+        huge = np.zeros((2**32, 0), np.uint8)  # no bytes, but a dimension a uint32 cannot describe
+        with pytest.raises(ValueError, match=r"'v'.*4294967296.*2\*\*32 - 1"):
+            cache.put(1, {"v": huge, "label": 1})
+        with pytest.raises(ValueError, match=r"'v'.*4294967296"):
+            cache.put_many([2, 3], {"v": [np.zeros((1, 1), np.uint8), huge], "label": [2, 3]})
+        assert cache._mapped is not None
+        assert cache._mapped.slots.states.tolist() == [0, 0, 0, 0], "no slot was claimed"
+        assert cache.put(1, {"v": np.zeros((2**16, 0), np.uint8), "label": 1})
+        assert cache[1]["v"].shape == (2**16, 0)
+        assert cache.verify() == []

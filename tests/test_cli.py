@@ -11,11 +11,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from _caches import DAY, Holder, age, make_cache
 
+import mmapcache
 import mmapcache.cli
 from mmapcache import Cache, Field
 from mmapcache._file import read_header
@@ -554,4 +556,58 @@ def test_info_and_ls_show_how_full_the_variable_region_is(cache_dir: Path) -> No
     assert f"claimed ({100 * region.claimed / region.size:.1f}%)" in shown.stdout
     assert "% claimed" in listed.stdout
     used = 4 * sum(range(100, 110))
-    assert as_json["variable"] == {"size": region.size, "claimed": region.claimed, "used": used, "free": region.free}
+    assert as_json["variable"] == {
+        "size": region.size,
+        "claimed": region.claimed,
+        "used": used,
+        "free": region.free,
+        "refused": 0,
+    }
+
+
+def test_info_says_which_processes_it_cannot_show_the_reads_of(cache_dir: Path, hold: Any) -> None:
+    path = cache_dir / "c.mmc"
+    with Cache.open(path, {"x": Field((4,), "u1")}, length=8) as cache:
+        cache.get(3)
+        reader = hold(path)  # a readonly handle counts only in its own process
+        shown = run("info", str(path))
+        as_json = json.loads(run("info", "--json", str(path)).stdout)
+    assert shown.returncode == 0, shown.stderr
+    assert "by all processes" not in shown.stdout
+    assert f"1 more process has it open and counts only in itself (pid {reader.pid}: readonly" in shown.stdout
+    assert as_json["uncounted_pids"] == [reader.pid]
+
+
+def test_ls_and_info_show_a_refuted_cache(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    with Cache.open(path, {"x": Field((4,), "u1")}, length=8) as cache:
+        cache.refute()
+    shown, listed = run("info", str(path)), run("ls", str(cache_dir))
+    assert shown.returncode == 0, shown.stderr
+    assert listed.returncode == 0, listed.stderr
+    assert "refuted" in shown.stdout
+    assert "do not fit" in shown.stdout
+    assert "refuted" in listed.stdout
+    assert json.loads(run("info", "--json", str(path)).stdout)["refuted"] is True
+    assert mmapcache.info(path).refuted
+    other = cache_dir / "d.mmc"
+    Cache.open(other, {"x": Field((4,), "u1")}, length=8).close()
+    assert "refuted" not in run("info", str(other)).stdout
+    assert not mmapcache.info(other).refuted
+
+
+def test_info_shows_how_many_stores_the_variable_budget_refused(cache_dir: Path) -> None:
+    path = cache_dir / "full.mmc"
+    with Cache.open(path, {"tokens": Field((None,), "uint8")}, length=64, max_bytes=64 * 16 + 8192) as cache:
+        stored = [cache.put(i, {"tokens": np.zeros(3000, np.uint8)}) for i in range(6)]
+        region = cache.variable_region
+        assert region is not None
+        assert stored.count(False) == region.refused > 0
+    with Cache.open(path) as other:  # the count is in the file: every process sees it
+        again = other.variable_region
+        assert again is not None
+        assert again.refused == region.refused
+    shown = run("info", str(path))
+    assert shown.returncode == 0, shown.stderr
+    assert f"{region.refused} stores refused for lack of room" in shown.stdout
+    assert json.loads(run("info", "--json", str(path)).stdout)["variable"]["refused"] == region.refused

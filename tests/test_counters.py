@@ -100,3 +100,20 @@ def test_count_adds_reads_served_through_views(cache_dir: Path) -> None:
         assert cache.usage().processes[os.getpid()] == Counts(5, 2, 0)
         assert Counts(5, 2, 0).to_dict() == {"hits": 5, "misses": 2, "written": 0, "hit_rate": 5 / 7}
         assert Counts().hit_rate is None
+
+
+def test_a_handle_beyond_the_last_record_adds_its_counts_to_the_totals_when_it_closes(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    with Cache.open(path, {"x": Field((4,), "u1")}, length=8) as first:
+        first.put(0, {"x": [1] * 4})
+        others = [Cache.open(path) for _ in range(first._layout.counter_records - 2)]  # every record taken
+        try:
+            extra = Cache.open(path)
+            assert not extra._board.shared, "no record left for it"
+            extra.get(0), extra.get(5), extra.get(6)
+            assert extra.usage().total == Counts(1, 2, 1), "it sees its own counts in the totals"
+            extra.close()
+            assert first.usage().total == Counts(1, 2, 1), "its counts joined the totals when it closed"
+        finally:
+            for other in others:
+                other.close()

@@ -50,3 +50,9 @@ def test_every_public_name_is_in_the_api_reference() -> None:
     text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
     missing = [name for name in mmapcache.__all__ if not name.startswith("__") and f"`{name}" not in text]
     assert missing == [], f"docs/api.md does not document {missing}"
+
+
+def test_no_page_calls_a_format_version_that_exists_planned() -> None:
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for found in re.finditer(r"planned for (?:format )?version (\d+)", page.read_text()):
+            assert int(found.group(1)) > mmapcache._format.FORMAT_VERSION, f"{page.name}: {found.group(0)!r}"

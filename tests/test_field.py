@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from mmapcache import Field
+from mmapcache import Cache, Field
 from mmapcache._field import normalize_fields
 
 
@@ -111,3 +112,18 @@ def test_normalize_fields() -> None:
         normalize_fields({"": Field((), "i8")})
     with pytest.raises(TypeError, match="Field"):
         normalize_fields({"a": "float32"})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize("dtype", [np.dtype([]), np.dtype([("a", "u1", (0,))])])
+def test_a_variable_field_of_a_dtype_without_bytes_is_refused(dtype: Any) -> None:
+    with pytest.raises(ValueError, match="at least one byte"):
+        Field((None,), dtype)
+    with pytest.raises(ValueError, match="at least one byte"):
+        Field((3, None), dtype)
+    assert Field((3,), dtype).nbytes == 0, "a fixed field of no bytes stores nothing, and opens"
+
+
+def test_a_cache_with_a_variable_field_without_bytes_is_never_created(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least one byte"):
+        Cache(tmp_path / "c.mmc", {"x": ((None,), np.dtype([]))}, 4, max_bytes="1MiB")
+    assert list(tmp_path.iterdir()) == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import tempfile
 import textwrap
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -288,14 +290,14 @@ def _tear(path: Path, slot: int) -> None:
         os.close(fd)
 
 
-def _read_after_reboot(path: Path, n: int, tmp: Path, *, readonly: bool = False) -> dict[str, Any]:
-    """Open the cache in a process that sees another kernel boot id (a private mount namespace)."""
+def _after_reboot(code: str, tmp: Path) -> dict[str, Any]:
+    """Run ``code`` (its last line prints JSON) in a process that sees another kernel boot id."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare to fake a reboot")
     fake = tmp / "boot_id"
     fake.write_text(str(uuid.uuid4()) + "\n")
-    script = tmp / "reader.py"
-    script.write_text(textwrap.dedent(READER.format(path=str(path), n=n, readonly=", readonly=True" * readonly)))
+    script = tmp / "after_reboot.py"
+    script.write_text(textwrap.dedent(code))
     command = f"mount --bind {fake} /proc/sys/kernel/random/boot_id && exec {sys.executable} {script}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
@@ -306,8 +308,14 @@ def _read_after_reboot(path: Path, n: int, tmp: Path, *, readonly: bool = False)
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    report: dict[str, Any] = json.loads(result.stdout)
-    assert report["boot"] == uuid.UUID(fake.read_text().strip()).hex
+    report: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+    return report
+
+
+def _read_after_reboot(path: Path, n: int, tmp: Path, *, readonly: bool = False) -> dict[str, Any]:
+    """Open the cache in a process that sees another kernel boot id (a private mount namespace)."""
+    report = _after_reboot(READER.format(path=str(path), n=n, readonly=", readonly=True" * readonly), tmp)
+    assert report["boot"] == uuid.UUID((tmp / "boot_id").read_text().strip()).hex
     return report
 
 
@@ -368,3 +376,170 @@ def test_sync_marks_every_filled_slot_and_a_new_claim_clears_it(disk_dir: Path) 
         assert not synced.any()
         with pytest.raises(PermissionError):
             Cache(path, readonly=True).sync()
+
+
+RAGGED = {"v": ((None,), "u1")}
+
+
+def ragged(i: int) -> np.ndarray[Any, Any]:
+    return np.full(1000 + i, i, np.uint8)
+
+
+REFILL_AFTER_REBOOT = """
+    import json, numpy as np
+    from mmapcache import Cache
+    with Cache({path!r}) as cache:
+        for i in range({half}, {n}):
+            cache.put(i, {{"v": np.full(1000 + i, i, np.uint8)}})
+        wrong = [i for i in range({n}) if i in cache and not (cache[i]["v"] == i).all()]
+        print(json.dumps({{"wrong": wrong, "ready": [i for i in range({n}) if i in cache]}}))
+"""
+
+
+def test_after_a_reboot_new_values_never_reuse_the_bytes_of_values_that_survived(disk_dir: Path) -> None:
+    path, n, half = disk_dir / "r.mmc", 16, 8
+    with Cache(path, RAGGED, n, max_bytes="1MiB") as cache:
+        for i in range(half):
+            cache.put(i, {"v": ragged(i)})
+        assert cache.sync() == half
+        allocator = cache._layout.allocator_offset
+    # The crash this models: the slots reached the disk, the allocation page did not.
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, bytes(8), allocator)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    report = _after_reboot(REFILL_AFTER_REBOOT.format(path=str(path), n=n, half=half), disk_dir)
+    assert report["ready"] == list(range(n))
+    assert report["wrong"] == [], "values written after the reboot overwrote values that were served as hits"
+    with Cache(path) as cache:
+        assert cache.verify() == []
+
+
+def _dirty(mm: Any, offset: int) -> bool:
+    """Whether the page cache page under ``offset`` of the shared mapping ``mm`` is dirty (not yet on the disk)."""
+    import ctypes
+
+    mm[offset]  # map it
+    anchor = ctypes.c_char.from_buffer(mm, offset)
+    address = ctypes.addressof(anchor)
+    del anchor
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(address // 4096 * 8)
+        frame = int.from_bytes(pagemap.read(8), "little") & ((1 << 55) - 1)
+    with open("/proc/kpageflags", "rb") as flags:
+        flags.seek(frame * 8)
+        return bool(int.from_bytes(flags.read(8), "little") & (1 << 4))  # KPF_DIRTY
+
+
+def test_clear_on_a_disk_is_durable_before_anything_reuses_the_space(disk_dir: Path) -> None:
+    import mmap
+
+    if os.geteuid() != 0 or not Path("/proc/kpageflags").exists():
+        pytest.skip("needs root to read page flags")
+    path, n = disk_dir / "r.mmc", 16
+    with Cache(path, RAGGED, n, max_bytes="1MiB") as cache:
+        for i in range(n):
+            cache.put(i, {"v": ragged(i)})
+        assert cache.sync() == n  # every slot synced: after a crash they would be trusted unchecked
+        layout = cache._layout
+        cache.clear()
+        # A crash from here on must not find the synced READY records on the disk: the region
+        # is about to be reused, and a synced slot is never read back to be checked.
+        fd = os.open(path, os.O_RDWR)  # a writable mapping (ctypes needs one); only read through
+        try:
+            mm = mmap.mmap(fd, layout.file_size)
+            try:
+                assert not _dirty(mm, layout.table_offset), "the emptied slot table is not on the disk yet"
+                assert not _dirty(mm, layout.allocator_offset), "the reset allocation counter is not on the disk yet"
+            finally:
+                mm.close()
+        finally:
+            os.close(fd)
+        assert cache.put(3, {"v": ragged(3)})
+
+
+def test_a_cache_made_in_memory_and_used_from_a_disk_warns_that_reboots_go_unchecked(
+    disk_dir: Path, cache_dir: Path
+) -> None:
+    made = cache_dir / "c.mmc"
+    make_cache(made, 4)
+    moved = disk_dir / "c.mmc"
+    shutil.copyfile(made, moved)
+    with pytest.warns(RuntimeWarning, match=r"made on a memory file system .*version 2.*mmapcache rm"):
+        cache = Cache(moved)
+    with cache:
+        assert cache._mapped is not None
+        assert cache._mapped.boot is None
+        assert np.array_equal(cache[3]["x"], sample(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Cache(moved, readonly=True).close()  # once per file and process
+        Cache(made).close()  # in memory: nothing to say
+
+
+CHECKER = """
+import os, sys
+with open(sys.argv[2], "w") as procs:  # into the throttled cgroup before the first read
+    procs.write(str(os.getpid()))
+from mmapcache import Cache
+Cache(sys.argv[1]).close()
+"""
+
+WAITER = """
+import json, logging, os, sys, time
+from mmapcache import Cache
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
+time.sleep(0.5)  # the checker has the lock by now
+start = time.monotonic()
+with Cache(sys.argv[1], timeout=1) as cache:
+    print(json.dumps({"waited": time.monotonic() - start, "filled": cache.filled}))
+"""
+
+AFTER_REBOOT_TWO = """
+import json, subprocess, sys
+checker = subprocess.Popen([sys.executable, "-c", {checker!r}, {path!r}, {procs!r}])
+waiter = subprocess.run([sys.executable, "-c", {waiter!r}, {path!r}], capture_output=True, text=True)
+checker.wait()
+print(json.dumps({{"checker": checker.pid, "status": waiter.returncode, "out": waiter.stdout, "err": waiter.stderr}}))
+"""
+
+
+@pytest.fixture
+def slow_disk_cgroup() -> Iterator[Path]:
+    """A blkio cgroup whose reads from the disk under /var/tmp are throttled to 4 MiB/s."""
+    root = Path("/sys/fs/cgroup/blkio")
+    if os.geteuid() != 0 or not (root / "blkio.throttle.read_bps_device").exists():
+        pytest.skip("needs root and the cgroup v1 blkio controller")
+    dev = os.stat(DISK).st_dev
+    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if (block / "partition").exists():  # throttles apply to the whole disk
+        block = block.resolve().parent
+    group = root / f"mmapcache-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "blkio.throttle.read_bps_device").write_text(f"{(block / 'dev').read_text().strip()} {4 * 2**20}")
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            (root / "cgroup.procs").write_text(pid)
+        group.rmdir()
+
+
+def test_after_a_reboot_other_processes_wait_for_the_check_and_say_how_far_it_is(
+    disk_dir: Path, slow_disk_cgroup: Path
+) -> None:
+    path, n = disk_dir / "c.mmc", 256  # 16 MiB never synced: about 4 s at 4 MiB/s
+    make_cache(path, n)
+    evict(path)
+    code = AFTER_REBOOT_TWO.format(
+        checker=CHECKER, waiter=WAITER, path=str(path), procs=str(slow_disk_cgroup / "cgroup.procs")
+    )
+    report = _after_reboot(code, disk_dir)
+    assert report["status"] == 0, report["err"]
+    assert json.loads(report["out"])["filled"] == n
+    assert json.loads(report["out"])["waited"] > 1, "the check took longer than the waiter's timeout"
+    assert f"pid {report['checker']}" in report["err"]
+    assert "after a reboot" in report["err"]
+    assert re.search(rf"\d+ of {n} slots", report["err"]), report["err"]

@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -271,3 +272,112 @@ def test_a_correct_cached_dataset_passes_a_long_run() -> None:
 def test_a_correct_cache_of_our_own_passes_a_long_run() -> None:
     summary = check_concurrent_access(functools.partial(toy, nbytes=Blobs().nbytes), blob, max_examples=400)
     print(f"\nlong run, ToyCache: {summary}")
+
+
+@pytest.mark.timeout(90)
+def test_a_deadline_bounds_the_whole_call_however_many_examples_are_allowed() -> None:
+    start = time.monotonic()
+    summary = check_concurrent_access(toy, blob, max_examples=10**9, deadline=2, processes=2)
+    took = time.monotonic() - start
+    assert took < 2 + 5, f"deadline 2 s, the call took {took:.1f} s ({summary})"
+    assert summary.samples > 0
+    assert _no_leftovers() == []
+
+
+@pytest.mark.timeout(90)
+def test_a_run_out_of_time_at_once_still_compares_samples() -> None:
+    # Hypothesis's first example is its simplest: worker 0 remakes the dataset 20 times, loading nothing.
+    summary = check_concurrent_access(toy, blob, max_examples=50, deadline=0.001, processes=1, kill=False, seed=1)
+    assert summary.samples > 0, summary
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "match"),
+    [
+        ({"deadline": "5"}, TypeError, "deadline must be a number of seconds .* not str '5'"),
+        ({"deadline": True}, TypeError, "deadline must be a number"),
+        ({"deadline": float("nan")}, ValueError, "deadline must be a positive, finite"),
+        ({"deadline": float("inf")}, ValueError, "deadline must be a positive, finite"),
+        ({"processes": 2.0}, TypeError, "processes must be an int, not float"),
+        ({"processes": 33}, ValueError, "processes must be at most 32"),
+        ({"max_examples": "10"}, TypeError, "max_examples must be an int"),
+        ({"kill": "no"}, TypeError, "kill must be True or False"),
+        ({"seed": 1.5}, TypeError, "seed must be an int or None"),
+    ],
+)
+def test_bad_arguments_get_a_clear_error_before_anything_runs(
+    arguments: dict[str, object], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        check_concurrent_access(toy, blob, **arguments)  # type: ignore[arg-type]
+    assert _no_leftovers() == []
+
+
+def test_bad_arguments_to_the_strategies_get_a_clear_error() -> None:
+    with pytest.raises(TypeError, match="max_fields must be an int, not str"):
+        fields(max_fields="3")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_fields must be a positive int"):
+        fields(max_fields=0)
+    with pytest.raises(TypeError, match="variable must be True, False or None"):
+        fields(variable="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        samples(5)  # type: ignore[arg-type]
+
+
+CHECK_FOREVER = """
+import sys
+sys.path.insert(0, {tests!r})
+from _testing_caches import blob, toy
+from mmapcache.testing import check_concurrent_access
+check_concurrent_access(toy, blob, max_examples=10**9, processes=2)
+"""
+
+
+def _start_a_check(directory: Path) -> tuple[subprocess.Popen[str], Path]:
+    """A check that runs until killed, in its own session, caching under ``directory``; and its directory."""
+    env = {**os.environ, "MMAPCACHE_DIR": str(directory), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    code = CHECK_FOREVER.format(tests=str(Path(__file__).parent))
+    process = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        checks = [p for p in directory.glob("check-*") if any(p.glob("example-*"))]
+        if checks:
+            return process, checks[0]
+        time.sleep(0.1)
+    process.kill()
+    raise AssertionError("the check made no example in 60 s")
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_check_leaves_a_directory_that_gc_sees_and_removes(tmp_path: Path) -> None:
+    process, check = _start_a_check(tmp_path)
+    assert mmapcache.gc(tmp_path, older_than=0).removed == (), "a running check's directory is never removed"
+    os.killpg(process.pid, signal.SIGKILL)  # the check and every process it started
+    process.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while True:
+        report = mmapcache.gc(tmp_path, dry_run=True)  # the default age: a dead check's directory goes at once
+        if report.removed or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # the killed processes' locks are released as they are reaped
+    assert [(r.path, r.kind) for r in report.removed] == [(check, "check")]
+    assert check.exists(), "a dry run removes nothing"
+    report = mmapcache.gc(tmp_path)
+    assert [(r.path, r.kind) for r in report.removed] == [(check, "check")]
+    assert not check.exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_check_ended_by_sigterm_removes_its_directory_and_processes(tmp_path: Path) -> None:
+    process, check = _start_a_check(tmp_path)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == -signal.SIGTERM
+    assert not check.exists()
+    assert list(tmp_path.glob("check-*")) == []
+    deadline = time.monotonic() + 10  # multiprocessing's resource tracker leaves once its pipe closes
+    while True:
+        left = subprocess.run(["pgrep", "-s", str(process.pid)], capture_output=True, text=True).stdout.split()
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert left == [], f"processes of the check still run: {left}"

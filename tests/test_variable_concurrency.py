@@ -34,7 +34,7 @@ from _procs_variable import (
 )
 
 import mmapcache
-from mmapcache import Cache
+from mmapcache import Cache, Jagged
 from mmapcache._format import PAYLOAD_ALIGNMENT
 
 MiB = 2**20
@@ -49,8 +49,8 @@ def _check_every_ready_slot(cache: Cache, tags: set[int], scale: float = 1.0) ->
     ready: list[int] = np.flatnonzero(cache.contains_many(range(cache.capacity))).tolist()
     if ready:
         batch = cache.get_many(ready)
-        assert isinstance(batch["tokens"], list), type(batch["tokens"])
-        assert isinstance(batch["image"], list), type(batch["image"])
+        assert isinstance(batch["tokens"], Jagged), type(batch["tokens"])
+        assert isinstance(batch["image"], Jagged), type(batch["image"])
         for row, i in enumerate(ready):
             sample = {name: batch[name][row] for name in batch}
             assert int(sample["tag"]) in tags, f"slot {i} holds the unknown writer tag {int(sample['tag'])}"

@@ -1,0 +1,211 @@
+"""`mmapcache.resize` / `mmapcache resize`: a larger budget, every cached sample kept, safe under use."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_file import mounted_tmpfs
+
+import mmapcache
+from mmapcache import Cache, CacheSpaceError, Field
+
+FIELDS = {"tokens": Field((None,), "uint16"), "n": Field((), "int64")}
+N = 400
+
+
+def tokens(i: int) -> np.ndarray[Any, Any]:
+    return (np.arange(i % 53 + 1) * 3 + i).astype(np.uint16)
+
+
+def fill(cache: Cache, indices: Any) -> list[int]:
+    return [i for i in indices if cache.put(i, {"tokens": tokens(i), "n": i})]
+
+
+def test_resize_grows_the_variable_region_and_keeps_every_cached_sample(tmp_path: Path) -> None:
+    path = tmp_path / "t.mmc"
+    with Cache.open(path, FIELDS, N, max_bytes=N * 32 + 8192) as cache:
+        stored = fill(cache, range(N))
+        region = cache.variable_region
+        assert region is not None
+        assert 0 < len(stored) < N
+        assert region.refused == N - len(stored)
+        before = cache.usage().total
+    done = mmapcache.resize(path, max_bytes="1MiB")
+    assert (done.kept, done.dropped) == (len(stored), 0)
+    assert done.new_capacity == done.old_capacity == N
+    assert done.new_variable_bytes > done.old_variable_bytes
+    with Cache.open(path) as grown:
+        assert grown.nbytes == done.new_bytes
+        assert grown.filled == len(stored)
+        batch = grown.get_many(stored)
+        assert batch["tokens"] == [tokens(i) for i in stored]
+        assert batch["n"].tolist() == stored
+        region = grown.variable_region
+        assert region is not None
+        assert region.refused == 0
+        assert grown.usage().total.written == before.written  # the history carries over
+        assert sorted(stored + fill(grown, range(N))) == list(range(N))  # the rest fits now
+        assert grown.verify() == []
+    mmapcache.remove(path)
+
+
+def test_resize_gives_a_cache_of_fixed_fields_more_slots(tmp_path: Path) -> None:
+    path = tmp_path / "f.mmc"
+    fields = {"x": Field((4,), "float32")}
+    with Cache.open(path, fields, 100, capacity=10) as cache:
+        cache.put_many(range(10), {"x": np.ones((10, 4), np.float32)})
+    done = mmapcache.resize(path, max_bytes=100 * 24)
+    assert (done.old_capacity, done.new_capacity, done.kept) == (10, 100, 10)
+    with Cache.open(path) as grown:
+        assert grown.capacity == 100
+        assert grown.filled == 10
+        assert grown.put(50, {"x": np.zeros(4, np.float32)})
+    mmapcache.remove(path)
+
+
+def test_resize_refuses_to_shrink_and_leaves_the_file_as_it_was(tmp_path: Path) -> None:
+    path = tmp_path / "t.mmc"
+    with Cache.open(path, FIELDS, N, max_bytes="1MiB") as cache:
+        fill(cache, range(10))
+    before = os.stat(path)
+    with pytest.raises(ValueError, match="only grows"):
+        mmapcache.resize(path, max_bytes=N * 32 + 8192)
+    after = os.stat(path)
+    assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)
+    assert sorted(os.listdir(tmp_path)) == ["t.mmc", "t.mmc.lock"]
+    mmapcache.remove(path)
+
+
+def test_resize_says_when_there_is_no_room_for_the_new_file_next_to_the_old(tmp_path: Path) -> None:
+    with mounted_tmpfs(tmp_path / "tiny", "size=2m,mode=0700") as tiny:  # a real 2 MiB file system
+        path = tiny / "t.mmc"
+        with Cache.open(path, FIELDS, N, max_bytes="1MiB") as cache:
+            fill(cache, range(10))
+        with pytest.raises(CacheSpaceError, match="built next to the old one") as error:
+            mmapcache.resize(path, max_bytes="1536KiB")
+        assert error.value.needed is not None
+        assert error.value.free is not None
+        assert error.value.needed > error.value.free
+        assert sorted(os.listdir(tiny)) == ["t.mmc", "t.mmc.lock"]
+        with Cache.open(path) as cache:
+            assert cache.filled == 10
+        mmapcache.remove(path)
+
+
+def test_a_handle_open_before_resize_keeps_reading_the_old_file(tmp_path: Path) -> None:
+    path = tmp_path / "t.mmc"
+    with Cache.open(path, FIELDS, N, max_bytes=N * 32 + 8192) as old:
+        stored = fill(old, range(N))
+        mmapcache.resize(path, max_bytes="1MiB")
+        assert old.get_many(stored)["tokens"] == [tokens(i) for i in stored]
+        late = [i for i in range(N) if i not in stored][:3]
+        old.put(late[0], {"tokens": np.zeros(0, np.uint16), "n": 0})  # fills the old file only
+        with Cache.open(path) as new:
+            assert late[0] not in new
+            assert new.filled == len(stored)
+    mmapcache.remove(path)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(
+        [sys.executable, "-m", "mmapcache", *args], capture_output=True, text=True, env=env, check=False
+    )
+
+
+def test_mmapcache_resize_on_the_command_line(tmp_path: Path) -> None:
+    path = tmp_path / "t.mmc"
+    with Cache.open(path, FIELDS, N, max_bytes=N * 32 + 8192) as cache:
+        stored = fill(cache, range(N))
+    shown = cli("resize", str(path), "--max-bytes", "2MiB")
+    assert shown.returncode == 0, shown.stderr
+    assert f"{len(stored)} cached samples kept" in shown.stdout
+    assert json.loads(cli("resize", str(path), "--max-bytes", "4MiB", "--json").stdout)["kept"] == len(stored)
+    refused = cli("resize", str(path), "--max-bytes", "1MiB")
+    assert refused.returncode == 2
+    assert "only grows" in refused.stderr
+    mmapcache.remove(path)
+
+
+# A reader and a filler in their own processes, reopening the cache by path as they go.
+_WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    import numpy as np
+    from mmapcache import Cache
+    path, role, stop = sys.argv[1], sys.argv[2], sys.argv[3]
+    rng = np.random.default_rng(os.getpid())
+    def tokens(i):
+        return (np.arange(i % 53 + 1) * 3 + i).astype(np.uint16)
+    rounds = reads = 0
+    while not os.path.exists(stop):
+        with Cache.open(path) as cache:
+            for _ in range(20):
+                idx = rng.integers(0, cache.length, 64)
+                if role == "filler":
+                    for i in idx.tolist():
+                        cache.put(i, {"tokens": tokens(i), "n": i})
+                    continue
+                batch, hits = cache.read_many(idx)
+                for row, i in enumerate(idx.tolist()):
+                    if not hits[row]:
+                        continue
+                    reads += 1
+                    if batch["n"][row] != i or not np.array_equal(batch["tokens"][row], tokens(i)):
+                        print(f"slot {i} read wrong", flush=True)
+                        sys.exit(1)
+        rounds += 1
+    print(f"{role}: {rounds} opens, {reads} hits checked", flush=True)
+    """
+)
+
+
+def test_resize_while_a_reader_and_a_filler_use_the_cache_never_shows_a_wrong_sample(tmp_path: Path) -> None:
+    path = tmp_path / "t.mmc"
+    stop = tmp_path / "stop"
+    with Cache.open(path, FIELDS, N, max_bytes=N * 32 + 4096) as cache:
+        first = fill(cache, range(0, N, 7))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, str(path), role, str(stop)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for role in ("reader", "filler")
+    ]
+    try:
+        kept = []
+        for budget in ("64KiB", "256KiB", "1MiB"):
+            time.sleep(0.5)
+            done = mmapcache.resize(path, max_bytes=budget)
+            assert done.dropped == 0
+            kept.append(done.kept)
+        time.sleep(0.5)
+    finally:
+        stop.touch()
+        outputs = [proc.communicate(timeout=60) for proc in procs]
+    for proc, (out, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out + err
+    assert "reader:" in outputs[0][0]
+    assert " 0 hits checked" not in outputs[0][0]  # the reader did read samples across the resizes
+    assert kept[0] >= len(first)
+    assert kept == sorted(kept)  # every resize keeps at least what the one before kept
+    with Cache.open(path) as cache:
+        ready = np.flatnonzero(cache.contains_many(range(N))).tolist()
+        assert set(first) <= set(ready)
+        assert cache.get_many(ready)["tokens"] == [tokens(i) for i in ready]
+        assert cache.verify() == []
+    mmapcache.remove(path)
+    stop.unlink()
