@@ -34,7 +34,6 @@ from torch_helpers import (
 
 from mmapcache import Field, SchemaMismatchError
 from mmapcache.torch import CachedDataset, Padded, pad_collate
-from mmapcache.torch._loader import Batched
 
 N = 60
 BUDGET = "1MiB"
@@ -181,10 +180,10 @@ def test_default_collate_stacks_variable_leaves_that_agree_and_raises_as_torch_d
     )
     for _ in range(2):  # cold, then warm
         plain = batches(DataLoader(uniform, batch_size=4, num_workers=workers))
-        fast = batches(uniform.loader(batch_size=4, num_workers=workers))
+        fast = batches(uniform.loader(batch_size=4, num_workers=workers, collate_fn=default_collate))
         direct = batches(DataLoader(Detection(uniform=True), batch_size=4))
         for a, b, c in zip(plain, fast, direct, strict=True):
-            assert same(a, b), "loader() yields what DataLoader(ds) yields"
+            assert same(a, b), "loader(collate_fn=default_collate) yields what DataLoader(ds) yields"
             assert same(a, c), "and what DataLoader over the dataset itself yields"
         assert plain[0]["boxes"].shape == (4, 0, 4)
     ragged = CachedDataset(Detection(), cache_dir / "r.mmc", key="ragged", fields=DETECTION_FIELDS, max_bytes=BUDGET)
@@ -193,7 +192,7 @@ def test_default_collate_stacks_variable_leaves_that_agree_and_raises_as_torch_d
     for loader in (
         DataLoader(Detection(), batch_size=4, num_workers=workers),
         DataLoader(ragged, batch_size=4, num_workers=workers),
-        ragged.loader(batch_size=4, num_workers=workers),
+        ragged.loader(batch_size=4, num_workers=workers, collate_fn=default_collate),
     ):
         with pytest.raises(RuntimeError) as info:
             next(iter(loader))
@@ -275,21 +274,6 @@ def _tensors(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_tensors(v) for v in value)
     return value
-
-
-def test_a_worker_batch_is_not_used_for_variable_fields(cache_dir: Path) -> None:
-    """Variable leaves are collated by torch in the worker, as DataLoader(ds) does: no WorkerBatch."""
-    ds = token_cache(cache_dir / "c.mmc")
-    ds.fill(progress=False)
-    loader = ds.loader(batch_size=4, collate_fn=pad_tokens)
-    assert isinstance(loader.dataset, Batched)
-    batch = loader.dataset.in_worker([3, 4])
-    collated = ds.loader(batch_size=4).dataset
-    assert isinstance(collated, Batched)
-    with pytest.raises(RuntimeError, match="stack expects"):
-        collated.in_worker([0, 1, 2, 3])
-    assert isinstance(batch, list)
-    assert same(batch[1], torch.tensor([3, 4]))
 
 
 def test_copy_false_reads_variable_fields_as_fresh_copies(cache_dir: Path) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Collection, Mapping, MutableMapping, MutableSequence, Sequence
+from collections.abc import Callable, Collection, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -21,7 +21,7 @@ import torch.utils.data
 from .._structure import Step, name_of
 from ._columns import shared_empty
 
-__all__ = ["Padded", "as_is", "collate_tree", "pad_collate"]
+__all__ = ["Padded", "Padder", "as_is", "collate_tree", "pad_collate", "pad_tensors"]
 
 
 def collate_tree(tree: Any, tensors: Sequence[torch.Tensor]) -> Any:
@@ -93,11 +93,15 @@ def pad_collate(batch: Sequence[Any], *, pad: str | Collection[str] | None = Non
                 f"tensor leaves are {leaves} (named as in mmapcache.torch: '0' for a tuple's first element, "
                 "'key' for a dict's, '.' for a bare leaf)"
             )
-    return _Padder(names, padding_value).collate(list(batch), [])
+    return Padder(names, functools.partial(_padded, padding_value=padding_value)).collate(list(batch), [])
+
+
+def _padded(column: list[torch.Tensor], name: str, *, padding_value: float) -> Padded:
+    return pad_tensors(column, padding_value, name)
 
 
 def _tensor_leaves(value: Any, path: list[Step], names: list[str]) -> None:
-    """The names of the leaves of one sample that :class:`_Padder` treats as tensors, in its order."""
+    """The names of the leaves of one sample that :class:`Padder` treats as tensors, in its order."""
     if isinstance(value, torch.Tensor) or (isinstance(value, np.ndarray) and value.dtype.kind in "biufc"):
         names.append(name_of(path))
     elif isinstance(value, Mapping):
@@ -109,11 +113,15 @@ def _tensor_leaves(value: Any, path: list[Step], names: list[str]) -> None:
             _tensor_leaves(item, [*path, (kind, k)], names)
 
 
-class _Padder:
-    """One ``pad_collate`` call: ``default_collate``'s walk over the structure, knowing each leaf's name."""
+class Padder:
+    """One ``pad_collate`` call: ``default_collate``'s walk over the structure, knowing each leaf's name.
 
-    def __init__(self, names: frozenset[str] | None, padding_value: float) -> None:
-        self.names, self.padding_value = names, padding_value
+    The tensors of a leaf in ``names`` (or, with ``names=None``, of any leaf
+    whose shapes differ in the batch) become ``leaf(tensors, name)``.
+    """
+
+    def __init__(self, names: frozenset[str] | None, leaf: Callable[[list[torch.Tensor], str], Any]) -> None:
+        self.names, self.leaf = names, leaf
 
     def collate(self, column: list[Any], path: list[Step]) -> Any:
         from torch.utils.data._utils.collate import default_collate_fn_map
@@ -166,14 +174,15 @@ class _Padder:
         padding = name in self.names if self.names is not None else any(t.shape != first for t in column)
         if not padding:
             return default_collate_fn_map[torch.Tensor](column, collate_fn_map=default_collate_fn_map)
-        return _pad(column, self.padding_value, name)
+        return self.leaf(column, name)
 
 
 # Same-size signed dtypes, whose kernels torch has where the unsigned ones lack them (index_put).
 _SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 
 
-def _pad(column: list[torch.Tensor], padding_value: float, name: str) -> Padded:
+def pad_tensors(column: list[torch.Tensor], padding_value: float, name: str) -> Padded:
+    """The tensors of one leaf (``name``, for errors) padded into a :class:`Padded` (in a worker, in shared memory)."""
     ndim = column[0].ndim
     if ndim == 0:
         raise ValueError(f"leaf {name!r} holds 0-d tensors (scalars): there is nothing to pad")

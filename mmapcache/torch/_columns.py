@@ -23,7 +23,7 @@ from .._gather import empty_aligned
 from ._leaves import LeafShapeError, converted, fit, variable_column, write_column
 from ._schema import Schema, describe
 
-__all__ = ["ShapeVariesError", "columns", "new_batch", "rows", "set_row", "shared_empty"]
+__all__ = ["ShapeVariesError", "columns", "new_batch", "shared_empty"]
 
 
 class ShapeVariesError(ValueError):
@@ -112,14 +112,3 @@ def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     storage: torch.UntypedStorage = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
     strides = torch.empty(shape, device="meta").stride()
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape, strides)
-
-
-def rows(column: Any) -> Any:
-    """A gathered column (a batch tensor, or a list for a variable field) as one leaf per sample."""
-    return column.unbind(0) if isinstance(column, torch.Tensor) else column
-
-
-def set_row(out: list[Any], row: int, leaves: Sequence[Any]) -> None:
-    """Put one sample's leaves into ``row`` of gathered columns."""
-    for column, leaf in zip(out, leaves, strict=True):
-        column[row] = leaf

@@ -19,10 +19,21 @@ import torch
 
 from .._errors import SchemaMismatchError
 from .._field import Field, FieldsLike, normalize_fields
+from .._jagged import Jagged
 from .._structure import Structure, name_leaves
 from .._tensors import torch_dtype
 from .._variable import text_value
-from ._leaves import SUPPORTED, check_declared, is_leaf, leaf_field, leaf_hint, leaf_shape, misfit
+from ._leaves import (
+    SUPPORTED,
+    check_declared,
+    fit,
+    is_leaf,
+    leaf_field,
+    leaf_hint,
+    leaf_shape,
+    misfit,
+    variable_column,
+)
 
 __all__ = [
     "Schema",
@@ -90,6 +101,35 @@ class Schema:
         if leaves is not None and all(map(is_leaf, leaves)):
             return leaves
         return self.structure.flatten(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
+
+    def rows(self, columns: list[Any]) -> list[Any]:
+        """Gathered columns (a batch tensor, a :class:`~mmapcache.Jagged` or a list per field) as leaves per sample."""
+        return [
+            column.unbind(0)
+            if isinstance(column, torch.Tensor)
+            else [None if a is None else self.to_tensor(a, k) for a in column]
+            if isinstance(column, Jagged)
+            else column
+            for k, column in enumerate(columns)
+        ]
+
+    def with_rows(self, columns: list[Any], found: Mapping[int, list[Any]]) -> list[Any]:
+        """Gathered columns with the leaves of the rows in ``found`` (samples loaded, not read) put in.
+
+        A :class:`~mmapcache.Jagged` is rebuilt with them (each leaf converted exactly to the storage dtype).
+        """
+        out = []
+        for k, (column, (name, field)) in enumerate(zip(columns, self.fields.items(), strict=True)):
+            if isinstance(column, Jagged):
+                arrays: list[Any] = list(column)
+                for row, leaves in found.items():
+                    arrays[row] = variable_column([fit(leaves[k], field, name, convert=True)], field)[0]
+                column = Jagged.from_arrays(arrays, dtype=field.dtype, tail=column.tail, ndim=column.shapes.shape[1])
+            else:
+                for row, leaves in found.items():
+                    column[row] = leaves[k]
+            out.append(column)
+        return out
 
     def samples(self, columns: list[Any]) -> list[Any]:
         """Samples, as a read returns them, from storage columns (an array per fixed field, a list per variable one)."""

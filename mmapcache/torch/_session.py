@@ -30,7 +30,7 @@ from .._format import slot_nbytes
 from .._slots import STRONGLY_ORDERED
 from ..cache import Cache
 from ._checks import check_deterministic, check_file, check_sample, check_stale, some_ready
-from ._columns import ShapeVariesError, columns, new_batch, rows, set_row
+from ._columns import ShapeVariesError, columns, new_batch
 from ._schema import Schema, declaration, first_fields
 from ._settings import Settings
 
@@ -290,7 +290,7 @@ class Session:
         schema = self.schema
         assert schema is not None
         if self.views is None:
-            return schema.build([rows(column) for column in self.gather(cache, idx)])
+            return schema.build(schema.rows(self.gather(cache, idx)))
         return self._read_views(cache, idx)
 
     def uncached(self, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
@@ -332,8 +332,9 @@ class Session:
         """One column per field holding the samples at file positions ``idx``: hits read, misses loaded.
 
         A fixed field's column is one fresh batch tensor (in a DataLoader worker, in shared
-        memory); a variable field's is a list of fresh tensors, one per sample, each of its own
-        shape. ``given_rows``/``leaves``: samples a worker already loaded and could not store;
+        memory); a numeric variable field's is one :class:`~mmapcache.Jagged` of storage values,
+        gathered at once (no object per sample); a text field's a list of ``str``/``bytes``.
+        ``given_rows``/``leaves``: samples a worker already loaded and could not store;
         ``counted``: the reads were counted in the file already (by that worker).
         """
         schema = self.schema
@@ -345,21 +346,24 @@ class Session:
             [schema.dtypes[schema.names.index(name)] for name in schema.fixed],
         )
         out = dict(zip(schema.fixed, arrays, strict=True))
-        read, hits = cache.read_many(idx, out=out, count=not counted)  # variable fields: lists
+        read, hits = cache.read_many(idx, out=out, count=not counted)  # variable fields: Jagged, texts: lists
         self.hits += int(np.count_nonzero(hits))
         batch = iter(tensors)
         gathered: list[Any] = [
-            [None if a is None else schema.to_tensor(a, k) for a in read[name]] if schema.variable[k] else next(batch)
+            (read[name] if schema.texts[k] is None else list(read[name])) if schema.variable[k] else next(batch)
             for k, name in enumerate(schema.names)
         ]
+        found: dict[int, list[Any]] = {}
         for row, given in zip(given_rows, leaves, strict=True):
             if not hits[row]:
-                set_row(gathered, row, given)
+                found[row] = given
                 hits[row] = True
         if not hits.all():
             missing = np.flatnonzero(~hits)
             for row, sample in zip(missing.tolist(), self.load(idx[missing].tolist(), counted=True), strict=True):
-                set_row(gathered, row, schema.flatten(sample))
+                found[row] = schema.flatten(sample)
+        if found:
+            gathered = schema.with_rows(gathered, found)
         return gathered
 
     def _read_views(self, cache: Cache, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
