@@ -27,8 +27,9 @@ shape: ``(tokens, label)`` with ``fields={"0": Field((None,), "int64"),
 "1": Field((), "int64")}``. A variable leaf comes back as a tensor of its own
 shape; ``ds.loader(ragged=...)`` batches them as a :class:`Padded` tensor plus
 lengths, a nested tensor, a :class:`Packed` ``(values, cu_seqlens,
-max_seqlen)`` or a list, from one gather per batch; :func:`pad_collate` pads
-samples for a DataLoader of your own.
+max_seqlen)`` or a list, from one gather per batch; for a DataLoader of your
+own, :func:`collate` is ``default_collate`` without a second copy of a warm
+batch, and :func:`pad_collate` pads samples.
 
 Where things live
 -----------------
@@ -47,12 +48,12 @@ fields in a batch, ``Packed``) · ``_collate.py`` (``pad_collate``,
 from __future__ import annotations
 
 from .._sampler import NodeShardSampler
-from ._collate import Padded, pad_collate
+from ._collate import Padded, collate, pad_collate
 from ._dataset import CachedDataset
 from ._ragged import Packed
 from ._schema import infer_fields
 
-__all__ = ["CachedDataset", "NodeShardSampler", "Packed", "Padded", "pad_collate"]
+__all__ = ["CachedDataset", "NodeShardSampler", "Packed", "Padded", "collate", "pad_collate"]
 
 # Pickles name the public module, whatever file the class lives in.
 CachedDataset.__module__ = __name__

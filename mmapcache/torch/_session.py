@@ -30,6 +30,7 @@ from .._format import slot_nbytes
 from .._slots import STRONGLY_ORDERED
 from ..cache import Cache
 from ._checks import check_deterministic, check_file, check_sample, check_stale, some_ready
+from ._collate import adopt
 from ._columns import ShapeVariesError, columns, new_batch
 from ._schema import Schema, declaration, first_fields
 from ._settings import Settings
@@ -290,7 +291,11 @@ class Session:
         schema = self.schema
         assert schema is not None
         if self.views is None:
-            return schema.build(schema.rows(self.gather(cache, idx)))
+            gathered = self.gather(cache, idx)
+            for column in gathered:
+                if isinstance(column, torch.Tensor):
+                    adopt(column)  # collate() may return its rows as the batch, without stacking a copy
+            return schema.build(schema.rows(gathered))
         return self._read_views(cache, idx)
 
     def uncached(self, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
