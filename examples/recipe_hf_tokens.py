@@ -40,11 +40,12 @@ import mmapcache
 from mmapcache import Field
 from mmapcache.torch import CachedDataset, Packed, Padded
 
-WORDS = (
+TEXT = (
     "the a of to and in is it that for on with as was at by this be from or are an not have but all they "
     "model data train cache token batch loss layer epoch sample worker file memory node disk page shared "
     "attention gradient optimizer learning rate schedule checkpoint tokenizer vocabulary sequence padding"
-).split()
+)
+WORDS = TEXT.split()
 # Per slot: its 8-byte record, the 16-byte descriptor of the variable field, the 8-byte int64 label.
 SLOT_BYTES = 8 + 16 + 8
 HEADROOM = 1.05
