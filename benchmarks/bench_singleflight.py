@@ -19,7 +19,22 @@ single flight, about ``2 n`` without), each job's first-epoch wall time, and
 the ratio single flight / put of the slower job's wall time (median of
 per-round ratios; target <= 0.6). Every sample read is checked.
 
-``python benchmarks/bench_singleflight.py [--quick] [--n 2000] [--delay 0.005]``
+**The torch layer** (``--level torch``; both levels by default): each job is a
+training process that wraps a dataset of ``n`` samples of ``--delay`` seconds
+(a 12 KB uint8 image and its index; loads logged to a shared file) in a
+``CachedDataset`` with the default ``check=2``, and reads one epoch through
+``ds.loader(batch_size, sampler=order, num_workers=2)`` (fork workers). The
+file is made beforehand from ``dataset[0]``, so that the jobs race on the
+misses, not on creating it. Two variants, in interleaved rounds: **after**, the
+torch layer of this checkout, and **before**, the torch layer as it was at
+``--before`` (default ``103ba3a``, before single flight and once-per-job
+checks: a package extracted with ``git archive`` into a temporary directory,
+run by the same script). Reported: every load of the wrapped dataset during the
+epochs (single flight: ``n - 1`` misses plus each job's spot checks), each
+job's epoch wall time from a common start signal, and the ratio after / before
+of the slower job's (target <= 0.6).
+
+``python benchmarks/bench_singleflight.py [--quick] [--n 2000] [--delay 0.005] [--level core|torch|both]``
 Results go to ``benchmarks/results/bench_singleflight[-quick].json``.
 """
 
@@ -27,9 +42,11 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +63,10 @@ JOBS = 2
 LOADERS = 2  # per job
 SHAPE = (3, 64, 64)  # 12 KB uint8 samples
 VARIANTS = ("put", "get_or_load_many")
+TORCH_VARIANTS = ("before", "after")
+TORCH_KEY = "bench-singleflight/v1"
+BEFORE = "103ba3a"  # the torch layer before single flight and once-per-job checks
+REPO = Path(__file__).resolve().parent.parent
 
 
 def sample(index: int) -> np.ndarray[Any, Any]:
@@ -158,12 +179,151 @@ def _finish(procs: list[Any], variant: str, path: Path, outs: list[str], go: Pat
     }
 
 
+# -- the torch layer -------------------------------------------------------------------------------
+
+
+class Delayed:
+    """``n`` samples ``(image, index)`` of ``delay`` seconds each, every load logged as one line of ``log``."""
+
+    def __init__(self, n: int, delay: float, log: str | None) -> None:
+        self.n, self.delay, self.log = n, delay, log
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray[Any, Any], int]:
+        if self.log is not None:
+            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, f"{os.getpid()} {index}\n".encode())
+            finally:
+                os.close(fd)
+        time.sleep(self.delay)
+        return sample(index), index
+
+
+def torch_job(spec: dict[str, Any]) -> None:
+    """One training job (run as ``--torch-job``): one epoch of ``ds.loader()`` with 2 workers, every sample checked."""
+    from mmapcache.torch import CachedDataset
+
+    ds = CachedDataset(Delayed(spec["n"], spec["delay"], spec["log"]), spec["path"], key=TORCH_KEY)
+    loader = ds.loader(batch_size=spec["batch"], sampler=spec["order"], num_workers=LOADERS)
+    Path(f"{spec['out']}.ready").touch()
+    flag, deadline = Path(spec["go"]), time.monotonic() + 300
+    while not flag.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit("no start signal within 300 s: the benchmark went away")
+        time.sleep(0.0005)
+    wrong = seen = 0
+    for images, labels in loader:
+        wrong += sum(int(images[row, 0, 0, 0]) != i % 251 for row, i in enumerate(labels.tolist()))
+        seen += len(labels)
+    finished = time.time()
+    Path(spec["out"]).write_text(json.dumps({"finished": finished, "wrong": wrong, "seen": seen}))
+
+
+def before_package(directory: Path, ref: str) -> Path:
+    """The mmapcache package as it was at ``ref``, extracted into ``directory``; the directory to import it from."""
+    root = directory / f"before-{ref}"
+    root.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "--format=tar", ref, "mmapcache"], capture_output=True, check=False
+    )
+    if archive.returncode:
+        raise SystemExit(
+            f"cannot extract the torch layer at {ref} for the 'before' variant ({archive.stderr.decode().strip()}): "
+            "run from a git checkout of mmapcache, pass --before REF, or --level core"
+        )
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
+    return root
+
+
+def run_torch_variant(
+    directory: Path, variant: str, r: int, args: dict[str, Any], roots: dict[str, Path]
+) -> dict[str, Any]:
+    """Both jobs through one variant of the torch layer on a fresh cache (made from ``dataset[0]``)."""
+    from mmapcache.torch import CachedDataset
+
+    n = args["n"]
+    path = directory / f"torch-{variant}-{r}.mmc"
+    CachedDataset(Delayed(n, 0.0, None), path, key=TORCH_KEY).cache.close()
+    log, go = directory / f"torch-{variant}-{r}.log", directory / f"torch-{variant}-{r}.go"
+    order = np.random.default_rng(r).permutation(n).tolist()
+    outs = [directory / f"torch-{variant}-{r}-job{j}.json" for j in range(JOBS)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(roots[variant]), os.environ.get("PYTHONPATH", "")])}
+    specs = [
+        {**args, "path": str(path), "log": str(log), "go": str(go), "order": order, "out": str(out)} for out in outs
+    ]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--torch-job", json.dumps(spec)], env=env, start_new_session=True)
+        for spec in specs
+    ]
+    try:
+        ready = [Path(f"{out}.ready") for out in outs]
+        while not all(flag.exists() for flag in ready):
+            if any(proc.poll() not in (None, 0) for proc in procs):
+                raise RuntimeError(f"a {variant} job failed before it started")
+            time.sleep(0.001)
+        start_at = time.time()
+        go.touch()
+        codes = [proc.wait(600) for proc in procs]
+        if any(codes):
+            raise RuntimeError(f"a {variant} job failed: exit codes {codes}")
+    finally:
+        for proc in procs:  # interrupted, or a job failed: no process (nor its workers) outlives the round
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    jobs = [json.loads(out.read_text()) for out in outs]
+    loads = len(log.read_text().splitlines()) if log.exists() else 0
+    from mmapcache import Cache
+
+    with Cache.open(path) as cache:
+        filled, written = cache.filled, cache.usage().total.written
+    path.unlink()
+    seconds = [j["finished"] - start_at for j in jobs]
+    if any(j["seen"] != n for j in jobs):
+        raise RuntimeError(f"a {variant} job saw {[j['seen'] for j in jobs]} samples of {n}")
+    return {
+        "loads": loads,
+        "wrong": sum(j["wrong"] for j in jobs),
+        "job_seconds": seconds,
+        "seconds": max(seconds),
+        "filled": filled,
+        "written": written,
+    }
+
+
+def run_torch(directory: Path, settings: dict[str, Any], rounds: int, ref: str) -> dict[str, Any]:
+    """The torch-level rounds, before and after interleaved; their summary."""
+    roots = {"before": before_package(directory, ref), "after": REPO}
+    runs, summary = interleaved(
+        TORCH_VARIANTS, lambda name, r: run_torch_variant(directory, name, r, settings, roots), rounds, "torch "
+    )
+    ratios = [a["seconds"] / b["seconds"] for b, a in zip(runs["before"], runs["after"], strict=True)]
+    rows = [
+        [f"CachedDataset {name}", summary[name]["loads"], f"{summary[name]['seconds']:.2f}", summary[name]["written"]]
+        for name in TORCH_VARIANTS
+    ]
+    print(table(["variant", "loads (both jobs)", "slower job's epoch, s", "slots written"], rows))
+    ratio = statistics.median(ratios)
+    print(f"torch layer after / before, slower job's first epoch: {ratio:.2f}x (target <= 0.6); per round {ratios}")
+    if any(s["wrong"] for s in summary.values()):
+        raise SystemExit("samples read back wrong through the torch layer")
+    return {"before": ref, "summary": summary, "ratio": ratio, "ratios": ratios, "runs": runs}
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--torch-job"]:  # one job of the torch level, in its own process
+        torch_job(json.loads(sys.argv[2]))
+        return
     parser = bench_parser(__doc__, quick="200 samples of 2 ms, 1 round (< 30 s)", rounds=(3, 1))
     parser.add_argument("--n", type=int, help="samples (default 2000, quick 200)")
     parser.add_argument("--delay", type=float, help="seconds to load one sample (default 0.005, quick 0.002)")
     parser.add_argument("--batch", type=int, default=32, help="samples per batch (default 32)")
     parser.add_argument("--load", choices=("sleep", "cpu"), default="sleep", help="what a load does (default sleep)")
+    parser.add_argument("--level", choices=("core", "torch", "both"), default="both", help="what to measure")
+    parser.add_argument("--before", default=BEFORE, help=f"git ref of the torch layer 'before' (default {BEFORE})")
     args = parser.parse_args()
     quick: bool = args.quick
     rounds = args.rounds or (1 if quick else 3)
@@ -181,19 +341,31 @@ def main() -> None:
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERM runs the cleanup below too
     directory = Path(tempfile.mkdtemp(prefix="mmapcache-bench-", dir=args.dir))
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+    results: dict[str, Any] = {"machine": info, "quick": quick, "rounds": rounds, "settings": settings}
     try:
-        for r in range(rounds):
-            for name in rotated(VARIANTS, r):
-                runs[name].append(run_variant(directory, name, r, settings))
-                got = runs[name][-1]
-                print(
-                    f"  round {r} {name:17s} loads {got['loads']:5d}  jobs "
-                    f"{', '.join(f'{t:.2f}' for t in got['job_seconds'])} s"
-                )
+        if args.level in ("core", "both"):
+            results.update(run_core(directory, settings, rounds))
+        if args.level in ("torch", "both"):
+            print(f"torch layer: {JOBS} jobs x {LOADERS} DataLoader workers, CachedDataset(check=2), ds.loader()")
+            results["torch"] = run_torch(directory, settings, rounds, args.before)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    ratios = [f["seconds"] / p["seconds"] for p, f in zip(runs["put"], runs["get_or_load_many"], strict=True)]
+    write_results("bench_singleflight", results, quick=quick, path=args.json)
+
+
+def interleaved(
+    names: tuple[str, ...], run_one: Any, rounds: int, label: str
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[str, Any]]]:
+    """``run_one(name, r)`` for every variant in every round (rotated order); the runs and their medians."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in rotated(names, r):
+            runs[name].append(run_one(name, r))
+            got = runs[name][-1]
+            print(
+                f"  round {r} {label}{name:17s} loads {got['loads']:5d}  jobs "
+                f"{', '.join(f'{t:.2f}' for t in got['job_seconds'])} s"
+            )
     summary = {
         name: {
             "loads": statistics.median(run["loads"] for run in runs[name]),
@@ -201,8 +373,15 @@ def main() -> None:
             "wrong": sum(run["wrong"] for run in runs[name]),
             "written": statistics.median(run["written"] for run in runs[name]),
         }
-        for name in VARIANTS
+        for name in names
     }
+    return runs, summary
+
+
+def run_core(directory: Path, settings: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """The core-level rounds, put and get_or_load_many interleaved; their summary."""
+    runs, summary = interleaved(VARIANTS, lambda name, r: run_variant(directory, name, r, settings), rounds, "")
+    ratios = [f["seconds"] / p["seconds"] for p, f in zip(runs["put"], runs["get_or_load_many"], strict=True)]
     ratio = statistics.median(ratios)
     rows = [
         [name, summary[name]["loads"], f"{summary[name]['seconds']:.2f}", summary[name]["written"]] for name in VARIANTS
@@ -212,21 +391,7 @@ def main() -> None:
     wrong = sum(s["wrong"] for s in summary.values())
     if wrong:
         raise SystemExit(f"{wrong} samples read back wrong")
-    write_results(
-        "bench_singleflight",
-        {
-            "machine": info,
-            "quick": quick,
-            "rounds": rounds,
-            "settings": settings,
-            "summary": summary,
-            "ratio": ratio,
-            "ratios": ratios,
-            "runs": runs,
-        },
-        quick=quick,
-        path=args.json,
-    )
+    return {"summary": summary, "ratio": ratio, "ratios": ratios, "runs": runs}
 
 
 if __name__ == "__main__":

@@ -268,9 +268,14 @@ class VariableColumn:
         starts = found[:, :8].view(_OFFSET)[:, 0].astype(np.int64)
         shapes = found[:, 8 : 8 + 4 * self._ndim].view(_DIM).astype(np.int64)
         head = self._head
-        units = shapes[:, 0].copy() if head == 1 else shapes[:, :head].prod(axis=1)
+        if head == 1:  # a uint32 count of units: no product to overflow
+            units = shapes[:, 0].copy()
+            bad = np.zeros(len(wanted), bool)
+        else:  # counted in floating point first: a product that wraps in int64 must not look small
+            units = shapes[:, :head].prod(axis=1)
+            bad = shapes[:, :head].astype(np.float64).prod(axis=1) * max(self._unit, 1) > self._size
         nbytes = units * self._unit
-        bad = (starts < 0) | (starts + nbytes > self._size)
+        bad |= (starts < 0) | (starts + nbytes > self._size)
         for axis, d in self._fixed_axes:
             bad |= shapes[:, axis] != d
         if bad.any():

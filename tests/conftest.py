@@ -7,6 +7,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,3 +74,14 @@ def _isolated_default_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Any]]:
+    """Processes a test starts; any still alive at the end are killed (a failed test leaves none behind)."""
+    started: list[Any] = []
+    yield started
+    for proc in started:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)

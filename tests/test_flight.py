@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +40,6 @@ def path(tmp_path: Path) -> Path:
     with Cache.open(tmp_path / "c.mmc", FIXED, 64):
         pass
     return tmp_path / "c.mmc"
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Any]]:
-    """Processes a test starts; any still alive at the end are killed (a failed test leaves none behind)."""
-    started: list[Any] = []
-    yield started
-    for proc in started:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(10)
 
 
 def start(procs: list[Any], target: Any, *args: Any) -> Any:

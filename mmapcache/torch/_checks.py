@@ -1,14 +1,21 @@
-"""The checks a CachedDataset makes once per process: the right file, fresh content, a deterministic
-dataset, a transform that leaves its input alone.
+"""The checks a CachedDataset makes: the right file, fresh content, a deterministic dataset, a transform
+that leaves its input alone.
 
 Each is a function of what it checks, raising the error that says what to do;
-the session (:mod:`._session`) decides when to call them.
+the session (:mod:`._session`) decides when to call them. The two spot checks
+that load samples (stale content, a deterministic dataset) run once per job:
+their outcome is a :class:`Verdict` that travels with the dataset to the
+processes it starts (DataLoader workers, spawned ranks), which trust it only
+while the process that reached it is one of their ancestors and the file is
+the one it checked.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,13 +30,92 @@ from ._schema import check_declared_sample, describe, sample_fields
 from ._settings import Settings
 
 __all__ = [
+    "Verdict",
     "check_deterministic",
     "check_file",
     "check_in_place",
     "check_sample",
     "check_stale",
+    "file_identity",
     "some_ready",
 ]
+
+# How far up the process tree a verdict is looked for: a rank's DataLoader worker of a launcher is 3 levels down.
+_MAX_GENERATIONS = 32
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the spot checks found in one process, for the processes it starts.
+
+    ``process`` is that process (pid and start time: a pid alone is reused);
+    ``file`` the identity (:func:`file_identity`) of the file whose content it
+    found fresh, ``None`` if it checked none; ``deterministic`` whether it saw
+    the dataset give one sample twice, the same.
+    """
+
+    process: tuple[int, int]
+    file: tuple[Any, ...] | None
+    deterministic: bool
+
+    @staticmethod
+    def here(file: tuple[Any, ...] | None, *, deterministic: bool) -> Verdict | None:
+        """This process's verdict; ``None`` when it found nothing to pass on (or cannot name itself)."""
+        me = _process(os.getpid())
+        if me is None or (file is None and not deterministic):
+            return None
+        return Verdict(me, file, deterministic)
+
+    def state(self) -> tuple[Any, ...]:
+        """The verdict as plain values (what a pickled dataset carries: no private class names)."""
+        return (*self.process, self.file, self.deterministic)
+
+    @staticmethod
+    def of(state: Any) -> Verdict | None:
+        """The verdict :meth:`state` gave (``None`` for ``None`` or anything else)."""
+        if not (isinstance(state, tuple) and len(state) == 4):
+            return None
+        pid, start, file, deterministic = state
+        return Verdict((pid, start), file, bool(deterministic))
+
+    def inherited(self) -> bool:
+        """Whether this process descends from the one that reached the verdict (a process of the same job)."""
+        pid = os.getpid()
+        for _ in range(_MAX_GENERATIONS):
+            parent = _parent(pid)
+            if parent is None or parent <= 0:
+                return False
+            if parent == self.process[0]:
+                return _process(parent) == self.process
+            pid = parent
+        return False
+
+
+def file_identity(cache: Cache) -> tuple[Any, ...]:
+    """Which file ``cache`` is, across processes: its inode (reused once a file is removed) and creation record."""
+    st = os.fstat(cache._handle.fd)
+    return (st.st_dev, st.st_ino, tuple(sorted((str(k), str(v)) for k, v in cache.created.items())))
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (the 3rd field on), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2 :].split()
+
+
+def _parent(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
+
+
+def _process(pid: int) -> tuple[int, int] | None:
+    """``(pid, start time in clock ticks since boot)``: names one process for as long as the machine runs."""
+    fields = _stat(pid)
+    return (pid, int(fields[19])) if fields else None
 
 
 def check_file(cache: Cache, settings: Settings) -> None:

@@ -17,7 +17,7 @@ import torch.utils.data
 
 from .._field import FieldsLike
 from ..cache import Cache
-from ._checks import check_in_place
+from ._checks import Verdict, check_in_place
 from ._collate import as_is
 from ._fill import fill
 from ._loader import Batched, Loader
@@ -96,7 +96,14 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     differs), and the first miss of a process loads its sample twice (a
     :class:`~mmapcache.CacheError` when the two differ: random augmentation
     belongs in ``transform``). It costs ``check + 1`` sample loads per
-    process; ``check=0`` turns both checks off.
+    job: the processes a checking process starts (DataLoader workers,
+    spawned ranks) inherit its verdict with the dataset, and :meth:`loader`
+    checks in the main process before its workers start; ``check=0`` turns
+    both checks off.
+
+    A miss is loaded once per node: a sample another process (a worker,
+    another job) is loading is waited for and read from the file rather than
+    loaded again (single flight, see ``Cache.get_or_load_many``).
 
     ``transform`` runs after the cache on every access (random augmentation).
     ``copy=False`` returns zero-copy tensors over a read-only mapping of the
@@ -153,9 +160,9 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         self.transform = transform
         self._start(settings)
 
-    def _start(self, settings: Settings) -> None:
+    def _start(self, settings: Settings, verdict: Verdict | None = None) -> None:
         self._settings = settings
-        self._session = Session(settings)
+        self._session = Session(settings, verdict)
         # The arguments, as attributes (and for pickling).
         self.dataset, self.key, self.path = settings.dataset, settings.key, settings.path
         self.max_bytes, self.capacity = settings.max_bytes, settings.capacity
@@ -165,12 +172,15 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     # -- pickling: the path and the arguments, never the data -------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        return {name: self.__dict__[name] for name in _ARGUMENTS}
+        # The spot checks' verdict travels too: a process this one starts (a worker, a spawned rank) trusts it.
+        verdict = self._session.verdict()
+        return {**{name: self.__dict__[name] for name in _ARGUMENTS}, "verdict": verdict and verdict.state()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         given = {**_DEFAULTS, **state}
         self.transform = given["transform"]
-        self._start(Settings(**{name: given[name] for name in _ARGUMENTS if name != "transform"}))
+        settings = Settings(**{name: given[name] for name in _ARGUMENTS if name != "transform"})
+        self._start(settings, Verdict.of(given.get("verdict")))
 
     # -- the cache ---------------------------------------------------------------
 
@@ -227,6 +237,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         drop_last: bool = False,
         ragged: str = "pad",
         padding_value: float = 0,
+        stateful: bool = False,
         **dataloader_kwargs: Any,
     ) -> torch.utils.data.DataLoader[Any]:
         """A DataLoader over this dataset that reads each batch of hits with one gather per field.
@@ -259,10 +270,20 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         ``prefetch_factor``, ``multiprocessing_context``, ...) passes
         through, and samplers — ``DistributedSampler`` included — work as with
         ``DataLoader(ds)``.
+
+        ``stateful=True`` returns torchdata's ``StatefulDataLoader`` instead
+        (``pip install torchdata``; it then also takes ``snapshot_every_n_steps``):
+        save ``loader.state_dict()`` with a checkpoint, and a loader made the same
+        way and loads it with ``load_state_dict()`` yields exactly the batches that were
+        left in the epoch — with workers or without, over a full cache or one
+        still filling. Shuffle with a seeded ``generator=`` or a
+        ``NodeShardSampler`` so that a resumed job draws the same order.
         """
         ragged = check_ragged(ragged)
         if isinstance(padding_value, bool) or not isinstance(padding_value, (int, float)):
             raise TypeError(f"padding_value must be a number, not {type(padding_value).__name__}")
+        if not isinstance(stateful, bool):
+            raise TypeError(f"stateful must be True or False, not {stateful!r}")
         collate_fn = dataloader_kwargs.pop("collate_fn", None)
         batching = batch_size is not None or dataloader_kwargs.get("batch_sampler") is not None
         if collate_fn is None:
@@ -271,7 +292,13 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             collated = batching
         else:
             collated = False
-        return Loader(
+        if stateful:
+            from ._stateful import StatefulLoader
+
+            kind: type[Loader] = StatefulLoader
+        else:
+            kind = Loader
+        return kind(
             _batched(self, collated, ragged, padding_value),
             batch_size=batch_size,
             shuffle=shuffle,
@@ -300,7 +327,10 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         """How the cache is used, by this process and by every process that uses the file.
 
         ``hits``, ``misses`` (reads that went to ``dataset``) and ``written``
-        (slots filled) count this process; ``total_hits``, ``total_misses``
+        (slots filled) count this process, and ``waited`` the hits among them
+        that were missing when this process looked and that it read once
+        another process — a worker, another job — had loaded them (single
+        flight: each sample is loaded once per node); ``total_hits``, ``total_misses``
         and ``total_written`` count every process that ever used the file —
         DataLoader workers, DDP ranks, other jobs — since it was created
         (they are kept in the file); ``processes`` is how many processes
@@ -317,6 +347,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             "hits": session.hits,
             "misses": session.misses,
             "written": session.written,
+            "waited": session.waited,
             "total_hits": usage.total.hits,
             "total_misses": usage.total.misses,
             "total_written": usage.total.written,

@@ -117,7 +117,7 @@ class Batched(torch.utils.data.Dataset[Any]):
             return self._collate_samples(self.dataset.__getitems__(indices))
         cache = session.opened()
         if cache is None:  # nobody created the file yet: this batch creates it
-            return self._collate_samples(session.load(idx.tolist(), counted=False))
+            return self._collate_samples(session.load(idx.tolist()))
         return self._collate(session.gather(cache, idx))
 
     def _collate_samples(self, samples: list[Any]) -> Any:
@@ -170,7 +170,7 @@ class Batched(torch.utils.data.Dataset[Any]):
         leaves: list[list[Any]] = []
         if not ready.all():
             todo = np.flatnonzero(~ready)
-            samples = session.load(idx[todo].tolist(), counted=False)
+            samples = session.load(idx[todo].tolist())
             stored = cache.contains_many(idx[todo])
             schema = session.schema
             assert schema is not None
@@ -191,6 +191,12 @@ class Loader(torch.utils.data.DataLoader[Any]):
     It takes exactly DataLoader's arguments, so code that rebuilds a DataLoader
     from its class and arguments (Lightning's sampler injection) gets a Loader again.
     """
+
+    def _get_iterator(self) -> Any:
+        if isinstance(self.dataset, Batched):
+            # The spot checks run here, in the main process, before the workers start: they inherit the verdict.
+            self.dataset.session.opened()
+        return super()._get_iterator()
 
     def __iter__(self) -> Any:
         inner = super().__iter__()

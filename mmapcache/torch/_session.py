@@ -4,9 +4,14 @@ A :class:`Session` is made in every process that uses the dataset (it pickles
 as the dataset's :class:`~._settings.Settings` and starts afresh after
 unpickling, and its counters and lock start afresh after ``fork``). It opens
 the file on first use — or creates it from the first batch that misses —
-runs the once-per-process checks (:mod:`._checks`) at the right moments, reads
-hits and loads, checks and stores misses. Samples come back before the
-dataset's ``transform``.
+runs the checks (:mod:`._checks`) at the right moments, reads hits and loads,
+checks and stores misses. Samples come back before the dataset's ``transform``.
+
+Misses go through the core's single flight (``Cache.get_or_load_many``): a
+sample that another process — another DataLoader worker, another job — is
+loading is waited for and read, not loaded again. The spot checks that load
+samples run once per job: a session made from a pickle (a spawned worker) or
+inherited over ``fork`` takes its parent's :class:`~._checks.Verdict`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +34,15 @@ from .._file import remove
 from .._format import slot_nbytes
 from .._slots import STRONGLY_ORDERED
 from ..cache import Cache
-from ._checks import check_deterministic, check_file, check_sample, check_stale, some_ready
+from ._checks import (
+    Verdict,
+    check_deterministic,
+    check_file,
+    check_sample,
+    check_stale,
+    file_identity,
+    some_ready,
+)
 from ._collate import adopt
 from ._columns import ShapeVariesError, columns, new_batch
 from ._schema import Schema, declaration, first_fields
@@ -47,7 +60,7 @@ _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     # Counters are per process; a lock held by another thread at fork time would never be released.
     for session in list(_LIVE):
-        session.hits = session.misses = session.written = 0
+        session.hits = session.misses = session.written = session.waited = 0
         session.lock = threading.Lock()
 
 
@@ -57,23 +70,31 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class Session:
     """This process's handle of the dataset's file, its counters, and its reads and writes."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, verdict: Verdict | None = None) -> None:
         self.settings = settings
         # Weakly ordered CPUs check every read (see mmapcache._slots); zero-copy views too.
         self.check_reads = settings.verify or not STRONGLY_ORDERED
         self.cache: Cache | None = None
         self.schema: Schema | None = None
         self.checked = False  # a sample from the dataset was compared with the cache's fields
-        self.deterministic = False  # the dataset gave the same sample twice (checked once per process)
+        self.deterministic = False  # the dataset gave the same sample twice (checked once per job)
+        self.fresh: tuple[Any, ...] | None = None  # the file whose content was found fresh (checked once per job)
+        if verdict is not None and verdict.inherited():  # a process of the job that checked: trust it
+            self.deterministic, self.fresh = verdict.deterministic, verdict.file
         self.transform_checked = False  # copy=False: the transform was seen not to write to its input
         self.views: list[torch.Tensor | None] | None = None  # copy=False: tensors over a read-only mapping
         self.readonly: Cache | None = None
         self.lock = threading.Lock()
         self.hits = self.misses = self.written = 0
+        self.waited = 0  # misses read from the file once another process had loaded them (among the hits)
         _LIVE.add(self)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Session, (self.settings,))
+        return (Session, (self.settings, self.verdict()))
+
+    def verdict(self) -> Verdict | None:
+        """What this process's spot checks found, for the processes it starts (None: nothing yet)."""
+        return Verdict.here(self.fresh, deterministic=self.deterministic)
 
     # -- the file ------------------------------------------------------------------
 
@@ -83,7 +104,7 @@ class Session:
         if cache is None:
             if self.settings.length == 0:
                 raise ValueError("cannot create a cache of no samples (an empty dataset, or cached_indices empty)")
-            self.load([0], counted=False)
+            self.load([0])
             cache = self.cache
             assert cache is not None
         return cache
@@ -91,7 +112,8 @@ class Session:
     def opened(self) -> Cache | None:
         """The cache if its file exists (opened now if needed); None if nobody created it yet.
 
-        The first open in a process compares ``check`` cached samples with fresh ones.
+        The first open in a job compares ``check`` cached samples with fresh ones (not in a
+        process that inherited the verdict on this file from its parent).
         """
         # `is None`, not truthiness: a Cache has a __len__.
         if self.cache is not None:
@@ -104,8 +126,10 @@ class Session:
                 return None
             check_file(cache, self.settings)
             self._adopt(cache, checked=False)
-        if self.settings.check:
+        identity = file_identity(cache)
+        if self.settings.check and self.fresh != identity:
             self._check_content(cache)
+            self.fresh = identity
         return self.cache
 
     def _open_file(self) -> Cache | None:
@@ -165,6 +189,7 @@ class Session:
                     dataset_indices=settings.cached_indices,
                 )
                 self._adopt(cache, checked=True)
+                self.fresh = file_identity(cache)  # made from this job's samples (or a racing creator's, just now)
             assert self.cache is not None
             return self.cache
 
@@ -188,7 +213,7 @@ class Session:
     def _check_content(self, cache: Cache) -> None:
         """Compare up to ``check`` cached samples with fresh ones from the dataset: a stale cache is refused.
 
-        Costs ``check`` sample loads per process (one more for the first, loaded twice:
+        Costs ``check`` sample loads per job (one more for the first, loaded twice:
         a dataset that is not deterministic is refused too).
         """
         positions = some_ready(cache, self.settings.check)
@@ -224,7 +249,7 @@ class Session:
         self.checked = True
 
     def _check_deterministic(self, index: int, sample: Any) -> None:
-        """The first miss of a process loads its sample twice: a random dataset must not be frozen in the cache."""
+        """The first miss of a job loads its sample twice: a random dataset must not be frozen in the cache."""
         check_deterministic(sample, self.fetch_indices([index])[0], index, self.settings)
         self.deterministic = True
 
@@ -251,8 +276,7 @@ class Session:
             i = at
         cache = self.cache if self.cache is not None else self.opened()
         sample: Any = None
-        counted = False  # whether Cache.get counted a miss already
-        if cache is not None:
+        if cache is not None and i in cache:  # a miss is counted by the load (single flight)
             schema = self.schema
             assert schema is not None
             views = self.views
@@ -260,8 +284,7 @@ class Session:
                 stored = cache.get(i)
                 if stored is not None:
                     sample = schema.build([[t] for t in schema.to_tensors(stored[n] for n in schema.names)])[0]
-                counted = True
-            elif i in cache:
+            else:
                 if not self.check_reads and not schema.ragged:
                     cache.count(hits=1)
                     sample = schema.build([[view[i]] for view in views if view is not None])[0]
@@ -273,9 +296,8 @@ class Session:
                             for k, (name, view) in enumerate(zip(schema.names, views, strict=True))
                         ]
                         sample = schema.build([[leaf] for leaf in leaves])[0]
-                counted = True
         if sample is None:
-            return self.load([i], counted=counted)[0]
+            return self.load([i])[0]
         self.hits += 1
         return sample
 
@@ -287,7 +309,7 @@ class Session:
             return self._partly_cached(given)
         cache = self.cache if self.cache is not None else self.opened()
         if cache is None:  # nobody created the file yet: this batch creates it
-            return self.load(idx.tolist(), counted=False)
+            return self.load(idx.tolist())
         schema = self.schema
         assert schema is not None
         if self.views is None:
@@ -340,7 +362,8 @@ class Session:
         memory); a numeric variable field's is one :class:`~mmapcache.Jagged` of storage values,
         gathered at once (no object per sample); a text field's a list of ``str``/``bytes``.
         ``given_rows``/``leaves``: samples a worker already loaded and could not store;
-        ``counted``: the reads were counted in the file already (by that worker).
+        ``counted``: the reads were counted in the file already (by that worker). Misses are
+        loaded through :meth:`load` (which counts them).
         """
         schema = self.schema
         assert schema is not None
@@ -351,24 +374,27 @@ class Session:
             [schema.dtypes[schema.names.index(name)] for name in schema.fixed],
         )
         out = dict(zip(schema.fixed, arrays, strict=True))
-        read, hits = cache.read_many(idx, out=out, count=not counted)  # variable fields: Jagged, texts: lists
-        self.hits += int(np.count_nonzero(hits))
+        read, hits = cache.read_many(idx, out=out, count=False)  # variable fields: Jagged, texts: lists
+        found = int(np.count_nonzero(hits))
+        self.hits += found
+        if not counted:
+            cache.count(hits=found)
         batch = iter(tensors)
         gathered: list[Any] = [
             (read[name] if schema.texts[k] is None else list(read[name])) if schema.variable[k] else next(batch)
             for k, name in enumerate(schema.names)
         ]
-        found: dict[int, list[Any]] = {}
+        loaded: dict[int, list[Any]] = {}
         for row, given in zip(given_rows, leaves, strict=True):
             if not hits[row]:
-                found[row] = given
+                loaded[row] = given
                 hits[row] = True
         if not hits.all():
             missing = np.flatnonzero(~hits)
-            for row, sample in zip(missing.tolist(), self.load(idx[missing].tolist(), counted=True), strict=True):
-                found[row] = schema.flatten(sample)
-        if found:
-            gathered = schema.with_rows(gathered, found)
+            for row, sample in zip(missing.tolist(), self.load(idx[missing].tolist()), strict=True):
+                loaded[row] = schema.flatten(sample)
+        if loaded:
+            gathered = schema.with_rows(gathered, loaded)
         return gathered
 
     def _read_views(self, cache: Cache, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
@@ -381,11 +407,10 @@ class Session:
         assert views is not None
         read: dict[str, Any] = {}
         if self.check_reads or schema.ragged:
-            read, hits = cache.read_many(idx)  # checks every slot; the copies of fixed fields are dropped
+            read, hits = cache.read_many(idx, count=False)  # checks every slot; the copies of fixed fields are dropped
         else:
             hits = cache.contains_many(idx)
-            ready = int(np.count_nonzero(hits))
-            cache.count(hits=ready, misses=len(idx) - ready)
+        cache.count(hits=int(np.count_nonzero(hits)))  # the misses are counted by the load
         found_rows = np.flatnonzero(hits)
         self.hits += len(found_rows)
         found = idx[found_rows].tolist()
@@ -402,7 +427,7 @@ class Session:
         for row, sample in zip(found_rows.tolist(), cached, strict=True):
             out[row] = sample
         missing = np.flatnonzero(~hits)
-        for row, sample in zip(missing.tolist(), self.load(idx[missing].tolist(), counted=True), strict=True):
+        for row, sample in zip(missing.tolist(), self.load(idx[missing].tolist()), strict=True):
             out[row] = sample
         return out
 
@@ -423,17 +448,58 @@ class Session:
             return samples
         return [dataset[i] for i in indices]
 
-    def load(self, positions: list[int], *, counted: bool) -> list[Any]:
-        """Misses: fetch from the dataset, write them back in one batch, return them as a hit would be.
+    def load(self, positions: list[int]) -> list[Any]:
+        """Misses: each loaded once per node and stored, then returned as a hit would be; counted in the file.
 
-        ``counted``: the cache already counted these misses in the file.
+        Through single flight (``Cache.get_or_load_many``): a sample another
+        process or thread is loading right now is waited for (bounded, and only
+        when loads are not cheap) and read from the file — counted as a hit and
+        as ``waited`` — instead of being loaded again. The first miss of a job
+        also loads its first sample twice (the determinism check). Before the
+        file exists, the batch creates it (:meth:`store`).
         """
-        self.misses += len(positions)
-        first_miss = not self.deterministic and bool(self.settings.check)
-        samples = self.store(positions, self.fetch(positions), first_miss=first_miss)
-        if not counted and self.cache is not None:
+        cache = self.cache if self.cache is not None else self.opened()
+        if cache is None:
+            self.misses += len(positions)
+            samples = self.store(positions, self.fetch(positions), first_miss=self._first_miss())
+            assert self.cache is not None
             self.cache.count(misses=len(positions))
-        return samples
+            return samples
+        schema = self.schema
+        assert schema is not None
+        before = _written(cache)
+        try:
+            batch, loaded = cache.get_or_load_many(positions, self._flight_load(schema))
+        except _VariesError as varies:  # raised once the held slots were let go: now the file may be refuted
+            raise ValueError(self._varying_shapes(schema, varies.error, varies.raw)) from None
+        fresh = int(np.count_nonzero(loaded))
+        self.written += _written(cache) - before
+        self.misses += fresh
+        self.hits += len(positions) - fresh
+        self.waited += len(positions) - fresh
+        return schema.samples([batch[name] for name in schema.names])
+
+    def _first_miss(self) -> bool:
+        """Whether the next load must also check that the dataset is deterministic (once per job)."""
+        return not self.deterministic and bool(self.settings.check)
+
+    def _flight_load(self, schema: Schema) -> Callable[[list[int]], dict[str, Any]]:
+        """The ``load`` single flight calls for the slots it holds: fetched, checked, as storage columns."""
+
+        def load(positions: list[int]) -> dict[str, Any]:
+            raw = self.fetch(positions)
+            indices = self.settings.sources(positions)
+            if not self.checked:
+                self._check_sample(raw[0], indices[0])
+            try:
+                stored = columns(schema, indices, raw, self.settings.dtypes, declared=self.settings.fields is not None)
+            except ShapeVariesError as error:
+                raise _VariesError(error, raw) from None
+            if self._first_miss():
+                self._check_deterministic(indices[0], raw[0])
+            return dict(zip(schema.names, stored, strict=True))
+
+        return load
 
     def store(self, positions: list[int], raw: list[Any], *, first_miss: bool = False) -> list[Any]:
         """Store freshly loaded samples (checked against the schema first); return them as a read would.
@@ -515,6 +581,19 @@ class Session:
             f"CachedDataset(..., fields={declaration(schema, raw)}, max_bytes=...), with Field from mmapcache. "
             f"Or pad, crop or resize before the cache.{exists}"
         )
+
+
+def _written(cache: Cache) -> int:
+    """Slots this handle has stored so far (the count it keeps in the file)."""
+    return cache._board.mine().written
+
+
+class _VariesError(Exception):
+    """A sample whose shape does not fit the file's fields, found inside a single-flight load."""
+
+    def __init__(self, error: ShapeVariesError, raw: list[Any]) -> None:
+        super().__init__(str(error))
+        self.error, self.raw = error, raw
 
 
 def _text_budget(schema: Schema, columns: list[Any], length: int) -> int | None:
