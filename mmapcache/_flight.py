@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._jagged import Jagged
 from ._slots import READY, SlotTable
 from ._values import coerce_batch
 from ._variable import text_value
@@ -373,7 +374,7 @@ def get_or_load_many(
         run.load_free(here)
     found = int(np.count_nonzero(loaded))
     cache.count(hits=len(idx) - found, misses=found)
-    return batch, loaded
+    return run.finished(), loaded
 
 
 class _Run:
@@ -391,6 +392,18 @@ class _Run:
         self.cache, self.flight, self.idx, self.batch, self.loaded, self.load = cache, flight, idx, batch, loaded, load
         self.rows: dict[int, list[int]] = {}
         self.fields = cache.fields
+        # A variable field's Jagged becomes a list of rows while rows are put in, and a Jagged again at the end.
+        self.jagged = {name: column for name, column in batch.items() if isinstance(column, Jagged)}
+        for name, column in self.jagged.items():
+            batch[name] = list(column)
+
+    def finished(self) -> dict[str, Any]:
+        """The batch, its variable fields one :class:`Jagged` each again (loaded rows copied in)."""
+        for name, was in self.jagged.items():
+            self.batch[name] = Jagged.from_arrays(
+                self.batch[name], dtype=was.dtype, tail=was.tail, ndim=was.shapes.shape[1]
+            )
+        return self.batch
 
     def hold(self, index: int) -> bool:
         return self.cache._hold(index)

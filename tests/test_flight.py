@@ -29,7 +29,7 @@ from _flight_procs import (
     wrong_rows,
 )
 
-from mmapcache import Cache, Claims
+from mmapcache import Cache, Claims, Field, Jagged
 from mmapcache._flight import CHEAP_LOAD, WAIT_TIMEOUT
 
 FORK = multiprocessing.get_context("fork")
@@ -91,6 +91,22 @@ def test_variable_and_text_fields_are_loaded_once_and_read_back_exactly(tmp_path
         assert not loaded.any()
         assert wrong_rows(batch, indices, variable=True) == []
         assert isinstance(batch["text"][4], str)
+
+
+def test_a_variable_field_comes_back_as_one_jagged_with_the_loaded_rows_in_place(tmp_path: Path) -> None:
+    def load(indices: list[int]) -> list[dict[str, Any]]:
+        return [{"ids": np.arange(i + 1, dtype=np.uint16) * 7} for i in indices]
+
+    with Cache.open(tmp_path / "j.mmc", {"ids": Field((None,), "uint16")}, 6, max_bytes="1MiB") as cache:
+        cache.put(0, {"ids": np.array([9, 9], np.uint16)})
+        batch, loaded = cache.get_or_load_many([0, 3, 1, 3], load)
+        assert isinstance(batch["ids"], Jagged)
+        assert batch["ids"].dtype == np.uint16
+        assert [row.tolist() for row in batch["ids"]] == [[9, 9], [0, 7, 14, 21], [0, 7], [0, 7, 14, 21]]
+        assert loaded.tolist() == [False, True, True, True]
+        again, loaded = cache.get_or_load_many([3, 1], load)
+        assert [row.tolist() for row in again["ids"]] == [[0, 7, 14, 21], [0, 7]]
+        assert not loaded.any()
 
 
 def test_threads_sharing_one_handle_load_each_sample_once(path: Path) -> None:

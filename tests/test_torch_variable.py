@@ -463,7 +463,7 @@ def test_dtypes_sets_the_storage_dtype_of_declared_fields(cache_dir: Path) -> No
 
 
 def test_dtypes_with_fields_must_name_declared_numeric_fields() -> None:
-    with pytest.raises(ValueError, match=r"dtypes= names the field 'ids', but fields= declares \['0', '1'\]"):
+    with pytest.raises(ValueError, match=r"dtypes= names the field 'ids', but fields= has the fields \['0', '1'\]"):
         CachedDataset(Tokens(N), key="t", fields=TOKEN_FIELDS, dtypes={"ids": "int32"}, max_bytes=BUDGET)
     with pytest.raises(TypeError, match=r"'0'.*str"):
         CachedDataset(Tokens(N), key="t", fields={"0": Field((None,), str)}, dtypes={"0": "int32"}, max_bytes=BUDGET)

@@ -175,34 +175,27 @@ def storage_dtypes(dtypes: Mapping[str, Any]) -> dict[str, Any]:
     return dict(dtypes)
 
 
-def with_dtypes(declared: dict[str, Field], dtypes: Mapping[str, Any]) -> dict[str, Field]:
-    """``fields=`` with the dtypes ``dtypes=`` sets: each named field keeps its declared shape."""
-    fields = dict(declared)
+def with_dtypes(fields: dict[str, Field], dtypes: Mapping[str, Any], *, where: str) -> dict[str, Field]:
+    """``fields`` with the storage dtypes ``dtypes=`` sets, each named field keeping its shape.
+
+    ``where`` names what ``fields`` came from (``"fields="``, ``"dataset[0]"``), for the errors.
+    """
+    out = dict(fields)
     for name, dtype in dtypes.items():
-        if name not in fields:
+        if name not in out:
             raise ValueError(
-                f"dtypes= names the field {name!r}, but fields= declares {list(fields)}; name one of those, or "
-                "give its dtype in fields= directly"
+                f"dtypes= names the field {name!r}, but {where} has the fields {list(out)} "
+                "(named by their place in the sample: see mmapcache.torch)"
             )
-        if fields[name].text is not None:
-            raise TypeError(f"dtypes= gives field {name!r} a dtype, but fields= declares it as {fields[name].text}")
-        fields[name] = Field(fields[name].shape, dtype)
-    return fields
+        if out[name].text is not None:
+            raise TypeError(f"dtypes= gives field {name!r} a dtype, but it holds {out[name].text} values")
+        out[name] = Field(out[name].shape, dtype)
+    return out
 
 
 def sample_fields(sample: Any, index: int, dtypes: Mapping[str, Any] | None) -> dict[str, Field]:
     """``sample``'s own fields, with the storage dtypes ``dtypes=`` sets."""
-    fields = infer_fields(sample)
-    for name, dtype in (dtypes or {}).items():
-        if name not in fields:
-            raise ValueError(
-                f"dtypes= names the field {name!r}, but dataset[{index}] has the fields {list(fields)} "
-                "(named by their place in the sample: see mmapcache.torch)"
-            )
-        if fields[name].text is not None:
-            raise TypeError(f"dtypes= gives field {name!r} a dtype, but it holds {fields[name].text} values")
-        fields[name] = Field(fields[name].shape, dtype)
-    return fields
+    return with_dtypes(infer_fields(sample), dtypes or {}, where=f"dataset[{index}]")
 
 
 def check_declared_sample(sample: Any, index: int, fields: Mapping[str, Field]) -> None:

@@ -72,7 +72,7 @@ class Settings:
             raise ValueError("give capacity= or max_bytes=, not both")
         storage = None if dtypes is None else storage_dtypes(dtypes)
         if declared is not None and storage is not None:
-            declared = with_dtypes(declared, storage)
+            declared = with_dtypes(declared, storage, where="fields=")
         if isinstance(check, bool) or not isinstance(check, int) or check < 0:
             raise ValueError(f"check must be a number of samples (0 disables the check), not {check!r}")
         shard = None if cached_indices is None else _index_set(cached_indices, len(dataset))
