@@ -59,7 +59,6 @@ STEPS = [
     Step("bench_cold", ("--quick",), optional=True),
     Step("bench_shuffle", ("--quick",), optional=True),
     Step("bench_singleflight", ("--quick",), optional=True),
-    Step("bench_tokens", ("--quick",), optional=True),
 ]
 
 
