@@ -9,6 +9,10 @@ imported in the same process under another package name. Reported: each
 path's time as a ratio to the baseline's (median over rounds, with quartiles);
 1.00 is unchanged, above 1 slower.
 
+``--copy-false`` measures ``CachedDataset(copy=False)``, ``--transform flip``
+(an out-of-place horizontal flip) or ``--transform float`` (``image.float() / 255``)
+adds a transform.
+
 Run ``PYTHONPATH=$PWD python benchmarks/bench_torch_layer.py --baseline /tmp/old``
 (about a minute) or ``--quick``.
 """
@@ -41,6 +45,21 @@ class Images:
         return torch.full((3, 32, 32), i % 251, dtype=torch.uint8), i
 
 
+def flip(sample: Any) -> Any:
+    """An out-of-place transform that costs little: the share of a copy before it shows."""
+    image, label = sample
+    return image.flip(-1), label
+
+
+def to_float(sample: Any) -> Any:
+    """An out-of-place transform of the usual kind: uint8 pixels to float32 in [0, 1]."""
+    image, label = sample
+    return image.float() / 255, label
+
+
+TRANSFORMS = {"none": None, "flip": flip, "float": to_float}
+
+
 def load_baseline(source: Path, scratch: Path) -> Any:
     """The ``mmapcache`` package under ``source``, imported as ``mmapcache_baseline`` (its imports are relative)."""
     shutil.copytree(source / "mmapcache", scratch / "mmapcache_baseline")
@@ -53,6 +72,8 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, required=True, help="a source tree holding mmapcache/")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="5 rounds")
+    parser.add_argument("--copy-false", action="store_true", help="CachedDataset(copy=False)")
+    parser.add_argument("--transform", choices=sorted(TRANSFORMS), default="none")
     args = parser.parse_args()
     rounds = 5 if args.quick else args.rounds
     import mmapcache.torch as current
@@ -62,7 +83,13 @@ def main() -> None:
         baseline = load_baseline(args.baseline, scratch)
         datasets = {}
         for name, module in (("before", baseline), ("after", current)):
-            ds = module.CachedDataset(Images(), scratch / f"{name}.mmc", key="bench-torch-layer")
+            ds = module.CachedDataset(
+                Images(),
+                scratch / f"{name}.mmc",
+                key="bench-torch-layer",
+                copy=not args.copy_false,
+                transform=TRANSFORMS[args.transform],
+            )
             ds.fill(progress=False)
             datasets[name] = ds
         rng = np.random.default_rng(0)
@@ -100,7 +127,8 @@ def main() -> None:
                     f"{quartiles['q1']:.3f}-{quartiles['q3']:.3f}",
                 ]
             )
-        print(f"{rounds} rounds; time after / time before (1.00: unchanged)")
+        setting = f"copy={not args.copy_false}, transform={args.transform}"
+        print(f"{rounds} rounds, {setting}; time after / time before (1.00: unchanged)")
         print(table(["path", "before", "after", "after/before", "quartiles"], rows))
         for ds in datasets.values():
             ds.close()

@@ -40,23 +40,12 @@ import numpy as np
 
 from ._counters import REFUTED, Usage, read_flags, read_usage
 from ._errors import CacheError, CacheFormatError, CacheInUseError, CacheTimeoutError, UnsafeCacheFileError
-from ._file import (
-    LOCK_SUFFIX,
-    _check_removable,
-    _open_fd,
-    creation_lock,
-    lock_path_for,
-    read_header,
-    remove,
-    temp_stem,
-)
+from ._file import _check_removable, _open_fd, creation_lock, read_header, remove
 from ._format import COUNTER_RECORD_SIZE, Header, Layout, descriptor_nbytes
 from ._heap import VariableRegion
 from ._locks import SlotLocks, flock_holders, try_lock_exclusive
+from ._names import CHECK_OWNER, CHECK_PREFIX, LOCK_SUFFIX, SUFFIX, is_cache_name, lock_path_for, temp_stem
 from ._paths import (
-    CHECK_OWNER,
-    CHECK_PREFIX,
-    SUFFIX,
     check_file_stat,
     default_dir,
     filesystem_type,
@@ -66,6 +55,7 @@ from ._paths import (
 from ._residency import resident_bytes
 from ._sizes import format_bytes, parse_duration
 from ._slots import READY, WRITING
+from ._times import iso_time
 from ._variable import value_bytes
 
 __all__ = [
@@ -81,7 +71,6 @@ __all__ = [
     "gc",
     "info",
     "is_lock_name",
-    "iso_time",
     "list_caches",
     "memory_limit",
     "orphan_lock",
@@ -97,11 +86,6 @@ LOW_FREE_FRACTION = 0.10
 _CHUNK_RECORDS = 2**20
 # cgroup v1 reports "no limit" as a page-rounded 2**63 - 1.
 _NO_LIMIT = 2**60
-
-
-def iso_time(timestamp: float) -> str:
-    """``timestamp`` as ISO 8601 UTC, to the second: ``2026-11-30T05:46:11Z``."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp))
 
 
 def error_message(error: BaseException) -> str:
@@ -388,20 +372,16 @@ def _entries(directory: Path, *, recursive: bool) -> Iterator[os.DirEntry[str]]:
             yield entry
 
 
-def _is_cache_name(name: str) -> bool:
-    return name.endswith(SUFFIX) and not name.startswith(".")
-
-
 def _leftover_stem(path: Path) -> str | None:
     """The side-file stem of the cache whose creator made the temp file ``path``, if it is one."""
     stem = temp_stem(path.name, path.parent)
-    return stem if stem is not None and _is_cache_name(stem) else None
+    return stem if stem is not None and is_cache_name(stem) else None
 
 
 def _lock_stem(path: Path) -> str | None:
     """The side-file stem of the cache whose creation lock ``path`` is, if it is one (``<stem>.lock``)."""
     stem = path.name.removesuffix(LOCK_SUFFIX)
-    if stem == path.name or not _is_cache_name(stem) or lock_path_for(path.with_name(stem)) != path:
+    if stem == path.name or not is_cache_name(stem) or lock_path_for(path.with_name(stem)) != path:
         return None
     return stem
 
@@ -429,7 +409,7 @@ def list_caches(directory: str | os.PathLike[str] | None = None, *, recursive: b
     location = _Location.of(base)
     found = []
     for entry in _entries(base, recursive=recursive):
-        if _is_cache_name(entry.name):
+        if is_cache_name(entry.name):
             result, error = _inspect(Path(entry.path), location)
             if not isinstance(error, FileNotFoundError):  # removed while we listed
                 found.append(result)
@@ -781,7 +761,7 @@ def _not_removable(item: CacheInfo) -> str | None:
 
 
 def _side_files(directory: Path, *, recursive: bool) -> list[Path]:
-    return [Path(entry.path) for entry in _entries(directory, recursive=recursive) if not _is_cache_name(entry.name)]
+    return [Path(entry.path) for entry in _entries(directory, recursive=recursive) if not is_cache_name(entry.name)]
 
 
 def _collect_leftover(
@@ -972,7 +952,7 @@ def disk_usage(directory: str | os.PathLike[str] | None = None, *, recursive: bo
     for entry in _entries(base, recursive=recursive):
         with contextlib.suppress(OSError):
             allocated = entry.stat(follow_symlinks=False).st_blocks * 512
-            if _is_cache_name(entry.name):
+            if is_cache_name(entry.name):
                 caches, cache_bytes = caches + 1, cache_bytes + allocated
                 resident.append(Resident(Path(entry.path), entry.stat().st_size, resident_bytes(entry.path)))
             elif _leftover_stem(Path(entry.path)) is not None:

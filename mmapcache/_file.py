@@ -18,25 +18,7 @@ the layout. A creator validates the sizes (key, fields, whole header) before
 it creates anything, and reads back what it wrote with the same reader before
 linking it into place, so it never publishes a file nobody can open.
 
-Side files: every name derived from a cache's name comes from this module.
-The *stem* of a cache named ``N`` is ``N`` itself when ``N`` plus the
-longest side suffix (``.tmp-<pid>-<8 hex>``, at most 24 bytes) fits the
-directory's ``NAME_MAX`` (255 bytes on most file systems); else it is the
-first bytes of ``N`` (cut at a UTF-8 character boundary), ``~``, the first 16
-hex digits of the SHA-256 of ``N``, and ``N``'s extension (``.mmc``), short
-enough that every side name fits. The side files are:
-
-- ``<stem>.lock``: the creation lock (never deleted while in use; see
-  :func:`creation_lock`); its holder may write one line of JSON into it
-  saying what it does and how far it is (:class:`LockStatus`: the check
-  after a reboot does), which waiters log;
-- ``<stem>.tmp-<pid>-<8 hex>``: the file a creator builds before linking it
-  to ``N``; only a holder of the creation lock makes or deletes one.
-
-A stem is its own stem, so ``lock_path_for(directory / temp_stem(name,
-directory))`` is the creation lock that guards the temp file ``name``:
-``mmapcache gc`` can collect the leftovers of killed creators without knowing
-the cache's name.
+Side-file names (the creation lock, temp files) come from :mod:`mmapcache._names`.
 
 When the file system says no, the error says what to do: no bytes *or no
 inodes* left (for the lock file, the temp file, or the link: tmpfs counts
@@ -52,12 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
+import fcntl
 import json
 import logging
 import math
 import os
-import secrets
 import stat
 import time
 import warnings
@@ -95,6 +76,7 @@ from ._format import (
 )
 from ._holders import held_by
 from ._locks import flock_holders, lock_exclusive_soon, lock_shared, try_lock_exclusive
+from ._names import SUFFIX, is_temp_name_of, lock_path_for, name_max, new_temp_path
 from ._paths import (
     check_file_stat,
     check_kind,
@@ -107,21 +89,14 @@ from ._paths import (
 )
 
 __all__ = [
-    "LOCK_SUFFIX",
-    "TEMP_MARK",
     "Expected",
     "LockStatus",
     "OpenedFile",
     "in_use",
-    "is_temp_name_of",
-    "lock_path_for",
-    "new_temp_path",
     "open_or_create",
     "read_header",
     "read_lock_status",
     "remove",
-    "side_stem",
-    "temp_stem",
 ]
 
 log = logging.getLogger("mmapcache")
@@ -161,74 +136,6 @@ class OpenedFile:
     header: Header
     layout: Layout
     created_now: bool
-
-
-# -- side-file names (the naming rule is in the module docstring) ---------------------
-
-LOCK_SUFFIX = ".lock"
-TEMP_MARK = ".tmp-"
-# ".tmp-" + a pid of up to 10 digits + "-" + 8 hex digits: the longest side suffix.
-_SIDE_SUFFIX_MAX = len(TEMP_MARK) + 10 + 1 + 8
-_HASH_DIGITS = 16
-_EXTENSION_MAX = 16
-_DEFAULT_NAME_MAX = 255
-
-
-def name_max(directory: Path) -> int:
-    """The longest file name (in bytes) the file system holding ``directory`` accepts."""
-    try:
-        return os.pathconf(directory, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        return _DEFAULT_NAME_MAX
-
-
-def side_stem(path: Path) -> str:
-    """The stem of the side files of the cache at ``path`` (see the module docstring)."""
-    name = path.name
-    encoded = os.fsencode(name)
-    room = name_max(path.parent) - _SIDE_SUFFIX_MAX
-    if len(encoded) <= room:
-        return name
-    extension = os.path.splitext(name)[1]
-    if len(os.fsencode(extension)) > _EXTENSION_MAX:
-        extension = ""
-    tail = "~" + hashlib.sha256(encoded).hexdigest()[:_HASH_DIGITS] + extension
-    keep = max(0, room - len(os.fsencode(tail)))
-    while 0 < keep < len(encoded) and encoded[keep] & 0xC0 == 0x80:  # not inside a UTF-8 character
-        keep -= 1
-    return os.fsdecode(encoded[:keep]) + tail
-
-
-def lock_path_for(path: Path) -> Path:
-    """The creation lock of the cache at ``path``: ``<stem>.lock``."""
-    return path.parent / (side_stem(path) + LOCK_SUFFIX)
-
-
-def new_temp_path(path: Path) -> Path:
-    """A fresh name to build the cache at ``path`` under: ``<stem>.tmp-<pid>-<8 hex>``."""
-    return path.parent / f"{side_stem(path)}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def temp_stem(name: str, directory: Path) -> str | None:
-    """The stem the temp file ``directory / name`` was made from (``None``: not a temp name).
-
-    ``lock_path_for(directory / stem)`` is the creation lock that guards it.
-    """
-    stem, mark, tail = name.rpartition(TEMP_MARK)
-    if not (mark and stem and _is_temp_tail(tail)) or side_stem(directory / stem) != stem:
-        return None
-    return stem
-
-
-def is_temp_name_of(name: str, path: Path) -> bool:
-    """Whether ``name`` (in ``path``'s directory) is a temp file of a creator of ``path``."""
-    prefix = side_stem(path) + TEMP_MARK
-    return name.startswith(prefix) and _is_temp_tail(name[len(prefix) :])
-
-
-def _is_temp_tail(tail: str) -> bool:
-    pid, dash, token = tail.partition("-")
-    return pid.isdigit() and bool(dash) and bool(token)
 
 
 def open_or_create(
@@ -687,9 +594,8 @@ def _check_lock_file(lock_path: Path) -> None:
 
 def _remove_leftovers(path: Path) -> None:
     """Delete temp files of creators that died mid-way (only lock holders make them)."""
-    prefix = side_stem(path) + TEMP_MARK
     try:
-        names = [n for n in os.listdir(path.parent) if n.startswith(prefix) and _is_temp_tail(n[len(prefix) :])]
+        names = [n for n in os.listdir(path.parent) if is_temp_name_of(n, path)]
     except OSError:
         return
     for name in names:
@@ -876,7 +782,9 @@ def in_use(path: str | os.PathLike[str]) -> bool:
         os.close(fd)
 
 
-def remove(path: str | os.PathLike[str], *, force: bool = False, timeout: float = 60.0) -> None:
+def remove(
+    path: str | os.PathLike[str], *, force: bool = False, timeout: float = 60.0, same_as: os.stat_result | None = None
+) -> None:
     """Delete the cache file at ``path`` and its side files.
 
     Refuses with :class:`CacheInUseError` while any process (this one
@@ -884,19 +792,22 @@ def remove(path: str | os.PathLike[str], *, force: bool = False, timeout: float 
     that have it mapped keep reading their now-nameless copy (the memory is
     freed when the last of them closes it), and new openers get a new file —
     so they no longer share. Refuses files that are not mmapcache files.
+    ``same_as``: delete only that file (``os.stat`` of it); if ``path`` now
+    names another one, ``FileNotFoundError`` and nothing is deleted.
     """
     target = Path(path)
     fd = _open_fd(target, readonly=True)
     try:
         st = os.fstat(fd)
+        if same_as is not None and not os.path.samestat(st, same_as):
+            raise FileNotFoundError(errno.ENOENT, f"{target} was replaced already", str(target))
         if not os.path.samestat(st, os.stat(target, follow_symlinks=False)):
             raise FileNotFoundError(errno.ENOENT, f"{target} was replaced while removing it", str(target))
         if st.st_uid != os.geteuid():
             check_file_stat(str(target), st)  # the same answer as opening it: another user's file
         _check_removable(fd, target, st)
-        with _removing(target), creation_lock(target, timeout):
-            if not lock_exclusive_soon(fd, holds_shared=False, path=str(target), timeout=timeout):
-                pids = flock_holders(st)
+        with _removing(target), exclusive_use(target, fd, holds_shared=False, timeout=timeout) as pids:
+            if pids is not None:
                 if not force:
                     raise CacheInUseError(
                         f"{target} is in use{held_by(pids)}, or pass force=True / --force to delete it anyway",
@@ -914,6 +825,29 @@ def remove(path: str | os.PathLike[str], *, force: bool = False, timeout: float 
     finally:
         os.close(fd)
     _fsync_dir(target.parent)
+
+
+@contextmanager
+def exclusive_use(path: Path, fd: int, *, holds_shared: bool, timeout: float) -> Iterator[list[int] | None]:
+    """Use the cache at ``path`` alone (to remove or clear it): ``None``, or the pids that have it open.
+
+    Takes the creation lock, then the exclusive ``flock`` on ``fd`` (waiting
+    up to ``timeout`` for handles that are closing). Both ``remove`` and
+    ``clear`` go through here, so that one never finds the cache unused while
+    the other switches locks: switching between a shared and the exclusive
+    flock is not atomic in the kernel, and only the creation lock, taken
+    first by both, closes that gap. When another process holds the file, the
+    body gets its pids (this process's included: a caller that holds its own
+    shared lock leaves itself out) and decides (refuse, or ``force``). A
+    descriptor that held the shared lock (``holds_shared``) gets it back.
+    """
+    with creation_lock(path, timeout):
+        alone = lock_exclusive_soon(fd, holds_shared=holds_shared, path=str(path), timeout=timeout)
+        try:
+            yield None if alone else flock_holders(os.fstat(fd))
+        finally:
+            if alone and holds_shared:
+                fcntl.flock(fd, fcntl.LOCK_SH)
 
 
 @contextmanager
@@ -944,7 +878,7 @@ def _check_removable(fd: int, path: Path, st: os.stat_result) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise UnsafeCacheFileError(f"{path} is not a regular file; refusing to remove it", path=path)
     head = os.pread(fd, len(MAGIC), 0)
-    if head != MAGIC and not (path.name.endswith(".mmc") and st.st_size < len(MAGIC)):
+    if head != MAGIC and not (path.name.endswith(SUFFIX) and st.st_size < len(MAGIC)):
         raise CacheFormatError(
             f"{path} is not an mmapcache file (it starts with {head!r}); refusing to delete it",
             path=path,

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._jagged import Jagged
+from ._jagged import Jagged, rows_like
 from ._slots import READY, SlotTable
 from ._values import coerce_batch
 from ._variable import text_value
@@ -389,21 +389,21 @@ class _Run:
         loaded: np.ndarray[Any, Any],
         load: Callable[[list[int]], Any],
     ) -> None:
-        self.cache, self.flight, self.idx, self.batch, self.loaded, self.load = cache, flight, idx, batch, loaded, load
+        self.cache, self.flight, self.idx, self.loaded, self.load = cache, flight, idx, loaded, load
         self.rows: dict[int, list[int]] = {}
         self.fields = cache.fields
-        # A variable field's Jagged becomes a list of rows while rows are put in, and a Jagged again at the end.
-        self.jagged = {name: column for name, column in batch.items() if isinstance(column, Jagged)}
-        for name, column in self.jagged.items():
-            batch[name] = list(column)
+        # A read-only Jagged batch becomes a list of rows while rows are filled in (see finished).
+        self.jagged = {name: values for name, values in batch.items() if isinstance(values, Jagged)}
+        self.batch: dict[str, Any] = {
+            name: list(values) if name in self.jagged else values for name, values in batch.items()
+        }
 
     def finished(self) -> dict[str, Any]:
-        """The batch, its variable fields one :class:`Jagged` each again (loaded rows copied in)."""
-        for name, was in self.jagged.items():
-            self.batch[name] = Jagged.from_arrays(
-                self.batch[name], dtype=was.dtype, tail=was.tail, ndim=was.shapes.shape[1]
-            )
-        return self.batch
+        """The batch with every row filled, as a read returns it (variable fields: one Jagged each)."""
+        return {
+            name: rows_like(self.jagged[name], values) if name in self.jagged else values
+            for name, values in self.batch.items()
+        }
 
     def hold(self, index: int) -> bool:
         return self.cache._hold(index)

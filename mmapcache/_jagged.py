@@ -23,7 +23,7 @@ from typing import Any, overload
 
 import numpy as np
 
-__all__ = ["Jagged", "split_shape"]
+__all__ = ["Jagged", "rows_like", "split_shape"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -370,6 +370,15 @@ class Jagged(Sequence[Any]):
                 corner: tuple[Any, ...] = (k, *(slice(0, d) for d in row.shape))
                 padded[corner] = row
         return padded, shapes
+
+
+def rows_like(template: Jagged, rows: Sequence[Any]) -> Jagged:
+    """A :class:`Jagged` of ``rows`` (arrays or ``None``) of ``template``'s dtype, tail and rank.
+
+    For a batch whose rows changed after the gather: some made missing, some
+    filled in. Copies the rows into one buffer.
+    """
+    return Jagged.from_arrays(rows, dtype=template.dtype, tail=template.tail, ndim=template.shapes.shape[1])
 
 
 def _rebuild(values: Any, offsets: Any, shapes: Any, present: Any) -> Jagged:

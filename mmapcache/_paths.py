@@ -25,9 +25,6 @@ from pathlib import Path
 from ._errors import UnsafeCacheFileError
 
 __all__ = [
-    "CHECK_OWNER",
-    "CHECK_PREFIX",
-    "SUFFIX",
     "check_chosen_directory",
     "check_directory",
     "check_file_stat",
@@ -42,12 +39,6 @@ __all__ = [
 log = logging.getLogger("mmapcache")
 
 ENV_DIR = "MMAPCACHE_DIR"
-# Cache files end in this; `mmapcache ls` and `gc` look only at such names.
-SUFFIX = ".mmc"
-# mmapcache.testing's private directories in default_dir(): `check-<random>`, holding an owner file that
-# the running check keeps an exclusive flock on (free once it died: `mmapcache gc` then removes the directory).
-CHECK_PREFIX = "check-"
-CHECK_OWNER = ".owner"
 _SHM = Path("/dev/shm")
 # A user name that is safe as part of a file name.
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")

@@ -28,7 +28,6 @@ import errno
 import logging
 import mmap
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,12 +36,15 @@ import numpy as np
 
 from ._boot import boot_page
 from ._errors import CacheSpaceError
-from ._file import _check_space, _fsync_dir, _preallocate, _write_all, creation_lock, new_temp_path
+from ._file import _check_space, _fsync_dir, _preallocate, _write_all, creation_lock
 from ._format import Header, Layout, compute_layout, descriptor_nbytes, new_header, pack_header
 from ._heap import extent_size_for, place
+from ._names import new_temp_path
 from ._paths import filesystem_type, is_memory_filesystem
+from ._plan import plan_capacity, plan_variable
 from ._sizes import format_bytes, parse_bytes
 from ._slots import READY
+from ._times import iso_time
 from ._verify import intact_parts
 
 __all__ = ["Resized", "resize"]
@@ -88,7 +90,7 @@ def resize(path: str | os.PathLike[str], *, max_bytes: int | str, timeout: float
     closes the old one: :class:`CacheSpaceError` says so when there is not
     room for both.
     """
-    from .cache import Cache, _plan_capacity, _plan_variable
+    from .cache import Cache
 
     target = Path(os.path.abspath(os.fspath(path)))
     budget = parse_bytes(max_bytes, name="max_bytes")
@@ -97,7 +99,7 @@ def resize(path: str | os.PathLike[str], *, max_bytes: int | str, timeout: float
         with creation_lock(target, timeout):
             if not os.path.samestat(os.stat(target, follow_symlinks=False), os.fstat(old._handle.fd)):
                 raise FileNotFoundError(errno.ENOENT, f"{target} was replaced while resizing it", str(target))
-            new = _plan(header, layout, budget, max_bytes, _plan_capacity, _plan_variable, target)
+            new = _plan(header, layout, budget, max_bytes, plan_capacity, plan_variable, target)
             new_layout = compute_layout(new)
             try:
                 _check_space(target, new_layout.file_size)
@@ -158,17 +160,13 @@ def _plan(
         header.length,
         capacity,
         header.key,
-        {**header.created, "resized": _now()},
+        {**header.created, "resized": iso_time()},
         variable_size=region,
         extent_size=extent_size_for(region) if region else 0,
         indices_digest=header.indices_digest,
         on_disk=not is_memory_filesystem(filesystem_type(path.parent)),
     )
     return fresh
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def _build(target: Path, old: Any, header: Header, layout: Layout) -> tuple[int, int]:

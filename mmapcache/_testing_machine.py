@@ -28,7 +28,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from ._errors import CacheInUseError
 from ._file import remove
-from ._paths import CHECK_OWNER, CHECK_PREFIX, default_dir
+from ._names import CHECK_OWNER, CHECK_PREFIX
+from ._paths import default_dir
 from ._testing_worker import Process, StepError, Zygote, wait_until
 
 __all__ = ["OutOfTime", "Run", "Summary", "machine_class"]

@@ -52,7 +52,7 @@ def intact(slots: SlotTable, index: int, arrays: Iterable[np.ndarray[Any, Any]])
 
 
 def intact_parts(slots: SlotTable, index: int, parts: Iterable[np.ndarray[Any, Any]]) -> bool:
-    """Whether a slot's checksum parts (see ``_Mapped.parts``) match its checksum."""
+    """Whether a slot's checksum parts (see ``Mapped.parts``) match its checksum."""
     return checksum(parts) == int(slots.checksums[index])
 
 

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import inspect
 import logging
-import operator
 import os
-import socket
 import threading
 import time
 import warnings
@@ -20,113 +17,32 @@ from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
-from ._boot import BootPage, check_boot, sync_slots
-from ._checksum import checksum
-from ._cold import prefetch_later, readahead_for
-from ._counters import REFUTED, Usage
+from ._boot import check_boot, sync_slots
+from ._cold import prefetch_later
+from ._counters import REFUTED, Counts, Usage
 from ._errors import CacheError, CacheInUseError, CacheMissError, ReadonlyCacheError
-from ._field import Field, FieldsLike, normalize_fields
-from ._file import Expected, LockStatus, NewFile, OpenedFile, creation_lock, open_or_create, read_header
+from ._field import Field, FieldsLike
+from ._file import LockStatus, OpenedFile, creation_lock, exclusive_use, open_or_create, read_header
 from ._flight import HELD_HERE as _HELD_HERE
 from ._flight import WAIT_TIMEOUT, Claims, Flight, get_or_load_many
-from ._format import MAX_FILE_SIZE, Header, Layout, indices_digest, max_slots, slot_nbytes
+from ._format import Header, Layout, indices_digest
 from ._gather import empty_aligned, gather
 from ._handle import Handle, closed_error
-from ._heap import VariableRegion, extent_size_for
+from ._heap import VariableRegion
 from ._holders import held_by
-from ._jagged import Jagged
-from ._locks import flock_holders, lock_exclusive_soon
+from ._mapping import Mapped
 from ._paths import filesystem_type, is_memory_filesystem
-from ._sizes import parse_bytes
-from ._slots import EMPTY, READY, STRONGLY_ORDERED, SlotTable
+from ._plan import plan
+from ._slots import EMPTY, READY, STRONGLY_ORDERED
 from ._values import coerce_batch, coerce_sample
-from ._variable import VariableColumn, check_dimensions, text_value, texts
-from ._verify import Problem, failed_rows, intact, intact_parts, region_problems, slot_problems
+from ._variable import check_dimensions
+from ._verify import Problem, region_problems, slot_problems
 
 __all__ = ["Cache", "Problem"]
 
 log = logging.getLogger("mmapcache")
 
 _MISSING: Any = object()
-
-
-class _Mapped:
-    """The views of an open cache's mapping, taken together so a call reads them once.
-
-    A method loads ``self._mapped`` once and works on that snapshot: ``close()``
-    only swaps the attribute for ``None``, and the mapping lives as long as any
-    snapshot (or array) refers to it, so a call racing ``close()`` in another
-    thread completes on valid memory or raises the closed-cache ``ValueError``
-    — it never reads unmapped memory.
-    """
-
-    __slots__ = (
-        "arrays",
-        "boot",
-        "heap",
-        "indices",
-        "items",
-        "order",
-        "raws",
-        "readahead",
-        "region",
-        "slots",
-        "states",
-        "variables",
-    )
-
-    def __init__(self, handle: Handle, header: Header, layout: Layout) -> None:
-        mm = handle.mm
-        assert mm is not None
-        capacity = header.capacity
-        self.slots = SlotTable(mm, layout, capacity, header.record_size, handle.locks)
-        self.states = self.slots.state_bytes
-        fixed = {name: field for name, field in header.fields.items() if not field.variable}
-        # Fixed fields: one array each, shape (capacity, *shape); their flat byte rows, for checksums.
-        self.arrays = {
-            name: np.ndarray((capacity, *field.fixed_shape), field.dtype, buffer=mm, offset=layout.field_offsets[name])
-            for name, field in fixed.items()
-        }
-        self.items = tuple(self.arrays.items())
-        self.raws = tuple(
-            np.ndarray((capacity, field.nbytes), np.uint8, buffer=mm, offset=layout.field_offsets[name])
-            for name, field in fixed.items()
-        )
-        # Variable fields: descriptors per slot, values in the variable region.
-        self.heap = handle.heap
-        self.region = self.heap.region if self.heap is not None else np.zeros(0, np.uint8)
-        self.variables = tuple(
-            VariableColumn(name, field, mm, layout.field_offsets[name], capacity, self.region)
-            for name, field in header.fields.items()
-            if field.variable
-        )
-        raws = dict(zip(fixed, self.raws, strict=True))
-        columns = {column.name: column for column in self.variables}
-        self.indices: np.ndarray[Any, np.dtype[np.uint64]] | None = None
-        if layout.indices_offset:
-            self.indices = np.ndarray((header.length,), "<u8", buffer=mm, offset=layout.indices_offset)
-            self.indices.flags.writeable = False
-        # Every field in file order: ("fixed", array, raw) or ("variable", column).
-        self.order: tuple[tuple[Any, ...], ...] = tuple(
-            (name, columns[name]) if name in columns else (name, self.arrays[name], raws[name])
-            for name in header.fields
-        )
-        # Read-ahead hints for a file on a disk; None in memory (tmpfs), where reads stay as they were.
-        self.readahead = readahead_for(handle.path, handle.fd, layout, header, self.variables)
-        self.boot = BootPage(mm, layout.boot_offset) if layout.boot_offset else None  # version 5: see _boot.py
-
-    def parts(self, index: int) -> list[np.ndarray[Any, Any]] | None:
-        """Slot ``index``'s checksum parts in field order (``None``: a variable descriptor is impossible)."""
-        parts: list[np.ndarray[Any, Any]] = []
-        for entry in self.order:
-            if len(entry) == 3:
-                parts.append(entry[2][index])
-                continue
-            found = entry[1].parts(index)
-            if found is None:
-                return None
-            parts.extend(found)
-        return parts
 
 
 _P = ParamSpec("_P")
@@ -167,54 +83,20 @@ class Cache:
     ) -> None:
         self._closed = True
         target = Path(os.path.abspath(os.fspath(path)))
-        wanted = normalize_fields(fields) if fields is not None else None
-        if length is not None:
-            length = _check_count("length", length)
-        table = None if dataset_indices is None else index_table(dataset_indices)
-        if table is not None:
-            if length is not None and length != len(table):
-                raise ValueError(f"length is {length} but dataset_indices holds {len(table)} indices: they must agree")
-            length = len(table)
-        if key is not None and not isinstance(key, str):
-            raise TypeError(f"key must be a string, not {type(key).__name__}")
-        variable = wanted is not None and any(field.variable for field in wanted.values())
-        if capacity is not None and max_bytes is not None and not variable:
-            raise ValueError("give capacity= or max_bytes=, not both")
-        # Malformed arguments are refused whether or not the file exists; only a plan that does
-        # not fit (no budget, too small, too large) waits to see whether creating is needed.
-        if capacity is not None:
-            _check_count("capacity", capacity)
-        if max_bytes is not None:
-            parse_bytes(max_bytes, name="max_bytes")
-        new, unplannable = None, None
-        if not readonly and wanted is not None and length is not None:
-            try:
-                if variable:
-                    slots, variable_size = _plan_variable(wanted, length, capacity, max_bytes)
-                else:
-                    slots, variable_size = _plan_capacity(wanted, length, capacity, max_bytes), 0
-            except ValueError as error:
-                # Only creating needs a plan: an existing file is opened (and checked) without one.
-                unplannable = error
-            else:
-                new = NewFile(
-                    fields=wanted,
-                    length=length,
-                    capacity=slots,
-                    key=key or "",
-                    created=_creation_info(),
-                    variable_size=variable_size,
-                    extent_size=extent_size_for(variable_size) if variable_size else 0,
-                    dataset_indices=table,
-                )
-        digest = None if table is None else indices_digest(table)
+        planned = plan(
+            fields,
+            length,
+            key=key,
+            capacity=capacity,
+            max_bytes=max_bytes,
+            readonly=readonly,
+            dataset_indices=dataset_indices,
+        )
         try:
-            opened = open_or_create(
-                target, Expected(wanted, length, key, digest), new, readonly=readonly, timeout=float(timeout)
-            )
+            opened = open_or_create(target, planned.expected, planned.new, readonly=readonly, timeout=float(timeout))
         except FileNotFoundError:
-            if unplannable is not None:
-                raise unplannable from None
+            if planned.unplannable is not None:
+                raise planned.unplannable from None
             raise
         self._attach(target, opened, readonly=readonly, verify=verify, timeout=float(timeout))
 
@@ -261,7 +143,7 @@ class Cache:
             os.close(opened.fd)
             raise
         try:
-            mapped = _Mapped(handle, header, layout)
+            mapped = Mapped(handle, header, layout)
             _check_after_reboot(path, mapped, readonly=readonly, timeout=timeout)
             if mapped.boot is None:
                 _warn_if_on_a_disk(path, header.version, os.fstat(opened.fd))
@@ -281,7 +163,7 @@ class Cache:
         self._capacity = header.capacity
         self._handle = handle
         self._board = handle.board
-        self._mapped: _Mapped | None = mapped
+        self._mapped: Mapped | None = mapped
         self._finalizer = weakref.finalize(self, handle.close)
         self._closed = False
 
@@ -350,6 +232,22 @@ class Cache:
         return dict(self._header.created)
 
     @property
+    def uuid(self) -> str:
+        """The file's identity: 16 random bytes drawn when it was created (hex), never reused by another file.
+
+        Two handles with the same ``uuid`` have the same file open; a cache removed
+        and created again at the same path (or replaced by ``mmapcache.resize``)
+        has a new one.
+        """
+        return self._header.uuid.hex()
+
+    @property
+    def counts(self) -> Counts:
+        """This handle's own counts (hits, misses, slots written) so far, without reading other processes'."""
+        self._live()
+        return self._board.mine()
+
+    @property
     def filled(self) -> int:
         """Slots READY now, counting every process's writes."""
         return self._live().slots.count_ready()
@@ -393,7 +291,7 @@ class Cache:
             if mapped.readahead is not None:  # a file on a disk: one request for the row, not a fault per page
                 mapped.readahead.before_read_one(i)
             if mapped.variables:
-                found = self._get_variable(mapped, i)
+                found = mapped.sample(i, self._verify)
                 if found is not None:
                     self._board.add(hits=1)
                     return found
@@ -404,33 +302,11 @@ class Cache:
             sample: dict[str, np.ndarray[Any, Any]] = {}
             for name, array in mapped.items:
                 sample[name] = array[i, ...].copy()
-            if not self._verify or self._intact(mapped, i, sample.values()):
+            if not self._verify or mapped.intact(i, sample.values()):
                 self._board.add(hits=1)
                 return sample
         self._board.add(misses=1)
         return default
-
-    def _get_variable(self, mapped: _Mapped, i: int) -> dict[str, np.ndarray[Any, Any]] | None:
-        """A READY sample of a cache with variable fields (``None``: it fails its checks, a miss)."""
-        sample: dict[str, np.ndarray[Any, Any]] = {}
-        for entry in mapped.order:
-            if len(entry) == 3:
-                sample[entry[0]] = entry[1][i, ...].copy()
-                continue
-            value: Any = entry[1].copy(i)
-            kind = entry[1].field.text
-            if value is not None and kind is not None:
-                value = text_value(kind, value)  # a text field: str or bytes
-            if value is None:
-                self._report_damage(i)
-                return None
-            sample[entry[0]] = value
-        if self._verify:
-            parts = mapped.parts(i)
-            if parts is None or not intact_parts(mapped.slots, i, parts):
-                self._report_mismatch(i)
-                return None
-        return sample
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray[Any, Any]]:
         sample = self.get(index, _MISSING)
@@ -478,7 +354,7 @@ class Cache:
             for name, array in mapped.items:
                 # mode="clip": numpy buffers take(out=) in mode="raise" (see _gather.py).
                 np.take(array, idx, axis=0, out=out[name], mode="clip")
-        out, bad = self._checked(mapped, idx, out, np.arange(len(idx)))
+        out, bad = mapped.checked(idx, out, np.arange(len(idx)), self._verify)
         if len(bad):
             self._board.add(misses=len(bad))
             why = "failed their checks" if mapped.variables else "failed their checksum"
@@ -517,32 +393,12 @@ class Cache:
             rows = np.flatnonzero(hits)
             for name, array in mapped.items:
                 out[name][rows] = array[idx[rows]]
-        out, bad = self._checked(mapped, idx, out, np.flatnonzero(hits))
+        out, bad = mapped.checked(idx, out, np.flatnonzero(hits), self._verify)
         hits[bad] = False
         if count:
             found = int(np.count_nonzero(hits))
             self._board.add(hits=found, misses=len(idx) - found)
         return out, hits
-
-    def _checked(
-        self, mapped: _Mapped, idx: np.ndarray[Any, Any], out: dict[str, Any], rows: np.ndarray[Any, Any]
-    ) -> tuple[dict[str, Any], np.ndarray[Any, Any]]:
-        """Finish a batch read of ``rows`` (gathered into ``out``): variable fields added, checks made.
-
-        Returns ``out`` with every field and the rows that failed (a damaged
-        variable descriptor, or with ``verify`` a checksum mismatch).
-        """
-        if mapped.variables:
-            return self._with_variables(mapped, idx, out, rows)
-        if not self._verify or not len(rows):
-            return out, np.zeros(0, np.intp)
-        if len(rows) == len(idx):  # every row: check the gathered arrays as they are
-            bad = failed_rows(mapped.slots, idx, list(out.values()))
-        else:
-            bad = rows[failed_rows(mapped.slots, idx[rows], [out[name][rows] for name in self._fields])]
-        for i in idx[bad].tolist():
-            self._report_mismatch(i)
-        return out, bad
 
     def _check_out(self, out: Any, count: int) -> None:
         fixed = {name: field for name, field in self._fields.items() if not field.variable}
@@ -608,69 +464,6 @@ class Cache:
         self._live()
         return self._board.usage()
 
-    def _intact(self, mapped: _Mapped, index: int, arrays: Any) -> bool:
-        if intact(mapped.slots, index, arrays):
-            return True
-        self._report_mismatch(index)
-        return False
-
-    def _with_variables(
-        self,
-        mapped: _Mapped,
-        idx: np.ndarray[Any, Any],
-        out: dict[str, Any],
-        rows: np.ndarray[Any, Any],
-    ) -> tuple[dict[str, Any], np.ndarray[Any, Any]]:
-        """Add each variable field's values for ``rows`` of ``idx`` to ``out``; and the bad rows.
-
-        A numeric field becomes one :class:`Jagged` (one gather), a text field
-        a list of ``str``/``bytes``. A row is bad when a descriptor is
-        impossible or (with ``verify``) the slot fails its checksum; it is
-        missing there (``None``).
-        """
-        batches: dict[str, Any] = {}
-        bad = np.zeros(len(idx), bool)
-        every = len(rows) == len(idx)  # rows are 0..n-1 in order (get_many, or read_many of all hits)
-        for column in mapped.variables:
-            jagged, impossible = column.gather(idx, None if every else rows)
-            if column.field.text is not None:  # a text field: str or bytes
-                values, undecodable = texts(column.field.text, list(jagged))
-                impossible = np.union1d(impossible, undecodable).astype(np.intp)
-                batches[column.name] = values
-            else:
-                batches[column.name] = jagged
-            bad[impossible] = True
-        for row in np.flatnonzero(bad).tolist():
-            self._report_damage(int(idx[row]))
-        if self._verify:
-            for row in rows[~bad[rows]].tolist():
-                i = int(idx[row])
-                parts = mapped.parts(i)
-                if parts is None or not intact_parts(mapped.slots, i, parts):
-                    self._report_mismatch(i)
-                    bad[row] = True
-        failed = np.flatnonzero(bad)
-        if len(failed):
-            batches = {name: _without(values, failed) for name, values in batches.items()}
-        merged = {name: out[name] if name in out else batches[name] for name in self._fields}
-        return merged, failed
-
-    def _report_damage(self, index: int) -> None:
-        log.warning(
-            "slot %d of %s describes a variable value that cannot be in the file; treated as a miss "
-            "(cache.verify(fix=True) or `mmapcache verify --fix` resets it)",
-            index,
-            self._path,
-        )
-
-    def _report_mismatch(self, index: int) -> None:
-        log.warning(
-            "slot %d of %s does not match its checksum; treated as a miss "
-            "(cache.verify(fix=True) or `mmapcache verify --fix` resets it)",
-            index,
-            self._path,
-        )
-
     # -- writing --------------------------------------------------------------
 
     def put(self, index: int, sample: Mapping[str, Any]) -> bool:
@@ -691,9 +484,7 @@ class Cache:
         handle = self._handle
         with handle.write_lock:
             handle.check_usable(writing=True)
-            stored = (
-                self._fill(mapped, i, arrays, None) if not mapped.variables else self._fill_any(mapped, i, arrays, None)
-            )
+            stored = mapped.fill(i, arrays, None) if not mapped.variables else mapped.fill_variable(i, arrays, None)
         if stored:
             self._board.add(written=1)
         return stored
@@ -714,9 +505,9 @@ class Cache:
         handle = self._handle
         with handle.write_lock:
             handle.check_usable(writing=True)
-            fill = self._fill if not mapped.variables else self._fill_any
+            fill = mapped.fill if not mapped.variables else mapped.fill_variable
             for row in todo.tolist():
-                stored[row] = fill(mapped, int(idx[row]), arrays, row)
+                stored[row] = fill(int(idx[row]), arrays, row)
         self._board.add(written=int(np.count_nonzero(stored)))
         return stored
 
@@ -725,54 +516,6 @@ class Cache:
         for (name, field), values in zip(self._fields.items(), arrays, strict=True):
             if field.variable:
                 check_dimensions(name, values)
-
-    @staticmethod
-    def _fill(mapped: _Mapped, index: int, arrays: list[np.ndarray[Any, Any]], row: int | None) -> bool:
-        slots = mapped.slots
-        if not slots.claim(index):
-            return False
-        try:
-            for (_, target), source in zip(mapped.items, arrays, strict=True):
-                target[index] = source if row is None else source[row]
-            slots.publish(index, checksum([raw[index] for raw in mapped.raws]))
-            return True
-        finally:
-            slots.release(index)
-
-    def _fill_any(self, mapped: _Mapped, index: int, arrays: list[Any], row: int | None) -> bool:
-        """``_fill`` for a cache with variable fields: values go to this writer's extent first."""
-        slots, heap = mapped.slots, mapped.heap
-        assert heap is not None
-        if not slots.claim(index):
-            return False
-        try:
-            values = [source if row is None else source[row] for source in arrays]
-            placed = self._place(mapped, heap, index, values)
-            if not placed:
-                slots.states[index] = EMPTY  # nothing was stored: the slot stays a miss
-                heap.warn_full(self._path)
-                return False
-            for entry, value in zip(mapped.order, values, strict=True):
-                if len(entry) == 3:
-                    entry[1][index] = value
-            parts = mapped.parts(index)
-            assert parts is not None  # just written within bounds
-            slots.publish(index, checksum(parts))
-            return True
-        finally:
-            slots.release(index)
-
-    @staticmethod
-    def _place(mapped: _Mapped, heap: Any, index: int, values: list[np.ndarray[Any, Any]]) -> bool:
-        """Write slot ``index``'s variable values into the region; False when it has no room."""
-        for entry, value in zip(mapped.order, values, strict=True):
-            if len(entry) == 3:
-                continue
-            offset = heap.allocate(value.nbytes) if value.nbytes else 0
-            if offset is None:
-                return False
-            entry[1].write(index, offset, value)
-        return True
 
     # -- single flight: one load per sample per node (see _flight.py) --------------
 
@@ -909,7 +652,7 @@ class Cache:
         """Store coerced rows at ``idx``: slots this thread holds (let go of each), or free ones (``held=False``)."""
         mapped = self._live()
         handle, flight = self._handle, self._flight()
-        fill = self._fill if not mapped.variables else self._fill_any
+        fill = mapped.fill if not mapped.variables else mapped.fill_variable
         stored = np.zeros(len(idx), bool)
         for row, i in enumerate(idx.tolist()):
             if i >= self._capacity or (not held and (mapped.states[i] == READY or flight.held_here(i))):
@@ -917,7 +660,7 @@ class Cache:
             try:
                 with handle.write_lock:
                     handle.check_usable(writing=True)
-                    stored[row] = fill(mapped, i, arrays, row)  # releases the slot's lock
+                    stored[row] = fill(i, arrays, row)  # releases the slot's lock
             finally:
                 if held:
                     flight.let_go(handle, mapped.slots, [i], filled=True)
@@ -938,7 +681,7 @@ class Cache:
         if mapped.heap is None:
             return None
         heap = mapped.heap
-        return VariableRegion(heap.size, int(heap.claimed[0]), _region_use(mapped)[0], int(heap.refused[0]))
+        return VariableRegion(heap.size, int(heap.claimed[0]), mapped.region_use()[0], int(heap.refused[0]))
 
     def clear(self) -> None:
         """Mark every slot empty. Refuses with :class:`CacheInUseError` while any other handle is open."""
@@ -949,27 +692,20 @@ class Cache:
         with handle.write_lock:
             handle.check_usable(writing=True)
             fd = handle.fd
-            # Under the creation lock, which remove() takes first: switching between
-            # our shared and the exclusive flock is not atomic in the kernel, and a
-            # remove() probing in that instant would find the cache unused.
-            with creation_lock(self._path, self._timeout):
-                cleared = lock_exclusive_soon(fd, holds_shared=True, path=str(self._path), timeout=self._timeout)
-                if cleared:
-                    try:
-                        mapped.slots.states[:] = EMPTY
-                        mapped.slots.checksums[:] = 0
-                        mapped.slots.synced[:] = 0
-                        if mapped.heap is not None:
-                            mapped.heap.reset()
-                        if mapped.boot is not None:
-                            # On a disk, before anyone refills: a crash must not find the old
-                            # synced READY records beside new bytes (a synced slot is never
-                            # checked after a reboot).
-                            os.fdatasync(fd)
-                    finally:
-                        fcntl.flock(fd, fcntl.LOCK_SH)
+            with exclusive_use(self._path, fd, holds_shared=True, timeout=self._timeout) as holders:
+                if holders is None:
+                    mapped.slots.states[:] = EMPTY
+                    mapped.slots.checksums[:] = 0
+                    mapped.slots.synced[:] = 0
+                    if mapped.heap is not None:
+                        mapped.heap.reset()
+                    if mapped.boot is not None:
+                        # On a disk, before anyone refills: a crash must not find the old
+                        # synced READY records beside new bytes (a synced slot is never
+                        # checked after a reboot).
+                        os.fdatasync(fd)
                     return
-            pids = [p for p in flock_holders(os.fstat(fd)) if p != os.getpid()]
+        pids = [p for p in holders if p != os.getpid()]
         # No other process holds it: another handle in this one does.
         raise CacheInUseError(
             f"cannot clear {self._path}: it is in use{held_by(pids or [os.getpid()], other_handles=True)}",
@@ -1017,10 +753,10 @@ class Cache:
         with handle.write_lock:
             handle.check_usable(writing=fix)
             problems = self._header_problems(handle.fd)
-            ranges = (lambda ready: _value_ranges(mapped, ready)) if mapped.variables else None
+            ranges = mapped.value_ranges if mapped.variables else None
             problems += slot_problems(mapped.slots, mapped.parts, fix=fix, ranges=ranges)
             if mapped.heap is not None:
-                used, end = _region_use(mapped)
+                used, end = mapped.region_use()
                 found = region_problems(mapped.heap.size, int(mapped.heap.claimed[0]), used, end)
                 problems += [replace(p, fixed=fix and mapped.heap.cover(end)) for p in found]
             if fix and mapped.boot is not None and any(p.fixed for p in problems):
@@ -1075,7 +811,7 @@ class Cache:
 
     # -- helpers --------------------------------------------------------------
 
-    def _live(self) -> _Mapped:
+    def _live(self) -> Mapped:
         """The views of the mapping; ``ValueError`` once the cache is closed."""
         mapped = self._mapped
         if mapped is None:
@@ -1146,7 +882,7 @@ def _as_given(indices: Any, idx: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return given if given.dtype.kind == "u" else idx
 
 
-def _check_after_reboot(path: Path, mapped: _Mapped, *, readonly: bool, timeout: float) -> None:
+def _check_after_reboot(path: Path, mapped: Mapped, *, readonly: bool, timeout: float) -> None:
     """Before a file on a disk is used in a boot other than its last: check what a crash may have torn."""
     if mapped.boot is None or mapped.boot.current():
         return
@@ -1160,7 +896,7 @@ def _check_after_reboot(path: Path, mapped: _Mapped, *, readonly: bool, timeout:
                 mapped.parts,
                 lock=lock,
                 readahead=mapped.readahead,
-                reconcile=functools.partial(_cover_values, mapped),
+                reconcile=mapped.cover_values,
                 progress=status.publish,
             )
         finally:
@@ -1208,160 +944,3 @@ def _missing_error(
     return CacheMissError(
         f"{len(missing)} of {total} indices {why}: {str(shown)[1:-1]}{more}", path=path, missing=missing
     )
-
-
-_MAX_COUNT = 2**64 - 1  # length and capacity are uint64 in the header
-
-
-def index_table(indices: Any) -> np.ndarray[Any, np.dtype[np.uint64]]:
-    """``dataset_indices`` checked (integers, non-negative, strictly increasing, some) as the file's table."""
-    given = np.asarray(indices)
-    if given.ndim != 1:
-        raise TypeError(f"dataset_indices must be a sequence of integers, not an array of shape {given.shape}")
-    if given.size == 0:
-        raise ValueError("dataset_indices is empty: a cache needs at least one index to hold")
-    if given.dtype.kind not in "iu":
-        raise TypeError(f"dataset_indices must be integers, not {given.dtype}")
-    if int(given.min()) < 0:
-        raise ValueError(f"dataset_indices holds the negative index {int(given.min())}")
-    table = given.astype("<u8")
-    steps = np.diff(table.astype(np.int64)) if int(given.max()) < 2**63 else None
-    if steps is None:
-        raise ValueError(f"dataset_indices holds {int(given.max())}, beyond the largest index 2**63 - 1")
-    if steps.size and int(steps.min()) <= 0:
-        at = int(np.flatnonzero(steps <= 0)[0])
-        raise ValueError(
-            f"dataset_indices must be strictly increasing (sorted, no repeats): {int(table[at])} is followed by "
-            f"{int(table[at + 1])} at position {at + 1}; pass sorted(set(indices))"
-        )
-    return table
-
-
-def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, not bool")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
-    if n < 0:
-        raise ValueError(f"{name} must not be negative, got {n}")
-    if n > _MAX_COUNT:
-        raise ValueError(f"{name} must be below 2**64 (the cache format stores it in 64 bits), got {n}")
-    return n
-
-
-def _plan_capacity(fields: dict[str, Field], length: int, capacity: int | None, max_bytes: int | str | None) -> int:
-    """How many slots a new file gets, from the arguments (the layout math is ``_format``'s)."""
-    per_slot = slot_nbytes(fields)
-    if max_bytes is not None:
-        budget = parse_bytes(max_bytes, name="max_bytes")
-        slots = min(length, budget // per_slot)
-        if slots == 0 and length > 0:
-            record = per_slot - sum(field.nbytes for field in fields.values())
-            raise ValueError(
-                f"max_bytes={max_bytes!r} ({budget} bytes) is too small for one slot, which "
-                f"takes {per_slot} bytes ({per_slot - record} of data + {record} of slot record)"
-            )
-        given = "max_bytes"
-    else:
-        slots = length if capacity is None else min(_check_count("capacity", capacity), length)
-        given = "capacity" if capacity is not None and capacity <= length else "length"
-    if slots > max_slots(fields):
-        raise ValueError(
-            f"{given} gives {slots} slots of {per_slot} bytes, a file of about {slots * per_slot} bytes: "
-            f"more than a file can hold (2**63 - 1 bytes, at most {max_slots(fields)} such slots); "
-            "cache fewer samples with capacity= or max_bytes="
-        )
-    return slots
-
-
-def _plan_variable(
-    fields: dict[str, Field], length: int, capacity: int | None, max_bytes: int | str | None
-) -> tuple[int, int]:
-    """``(slots, variable region bytes)`` for a new file with variable fields: ``max_bytes`` covers both."""
-    variable = [name for name, field in fields.items() if field.variable]
-    if max_bytes is None:
-        raise ValueError(
-            f"fields {variable} have variable dimensions, so the cache needs a byte budget for their values: "
-            'pass max_bytes= (e.g. max_bytes="8GiB"); it covers the fixed parts of every slot and the values'
-        )
-    budget = parse_bytes(max_bytes, name="max_bytes")
-    slots = length if capacity is None else min(_check_count("capacity", capacity), length)
-    if slots > max_slots(fields):
-        raise ValueError(f"{slots} slots are more than a file can hold; cache fewer samples with capacity=")
-    fixed = slots * slot_nbytes(fields)
-    region = min((budget - fixed) // 4096 * 4096, (MAX_FILE_SIZE - fixed) // 2 // 4096 * 4096)
-    if region < 4096:
-        raise ValueError(
-            f"max_bytes={max_bytes!r} ({budget} bytes) leaves no room for the values of the variable fields "
-            f"{variable}: the fixed parts of {slots} slots already take {fixed} bytes "
-            f"({slot_nbytes(fields)} per slot). Give max_bytes of at least {fixed} bytes plus the total size "
-            "of the values you expect, or fewer slots with capacity="
-        )
-    return slots, region
-
-
-def _creation_info() -> dict[str, Any]:
-    from . import __version__
-
-    return {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "uid": os.geteuid(),
-        "mmapcache": __version__,
-    }
-
-
-def _without(values: Any, rows: np.ndarray[Any, Any]) -> Any:
-    """A variable field's batch with ``rows`` made missing (``None``): they failed their checks."""
-    if isinstance(values, Jagged):
-        kept = list(values)
-        for row in rows.tolist():
-            kept[row] = None
-        return Jagged.from_arrays(kept, dtype=values.dtype, tail=values.tail, ndim=values.shapes.shape[1])
-    for row in rows.tolist():
-        values[row] = None
-    return values
-
-
-def _region_use(mapped: _Mapped) -> tuple[int, int]:
-    """``(used, end)``: bytes of the variable region that READY slots' values hold, and where the last ends.
-
-    Values whose descriptors are impossible (see ``VariableColumn.spans``) are left out.
-    """
-    ready = np.flatnonzero(np.asarray(mapped.slots.states) == READY)
-    used = end = 0
-    for column in mapped.variables:
-        _, _, counts, ends, bad = column.spans(ready)
-        good = ~bad
-        used += int(counts[good].sum()) * column.dtype.itemsize
-        if good.any():
-            end = max(end, int(ends[good].max()))
-    return used, end
-
-
-def _value_ranges(mapped: _Mapped, ready: np.ndarray[Any, Any]) -> list[tuple[int, int, int]]:
-    """``(start, end, slot)`` in the variable region of every variable value of the ``ready`` slots."""
-    spans = []
-    for column in mapped.variables:
-        _, starts, _, ends, bad = column.spans(ready)
-        good = ~bad
-        spans += list(zip(starts[good].tolist(), ends[good].tolist(), ready[good].tolist(), strict=True))
-    return spans
-
-
-def _cover_values(mapped: _Mapped) -> None:
-    """After a reboot: make the allocation counter cover every value kept (its page may have missed the disk)."""
-    heap = mapped.heap
-    if heap is None:
-        return
-    before = int(heap.claimed[0])
-    if heap.cover(_region_use(mapped)[1]):
-        log.warning(
-            "the allocation counter of the variable region (%d bytes handed out) did not cover the values "
-            "kept after the reboot; moved to %d bytes so that new values never overwrite them",
-            before,
-            int(heap.claimed[0]),
-        )

@@ -34,17 +34,18 @@ from ._admin import (
     gc,
     info,
     is_lock_name,
-    iso_time,
     list_caches,
     orphan_lock,
     remove_orphan_lock,
 )
 from ._errors import CacheError, CacheFormatError
-from ._file import LOCK_SUFFIX, TEMP_MARK, remove
+from ._file import remove
 from ._holders import spelled_pids
-from ._paths import SUFFIX, default_dir
+from ._names import LOCK_SUFFIX, SUFFIX, TEMP_MARK
+from ._paths import default_dir
 from ._resize import resize
 from ._sizes import format_age, format_bytes, parse_duration
+from ._times import iso_time
 from ._version import __version__
 from .cache import Cache, Problem
 

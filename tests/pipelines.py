@@ -28,6 +28,23 @@ class Texts(Dataset[Any]):
         return {"text": text, "path": f"/data/{i:05d}.jpg".encode(), "label": i % 7, "ids": torch.arange(3) + i}
 
 
+class Documents(Dataset[Any]):
+    """``n`` documents (str) of about ``typical`` bytes each, except a first one of ``first`` bytes;
+    ``loads`` counts every ``__getitem__`` in this process."""
+
+    def __init__(self, n: int, first: int, typical: int = 1000) -> None:
+        self.n, self.first, self.typical = n, first, typical
+        self.loads = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        self.loads += 1
+        size = self.first if i == 0 else self.typical // 2 + (i * 7919) % self.typical
+        return {"text": (f"{i} " * size)[:size], "label": i}
+
+
 class Pixels(Dataset[Any]):
     """int64 "pixels" (as Hugging Face datasets upcasts uint8) of ``size`` x ``size``, plus a label."""
 
@@ -41,6 +58,19 @@ class Pixels(Dataset[Any]):
         g = torch.Generator().manual_seed(i * 7919 + self.version)
         pixels = torch.randint(0, self.top + 1, (3, self.size, self.size), generator=g, dtype=torch.int64)
         return pixels, i % 10
+
+
+class Huge(Dataset[Any]):
+    """2**40 small samples (a dataset far larger than any cache of it); ``version`` changes them."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+
+    def __len__(self) -> int:
+        return 2**40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((4,), (i + self.version) % 251, dtype=torch.uint8)
 
 
 class Random(Dataset[Any]):
@@ -72,6 +102,24 @@ def normalize_in_place(sample: Any) -> Any:
     image, label = sample
     image.sub_(1)
     return image, label
+
+
+class EraseSometimes:
+    """A transform that writes to its input on every other call (like ``RandomErasing(p=0.5, inplace=True)``),
+    through ``.data`` or in place; it returns the sample and whether this call wrote."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, sample: Any) -> Any:
+        image, label = sample
+        self.calls += 1
+        wrote = self.calls % 2 == 0
+        if wrote and self.calls % 4 == 0:
+            image.data[...] = 0  # no trace in torch's version counter
+        elif wrote:
+            image.mul_(0)
+        return image, label, wrote
 
 
 def normalize(sample: Any) -> Any:

@@ -858,3 +858,26 @@ def test_a_dimension_beyond_the_format_is_refused_before_the_slot_is_claimed(cac
         assert cache.put(1, {"v": np.zeros((2**16, 0), np.uint8), "label": 1})
         assert cache[1]["v"].shape == (2**16, 0)
         assert cache.verify() == []
+
+
+def test_uuid_names_the_file_and_a_file_made_again_has_another(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    with Cache.open(path, FIELDS, length=4) as first, Cache.open(path) as second:
+        assert first.uuid == second.uuid
+        assert len(first.uuid) == 32
+        made = first.uuid
+    mmapcache.remove(path)
+    with Cache.open(path, FIELDS, length=4) as again:
+        assert again.uuid != made
+
+
+def test_counts_are_this_handles_own(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    sample = {"image": np.zeros((3, 8, 8), np.uint8), "label": np.int64(1)}
+    with Cache.open(path, FIELDS, length=4) as mine, Cache.open(path) as other:
+        mine.put(0, sample)
+        mine.get(0)
+        mine.get(1)
+        other.put(2, sample)
+        assert (mine.counts.hits, mine.counts.misses, mine.counts.written) == (1, 1, 1)
+        assert (other.counts.hits, other.counts.misses, other.counts.written) == (0, 0, 1)

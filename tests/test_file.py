@@ -100,6 +100,20 @@ def test_random_bytes_are_not_a_cache(cache_dir: Path) -> None:
         Cache.open(path, FIELDS, length=10)
 
 
+def test_remove_same_as_deletes_only_that_file(cache_dir: Path) -> None:
+    path = cache_dir / "c.mmc"
+    make_cache(path)
+    old = os.stat(path)
+    mmapcache.remove(path)
+    make_cache(path)  # another process replaced it meanwhile
+    with pytest.raises(FileNotFoundError, match="replaced already"):
+        mmapcache.remove(path, force=True, same_as=old)
+    with Cache(path) as cache:
+        assert cache.filled == 5
+    mmapcache.remove(path, same_as=os.stat(path))
+    assert not path.exists()
+
+
 def test_foreign_file_is_never_overwritten_or_removed(cache_dir: Path) -> None:
     path = cache_dir / "notes.mmc"
     path.write_text("important notes\n" * 100)

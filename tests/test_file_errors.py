@@ -26,7 +26,7 @@ from test_file import mounted_tmpfs
 
 import mmapcache
 from mmapcache import Cache, CacheSpaceError, Field, UnsafeCacheFileError
-from mmapcache._file import lock_path_for
+from mmapcache._names import lock_path_for
 
 FIELDS = {"x": Field((8,), "uint8")}
 IS_ROOT = os.geteuid() == 0

@@ -13,7 +13,7 @@ import pytest
 
 import mmapcache
 from mmapcache import Cache, Field
-from mmapcache._file import (
+from mmapcache._names import (
     LOCK_SUFFIX,
     TEMP_MARK,
     is_temp_name_of,
@@ -138,7 +138,8 @@ def test_concurrent_creators_of_a_255_byte_name_all_share_one_file(cache_dir: Pa
 KILLED_CREATOR = """
 import os, signal, sys
 from pathlib import Path
-from mmapcache._file import creation_lock, new_temp_path
+from mmapcache._file import creation_lock
+from mmapcache._names import new_temp_path
 path = Path(sys.argv[1])
 with creation_lock(path, timeout=10):
     fd = os.open(new_temp_path(path), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -29,7 +29,7 @@ from _flight_procs import (
     wrong_rows,
 )
 
-from mmapcache import Cache, Claims, Field, Jagged
+from mmapcache import Cache, Claims, Jagged
 from mmapcache._flight import CHEAP_LOAD, WAIT_TIMEOUT
 
 FORK = multiprocessing.get_context("fork")
@@ -93,20 +93,21 @@ def test_variable_and_text_fields_are_loaded_once_and_read_back_exactly(tmp_path
         assert isinstance(batch["text"][4], str)
 
 
-def test_a_variable_field_comes_back_as_one_jagged_with_the_loaded_rows_in_place(tmp_path: Path) -> None:
-    def load(indices: list[int]) -> list[dict[str, Any]]:
-        return [{"ids": np.arange(i + 1, dtype=np.uint16) * 7} for i in indices]
-
-    with Cache.open(tmp_path / "j.mmc", {"ids": Field((None,), "uint16")}, 6, max_bytes="1MiB") as cache:
-        cache.put(0, {"ids": np.array([9, 9], np.uint16)})
-        batch, loaded = cache.get_or_load_many([0, 3, 1, 3], load)
-        assert isinstance(batch["ids"], Jagged)
-        assert batch["ids"].dtype == np.uint16
-        assert [row.tolist() for row in batch["ids"]] == [[9, 9], [0, 7, 14, 21], [0, 7], [0, 7, 14, 21]]
-        assert loaded.tolist() == [False, True, True, True]
-        again, loaded = cache.get_or_load_many([3, 1], load)
-        assert [row.tolist() for row in again["ids"]] == [[0, 7, 14, 21], [0, 7]]
+def test_a_partly_cached_variable_batch_comes_back_as_one_jagged_per_field(tmp_path: Path) -> None:
+    indices = [5, 2, 9, 5, 0, 7]  # 2 and 7 cached, 5 twice, 0 an empty row
+    with Cache.open(tmp_path / "v.mmc", VARIABLE, 12, max_bytes="1MiB") as cache:
+        cache.put_many(
+            [2, 7], {name: [sample(2, variable=True)[name], sample(7, variable=True)[name]] for name in VARIABLE}
+        )
+        batch, loaded = cache.get_or_load_many(indices, lambda idx: [sample(i, variable=True) for i in idx])
+        assert loaded.tolist() == [True, False, True, True, True, False]
+        assert isinstance(batch["tokens"], Jagged)
+        assert batch["tokens"].present.all()
+        assert isinstance(batch["text"], list)
+        assert wrong_rows(batch, indices, variable=True) == []
+        again, loaded = cache.get_or_load_many(indices, lambda idx: pytest.fail(f"{idx} loaded twice"))
         assert not loaded.any()
+        assert again["tokens"] == batch["tokens"]
 
 
 def test_threads_sharing_one_handle_load_each_sample_once(path: Path) -> None:

@@ -5,16 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from pipelines import NumpyStrings, Pixels, Random, Texts, Unresized, normalize, normalize_in_place
+from pipelines import Documents, Huge, NumpyStrings, Pixels, Random, Texts, Unresized, normalize_in_place
 from torch.utils.data import DataLoader, default_collate
 
-from mmapcache import Cache, CacheError, Field, SchemaMismatchError, StaleCacheError
+from mmapcache import Cache, CacheError, Field, SchemaMismatchError, StaleCacheError, in_use
 from mmapcache.torch import CachedDataset
 
 HERE = Path(__file__).resolve().parent
@@ -70,15 +71,31 @@ def test_text_through_dataloader_workers_and_loader(tmp_path: Path, context: str
         assert cache.get_many([1, 2])["path"] == [want[1]["path"], want[2]["path"]]
 
 
-def test_text_longer_than_the_default_room_is_served_uncached(tmp_path: Path) -> None:
-    """The room for text is sized from the first batch; values that do not fit are read from the dataset."""
+def test_text_room_is_sized_from_a_spread_sample_and_the_sample_is_stored(tmp_path: Path) -> None:
+    """The first batch's texts are short, later ones long: the spread sample sees both, so every one fits."""
     ds = CachedDataset(Texts(40, long_after=20), tmp_path / "t.mmc", key="texts/v1")
-    first = ds.__getitems__(list(range(8)))  # creates the file from short texts
+    first = ds.__getitems__(list(range(8)))
     assert [s["text"] for s in first] == [Texts()[i]["text"] for i in range(8)]
-    for _ in range(2):
-        for i in range(40):
-            assert ds[i]["text"] == Texts(40, long_after=20)[i]["text"]
-    assert 8 <= ds.cache.filled < 40  # some long ones found no room, and were still exact
+    assert ds.cache.filled == 40, "the 40 samples loaded to size the file were stored"
+    for i in range(40):
+        assert ds[i]["text"] == Texts(40, long_after=20)[i]["text"]
+    assert ds.stats()["misses"] == 8
+
+
+@pytest.mark.parametrize("first", [256 * 1024, 10])
+def test_a_first_document_far_from_the_typical_size_does_not_size_the_file(tmp_path: Path, first: int) -> None:
+    """A large first document asked for length x its size; a small one left the rest without room."""
+    documents = Documents(2000, first=first)
+    ds = CachedDataset(documents, tmp_path / "d.mmc", key="docs", check=0)
+    assert ds[0]["text"] == Documents(2000, first=first)[0]["text"]
+    assert documents.loads == 65, "the first, and 64 samples spread over the dataset"
+    assert ds.cache.filled == 65
+    ds.fill(progress=False)
+    assert ds.cache.filled == 2000, "every document found room"
+    values = sum(len(Documents(2000, first=first)[i]["text"]) for i in range(2000))
+    stats = ds.stats()
+    assert values <= stats["variable_used"] <= stats["variable_bytes"] <= 2 * values + 2 * 2**20
+    assert stats["variable_free"] == stats["variable_bytes"] - stats["variable_claimed"]
 
 
 def test_numpy_strings_are_text(tmp_path: Path) -> None:
@@ -131,6 +148,85 @@ def test_a_lossy_dtype_is_refused_naming_field_and_value(tmp_path: Path) -> None
     assert not (tmp_path / "c.mmc").exists(), "the first batch is checked before the file is made"
     with pytest.raises(TypeError, match="complex values cannot be stored as float32"):
         CachedDataset(lambda_free_complex(), tmp_path / "z.mmc", key="z", dtypes={".": torch.float32})[0]
+
+
+class Values(torch.utils.data.Dataset[Any]):
+    """Samples holding given values (one per sample), of a given dtype: for what ``dtypes=`` may store."""
+
+    def __init__(self, values: list[Any], dtype: torch.dtype) -> None:
+        self.values, self.dtype = values, dtype
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([0, self.values[i]], dtype=self.dtype)
+
+
+@pytest.mark.parametrize(
+    ("source", "value", "target"),
+    [
+        (torch.int8, -1, "uint8"),
+        (torch.uint8, 200, "int8"),
+        (torch.int32, -1, "uint32"),
+        (torch.int64, -1, "uint64"),
+        (torch.uint64, 2**64 - 1, "int64"),
+        (torch.int64, 2**40, "int32"),
+        (torch.int64, 2, "bool"),
+        (torch.float32, 3e9, "int32"),
+        (torch.float64, 2.0**63, "int64"),
+        (torch.float32, float("inf"), "int64"),
+        (torch.float32, float("nan"), "int16"),
+        (torch.float64, 0.5, "int64"),
+        (torch.int64, 2**63 - 1, "float64"),
+        (torch.uint64, 2**64 - 1, "float32"),
+        (torch.int64, 2**24 + 1, "float32"),
+        (torch.float64, 1e300, "float32"),
+    ],
+)
+def test_dtypes_refuses_every_value_the_storage_dtype_cannot_hold(
+    tmp_path: Path, source: torch.dtype, value: Any, target: str
+) -> None:
+    """No modular wrap between signed and unsigned integers, no overflow, no rounding: a ValueError naming all."""
+    ds = CachedDataset(Values([1, value], source), tmp_path / "c.mmc", key="v", dtypes={".": target}, check=0)
+    assert ds[0].tolist() == [0, 1]
+    with pytest.raises(ValueError, match=rf"dataset\[1\]: field '\.': the value .* cannot be stored as {target}"):
+        ds[1]
+    with Cache(ds.path, readonly=True) as cache:
+        assert 1 not in cache
+
+
+@pytest.mark.parametrize(
+    ("source", "values", "target"),
+    [
+        (torch.int64, [-128, 127], "int8"),
+        (torch.int64, [0, 255], "uint8"),
+        (torch.uint64, [2**63 - 1, 0], "int64"),
+        (torch.int8, [0, 127], "uint8"),
+        (torch.float64, [-(2.0**63), 2.0**62], "int64"),
+        (torch.float64, [0.0, 1.0], "bool"),
+        (torch.int64, [2**24, -(2**60)], "float32"),
+        (torch.float64, [float("inf"), float("nan")], "float16"),
+    ],
+)
+def test_dtypes_stores_every_value_the_storage_dtype_holds(
+    tmp_path: Path, source: torch.dtype, values: list[Any], target: str
+) -> None:
+    ds = CachedDataset(Values(values, source), tmp_path / "c.mmc", key="v", dtypes={".": target}, check=0)
+    for i, value in enumerate(values):
+        got = ds[i][1].item()
+        assert got == value or (got != got and value != value), (got, value)
+
+
+def test_the_core_refuses_integers_that_would_wrap(tmp_path: Path) -> None:
+    """Cache.put checks integer ranges (it never relies on a round trip): no wrap between signed and unsigned."""
+    cases = [(np.int8(-1), "uint8"), (np.uint8(200), "int8"), (np.int32(-1), "uint32"), (np.uint64(2**64 - 1), "int64")]
+    for k, (value, target) in enumerate(cases):
+        with Cache(tmp_path / f"c{k}.mmc", {"x": Field((1,), target)}, 2) as cache:
+            for given in (np.array([value]), torch.from_numpy(np.array([value])), [int(value)]):
+                with pytest.raises((TypeError, ValueError), match="field 'x'"):
+                    cache.put(0, {"x": given})
+            assert cache.filled == 0
 
 
 class lambda_free_complex(torch.utils.data.Dataset[Any]):  # noqa: N801 - reads as a call above
@@ -197,6 +293,22 @@ def test_stale_content_is_caught_in_a_sparse_cache(tmp_path: Path) -> None:
     assert caught.value.index == 4321
 
 
+def test_the_stale_check_of_a_partial_cache_of_a_huge_dataset_draws_from_the_filled_slots(tmp_path: Path) -> None:
+    """The probes come from the slot table (O(check) memory), never from range(len(dataset))."""
+    CachedDataset(Huge(), tmp_path / "c.mmc", key="huge", capacity=50_000, check=0).__getitems__([7, 40_001])
+    tracemalloc.start()
+    try:
+        fresh = CachedDataset(Huge(), tmp_path / "c.mmc", key="huge", capacity=50_000)
+        assert fresh[2**40 - 1].tolist() == [(2**40 - 1) % 251] * 4  # opened and checked: both filled slots agree
+        with pytest.raises(StaleCacheError) as caught:
+            CachedDataset(Huge(version=1), tmp_path / "c.mmc", key="huge", capacity=50_000)[0]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert caught.value.index in (7, 40_001)
+    assert peak < 16 * 2**20, f"the check allocated {peak / 2**20:.0f} MiB"
+
+
 def test_stale_content_is_caught_in_dataloader_workers(tmp_path: Path) -> None:
     CachedDataset(Pixels(), tmp_path / "c.mmc", key="px/v1").fill(progress=False)
     stale = CachedDataset(Pixels(version=2), tmp_path / "c.mmc", key="px/v1")
@@ -241,7 +353,7 @@ def test_a_failed_first_try_in_workers_is_replaced_by_the_rerun(tmp_path: Path) 
     ds = CachedDataset(Unresized(), tmp_path / "c.mmc", key="img")
     ds.__getitems__(list(range(6)))
     holder = Cache(tmp_path / "c.mmc")  # another process of the first try, still running
-    with pytest.raises(ValueError, match="next try replaces it once the processes using it now have let go"):
+    with pytest.raises(ValueError, match="next try replaces it, even while the processes using it now still hold it"):
         ds[10]
     assert holder.refuted
     holder.close()
@@ -258,20 +370,92 @@ def test_a_failed_first_try_in_workers_is_replaced_by_the_rerun(tmp_path: Path) 
     assert "Field((3, 6, 6), 'uint8')" in run.stdout
 
 
+def hold(path: Path) -> subprocess.Popen[str]:
+    """Another process (of a first try, still running) that has the cache at ``path`` open until its stdin closes."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import sys\nfrom mmapcache import Cache\nc = Cache({str(path)!r})\n"
+            "print('open', flush=True)\nsys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None
+    assert holder.stdout.readline() == "open\n"
+    return holder
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_refuted_cache_held_by_another_process_never_blocks_the_corrected_rerun(
+    tmp_path: Path, declared: bool
+) -> None:
+    """The rerun — with fields= declaring the shapes that vary, or with the resize fixed — replaces the held file."""
+    path = tmp_path / "c.mmc"
+    first = CachedDataset(Unresized(), path, key="img")
+    first.__getitems__(list(range(6)))
+    holder = hold(path)
+    try:
+        with pytest.raises(ValueError, match="the next try replaces it"):
+            first[10]
+        assert in_use(path)
+        if declared:
+            rerun = CachedDataset(
+                Unresized(), path, key="img", fields={".": Field((3, None, 6), "uint8")}, max_bytes="1MiB"
+            )
+            want = Unresized()
+        else:
+            rerun = CachedDataset(Unresized(resize=True), path, key="img")
+            want = Unresized(resize=True)
+        assert all(torch.equal(rerun[i], want[i]) for i in range(12))
+        assert rerun.stats()["filled"] == 12
+        assert not rerun.cache.refuted
+    finally:
+        holder.communicate("", timeout=30)
+    assert holder.returncode == 0
+
+
 # -- copy=False ---------------------------------------------------------------------------------
 
 
-def test_copy_false_refuses_an_in_place_transform(tmp_path: Path) -> None:
-    CachedDataset(Pixels(), tmp_path / "c.mmc", key="px", dtypes={"0": "uint8"}).fill(progress=False)
-    ds = CachedDataset(
-        Pixels(), tmp_path / "c.mmc", key="px", dtypes={"0": "uint8"}, copy=False, transform=normalize_in_place
-    )
-    with pytest.raises(ValueError, match=r"writes to its input in place.*copy=False"):
-        ds[0]
-    with pytest.raises(ValueError, match="copy=False"):
-        list(DataLoader(ds, batch_size=4, num_workers=1))
-    fine = CachedDataset(Pixels(), tmp_path / "c.mmc", key="px", dtypes={"0": "uint8"}, copy=False, transform=normalize)
-    assert torch.equal(fine[2][0], Pixels()[2][0].to(torch.uint8) - 1)
+def test_copy_false_with_a_transform_that_writes_to_its_input_now_and_then(tmp_path: Path) -> None:
+    """The transform gets writable copies: no signal, no write reaches the file, later reads are exact."""
+    path = tmp_path / "c.mmc"
+    CachedDataset(Pixels(), path, key="px", dtypes={"0": "uint8"}).fill(progress=False)
+    before = stored(path)
+    code = f"""
+import torch
+from torch.utils.data import DataLoader
+from pipelines import EraseSometimes, Pixels
+from mmapcache.torch import CachedDataset
+ds = CachedDataset(Pixels(), {str(path)!r}, key="px", dtypes={{"0": "uint8"}}, copy=False, transform=EraseSometimes())
+want = [Pixels()[i][0].to(torch.uint8) for i in range(len(ds))]
+
+def exact(image, i, wrote):
+    assert torch.equal(image, torch.zeros_like(image) if wrote else want[i]), (i, wrote)
+
+for _ in range(3):
+    for i in range(len(ds)):
+        image, label, wrote = ds[i]
+        exact(image, i, wrote)
+    for i, (image, label, wrote) in zip(range(0, 24, 2), ds.__getitems__(list(range(0, 24, 2)))):
+        exact(image, i, wrote)
+loaders = [DataLoader(ds, batch_size=4, num_workers=2), ds.loader(batch_size=4, num_workers=2), ds.loader(batch_size=4)]
+for loader in loaders:
+    for k, (images, labels, wrote) in enumerate(loader):
+        for row in range(4):
+            exact(images[row], 4 * k + row, bool(wrote[row]))
+print("alive", ds.stats()["misses"])
+"""
+    run = fresh_process(code, tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["alive", "0"]
+    assert stored(path) == before, "no write reached the file"
+    plain = CachedDataset(Pixels(), path, key="px", dtypes={"0": "uint8"}, copy=False, transform=normalize_in_place)
+    assert torch.equal(plain[2][0], Pixels()[2][0].to(torch.uint8) - 1)
+    assert torch.equal(plain[2][0], Pixels()[2][0].to(torch.uint8) - 1), "the same process reads it intact again"
 
 
 # -- errors that point at the fix ----------------------------------------------------------------

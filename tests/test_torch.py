@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Subset
 from torch_helpers import NoGetitems, Recorded, accesses, as_collated, check_batch, identity, reference, same
 
-from mmapcache import Cache, SchemaMismatchError, StaleCacheError, default_dir
+from mmapcache import Cache, CacheTimeoutError, SchemaMismatchError, StaleCacheError, default_dir
 from mmapcache.torch import CachedDataset
 
 HERE = Path(__file__).resolve().parent
@@ -542,6 +543,43 @@ def test_pickles_by_path(cache_dir: Path) -> None:
     assert same(clone[3999], ds[3999])
     assert clone.stats()["misses"] == 0
     assert clone.stats()["hits"] == 1
+
+
+def test_timeout_bounds_the_wait_for_a_process_that_holds_the_creation_lock(cache_dir: Path) -> None:
+    """``timeout=`` reaches the core's open and create (default 60 s), pickles with the dataset, and is checked."""
+    path = cache_dir / "c.mmc"
+    holder = subprocess.Popen(  # another process creating (or checking after a reboot) holds the lock
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from pathlib import Path\n"
+            "from mmapcache._file import creation_lock\n"
+            f"with creation_lock(Path({str(path)!r}), 10):\n"
+            "    print('held', flush=True)\n"
+            "    sys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == "held\n"
+        ds = CachedDataset(Shaped(4, length=8), path, key="k", timeout=0.5)
+        assert pickle.loads(pickle.dumps(ds)).timeout == 0.5
+        started = time.monotonic()
+        with pytest.raises(CacheTimeoutError, match="timeout="):
+            ds[0]
+        assert time.monotonic() - started < 10
+    finally:
+        holder.communicate("", timeout=30)
+    assert ds[3] is not None  # the lock is free: the same dataset goes on
+    assert CachedDataset(Shaped(4, length=8), path, key="k").timeout == 60.0
+    for bad in (-1, float("inf"), float("nan"), "5", True, None):
+        with pytest.raises(ValueError, match="timeout must be a finite number of seconds"):
+            CachedDataset(Shaped(4, length=8), path, key="k", timeout=bad)
 
 
 def test_core_imports_without_torch(cache_dir: Path) -> None:

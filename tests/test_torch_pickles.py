@@ -36,6 +36,7 @@ def test_a_0_3_0_dataset_unpickles_with_its_arguments_and_reads(tmp_path: Path) 
     assert (ds.key, ds.capacity, ds.check, ds.copy, ds.verify) == ("fixture/whole", 5, 1, True, False)
     assert ds.path.parent == tmp_path
     assert ds.dtypes == {"1": torch.int32}
+    assert ds.timeout == 60.0  # an argument made after 0.3.0 takes its default
     image, label = ds[4]
     assert torch.equal(image, torch.arange(48, 60, dtype=torch.uint8).reshape(3, 4))
     assert label.dtype == torch.int32

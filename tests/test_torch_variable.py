@@ -532,11 +532,16 @@ def test_an_existing_file_with_other_fields_is_a_schema_mismatch(cache_dir: Path
     assert same(plain[1], as_tokens(1))  # a miss: the sample fits the file's fields
 
 
-def test_variable_fields_need_a_byte_budget(cache_dir: Path) -> None:
-    ds = CachedDataset(Tokens(N), cache_dir / "c.mmc", key="t", fields=TOKEN_FIELDS)
-    with pytest.raises(ValueError, match="max_bytes="):
-        ds[0]
-    assert not ds.path.exists()
+def test_variable_fields_without_a_byte_budget_are_sized_from_a_spread_sample(cache_dir: Path) -> None:
+    """No max_bytes: 60 samples (all of them, fewer than 64) are loaded, stored, and every one fits."""
+    ds = CachedDataset(Tokens(N), cache_dir / "c.mmc", key="t", fields=TOKEN_FIELDS, check=0)
+    assert same(ds[5], as_tokens(5))
+    assert ds.cache.filled == N, "the samples loaded to size the file were stored"
+    assert ds.stats()["misses"] == 1
+    assert all(same(s, as_tokens(i)) for i, s in enumerate(ds.__getitems__(list(range(N)))))
+    stats = ds.stats()
+    assert stats["misses"] == 1
+    assert 0 < stats["variable_used"] <= stats["variable_bytes"] <= 1.25 * stats["variable_used"] + 2**20 + 4096
 
 
 # -- without fields=: the error says how to declare them --------------------------------------

@@ -1,5 +1,4 @@
-"""The checks a CachedDataset makes: the right file, fresh content, a deterministic dataset, a transform
-that leaves its input alone.
+"""The checks a CachedDataset makes: the right file, fresh content, a deterministic dataset.
 
 Each is a function of what it checks, raising the error that says what to do;
 the session (:mod:`._session`) decides when to call them. The two spot checks
@@ -14,12 +13,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from .._compare import difference
 from .._errors import CacheError, SchemaMismatchError, StaleCacheError
@@ -33,7 +30,6 @@ __all__ = [
     "Verdict",
     "check_deterministic",
     "check_file",
-    "check_in_place",
     "check_sample",
     "check_stale",
     "file_identity",
@@ -55,11 +51,11 @@ class Verdict:
     """
 
     process: tuple[int, int]
-    file: tuple[Any, ...] | None
+    file: str | None
     deterministic: bool
 
     @staticmethod
-    def here(file: tuple[Any, ...] | None, *, deterministic: bool) -> Verdict | None:
+    def here(file: str | None, *, deterministic: bool) -> Verdict | None:
         """This process's verdict; ``None`` when it found nothing to pass on (or cannot name itself)."""
         me = _process(os.getpid())
         if me is None or (file is None and not deterministic):
@@ -91,10 +87,9 @@ class Verdict:
         return False
 
 
-def file_identity(cache: Cache) -> tuple[Any, ...]:
-    """Which file ``cache`` is, across processes: its inode (reused once a file is removed) and creation record."""
-    st = os.fstat(cache._handle.fd)
-    return (st.st_dev, st.st_ino, tuple(sorted((str(k), str(v)) for k, v in cache.created.items())))
+def file_identity(cache: Cache) -> str:
+    """Which file ``cache`` is, across processes and path reuse: the random id drawn when it was created."""
+    return cache.uuid
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -177,19 +172,40 @@ def check_sample(sample: Any, index: int, found: dict[str, Field], settings: Set
         )
 
 
-def some_ready(cache: Cache, count: int) -> list[int]:
-    """Up to ``count`` READY positions, drawn at random (this process's own draw).
+_SCAN_CHUNK = 1 << 16  # slots whose states one step of the scan reads
+_SCAN_LIMIT = 1 << 22  # slots the scan reads at most (~30 ms): the check is a sample, never a sweep
 
-    A few random probes find them in a well-filled cache; a sparse one is scanned (a byte per slot).
+
+def some_ready(cache: Cache, count: int) -> list[int]:
+    """Up to ``count`` READY positions, drawn at random (this process's own draw), in O(``count``) memory.
+
+    Only the first ``capacity`` positions can be READY. ``16 * count`` random
+    probes of their states find enough in a well-filled cache; a sparse one
+    is then scanned in chunks of states from a random position onwards
+    (wrapping around), for at most ``_SCAN_LIMIT`` slots — a cache that sparse
+    and that large may be checked on fewer samples, or none.
     """
+    slots = cache.capacity
+    if count <= 0 or slots == 0:
+        return []
     rng = np.random.default_rng()
-    probe = rng.choice(cache.length, size=min(cache.length, 16 * count), replace=False)
+    probe = np.unique(rng.integers(0, slots, size=min(slots, 16 * count)))
     ready = probe[cache.contains_many(probe)]
-    if len(ready) < count and len(probe) < cache.length:
-        everything = np.arange(cache.length)
-        filled = everything[cache.contains_many(everything)]
-        ready = rng.choice(filled, size=min(count, len(filled)), replace=False) if len(filled) else filled
-    return sorted(int(i) for i in ready[:count])
+    if len(ready) < count and len(probe) < slots:
+        start = int(rng.integers(0, slots))
+        found = [ready]
+        have = len(ready)
+        for offset in range(0, min(slots, _SCAN_LIMIT), _SCAN_CHUNK):
+            chunk = (start + offset + np.arange(min(_SCAN_CHUNK, slots - offset))) % slots
+            hit = chunk[cache.contains_many(chunk)]
+            found.append(hit)
+            have += len(hit)
+            if have >= 16 * count:
+                break
+        ready = np.unique(np.concatenate(found))
+    if len(ready) > count:
+        ready = rng.choice(ready, size=count, replace=False)
+    return sorted(int(i) for i in ready)
 
 
 def check_stale(cached: Any, fresh: Any, index: int, settings: Settings) -> None:
@@ -229,51 +245,8 @@ def check_deterministic(first: Any, again: Any, index: int, settings: Settings) 
         )
 
 
-def check_in_place(transform: Callable[[Any], Any], sample: Any) -> None:
-    """``copy=False``: run the transform once on a writable copy; one that writes to its input is refused.
-
-    Zero-copy samples are read-only views of the shared file: an in-place
-    transform would crash the process with SIGSEGV. torch's version counters
-    tell whether the transform wrote to any tensor of the sample.
-    """
-    copy = _clone(sample)
-    tensors = list(_tensors(copy))
-    versions = [t._version for t in tensors]
-    transform(copy)
-    if any(t._version != v for t, v in zip(tensors, versions, strict=True)):
-        raise ValueError(
-            f"transform {transform!r} writes to its input in place (e.g. Normalize(inplace=True), "
-            "tensor.mul_(), x[...] = ...), but with copy=False the samples are read-only views of the shared "
-            "cache file: the write would kill the process with SIGSEGV. Use CachedDataset(..., copy=True) "
-            "(the default), or make the transform out of place (e.g. Normalize(inplace=False))"
-        )
-
-
 def _field_of(found: str) -> str | None:
     """The field a :func:`difference` message names (``sample[0]`` -> ``"0"``), if it names one."""
     match = re.match(r"sample((?:\[[^\]]*\])*)", found)
     parts = re.findall(r"\[([^\]]*)\]", match.group(1)) if match else []
     return "/".join(part.strip("'\"") for part in parts) or None
-
-
-def _clone(sample: Any) -> Any:
-    """``sample`` with every tensor cloned (writable), its structure kept."""
-    if isinstance(sample, torch.Tensor):
-        return sample.clone()
-    if isinstance(sample, dict):
-        return {key: _clone(value) for key, value in sample.items()}
-    if isinstance(sample, (tuple, list)):
-        return type(sample)(_clone(value) for value in sample)
-    return sample
-
-
-def _tensors(sample: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``sample``."""
-    if isinstance(sample, torch.Tensor):
-        yield sample
-    elif isinstance(sample, dict):
-        for value in sample.values():
-            yield from _tensors(value)
-    elif isinstance(sample, (tuple, list)):
-        for value in sample:
-            yield from _tensors(value)

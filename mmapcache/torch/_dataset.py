@@ -17,7 +17,7 @@ import torch.utils.data
 
 from .._field import FieldsLike
 from ..cache import Cache
-from ._checks import Verdict, check_in_place
+from ._checks import Verdict
 from ._collate import as_is
 from ._fill import fill
 from ._loader import Batched, Loader
@@ -41,6 +41,7 @@ _ARGUMENTS = (
     "cached_indices",
     "dtypes",
     "check",
+    "timeout",
 )
 # For a pickle that lacks some of them (made before they existed).
 _DEFAULTS: dict[str, Any] = {
@@ -53,6 +54,7 @@ _DEFAULTS: dict[str, Any] = {
     "cached_indices": None,
     "dtypes": None,
     "check": 2,
+    "timeout": 60.0,
 }
 
 
@@ -77,8 +79,12 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     sample. ``fields`` declares them instead, by the leaves' field names (see
     the module docstring), and may give dimensions that vary from sample to
     sample as ``None``: for ``(tokens, label)`` samples,
-    ``fields={"0": Field((None,), "int64"), "1": Field((), "int64")}``. Such
-    a cache needs ``max_bytes`` (it sizes the room for the variable values).
+    ``fields={"0": Field((None,), "int64"), "1": Field((), "int64")}``.
+    ``max_bytes`` sizes the room for the values of such fields (text
+    included); without it, 64 samples spread over the dataset are loaded
+    (and stored) before the file is created, and it gets room for 1.25
+    times their mean size per sample, capped by the free space (see
+    docs/torch.md).
 
     ``key`` names the cached content: the dataset and its deterministic
     preprocessing. Change it whenever they change: a cache is reused whenever
@@ -108,10 +114,17 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
     ``transform`` runs after the cache on every access (random augmentation).
     ``copy=False`` returns zero-copy tensors over a read-only mapping of the
     file (an in-place write to one crashes the process with SIGSEGV rather
-    than corrupting the shared cache; a ``transform`` that writes to its
-    input is refused with a ``ValueError`` first); the default returns fresh
-    tensors.
+    than corrupting the shared cache); the default returns fresh tensors.
+    With a ``transform``, the transform always receives fresh, writable
+    tensors (``copy=False`` then copies each sample before it, as
+    ``copy=True`` does): whatever it writes stays in its own copy.
     ``verify=True`` checks each read against its slot checksum.
+
+    ``timeout`` (seconds, default 60) bounds each wait for another process
+    that holds the file's creation lock — creating or removing the file, or
+    checking a disk cache after a reboot (that wait lasts as long as the
+    check advances: see :meth:`Cache.open`) — before
+    :class:`~mmapcache.CacheTimeoutError`.
 
     ``cached_indices`` caches only those indices of ``dataset`` — one node's
     shard in a job spanning many nodes (see :class:`NodeShardSampler` and
@@ -141,6 +154,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         cached_indices: Sequence[int] | np.ndarray[Any, Any] | None = None,
         dtypes: Mapping[str, Any] | None = None,
         check: int = 2,
+        timeout: float = 60.0,
     ) -> None:
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, not {type(transform).__name__}")
@@ -156,6 +170,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             cached_indices=cached_indices,
             dtypes=dtypes,
             check=check,
+            timeout=timeout,
         )
         self.transform = transform
         self._start(settings)
@@ -167,6 +182,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         self.dataset, self.key, self.path = settings.dataset, settings.key, settings.path
         self.max_bytes, self.capacity = settings.max_bytes, settings.capacity
         self.copy, self.verify, self.check = settings.copy, settings.verify, settings.check
+        self.timeout = settings.timeout
         self.fields, self.cached_indices, self.dtypes = settings.fields, settings.cached_indices, settings.dtypes
 
     # -- pickling: the path and the arguments, never the data -------------------
@@ -199,10 +215,9 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Any:
-        sample = self._session.get(index)
         if self.transform is None:
-            return sample
-        return self._transformed([sample])[0]
+            return self._session.get(index)
+        return self._transformed([self._session.get(index, fresh=True)])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The samples at ``indices``: one vectorized read for the hits, one batch write for the misses.
@@ -213,16 +228,16 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         """
         if len(indices) == 0:
             return []
-        samples = self._session.get_many(indices)
-        return samples if self.transform is None else self._transformed(samples)
+        if self.transform is None:
+            return self._session.get_many(indices)
+        return self._transformed(self._session.get_many(indices, fresh=True))
 
     def _transformed(self, samples: list[Any]) -> list[Any]:
+        # The samples are fresh tensors even with copy=False (fresh=True above): a transform may write to
+        # its input (in place, through .data, on some calls only), and a write to a view of the read-only
+        # mapping of the shared file would kill the process with SIGSEGV.
         transform = self.transform
         assert transform is not None
-        session = self._session
-        if not session.transform_checked and session.views is not None:
-            check_in_place(transform, samples[0])  # copy=False: a transform that writes to its input is refused
-            session.transform_checked = True
         return [transform(sample) for sample in samples]
 
     # -- whole batches -------------------------------------------------------------
@@ -336,13 +351,28 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         (they are kept in the file); ``processes`` is how many processes
         count into it now; ``filled``, ``capacity`` and ``length`` describe
         the file. For one epoch's hit rate across workers, subtract the totals
-        before it from those after it.
+        before it from those after it. A cache with variable-shape fields
+        adds its variable region (see :class:`~mmapcache.VariableRegion`):
+        ``variable_bytes`` in all, ``variable_claimed`` handed out to writers,
+        ``variable_used`` held by filled slots' values, and ``variable_free``
+        — samples whose values find no room are served uncached.
 
         Opens the cache (creating it from ``dataset[0]`` if missing).
         """
         session = self._session
         cache = session.handle()
         usage = cache.usage()
+        region = cache.variable_region
+        variable = (
+            {}
+            if region is None
+            else {
+                "variable_bytes": region.size,
+                "variable_claimed": region.claimed,
+                "variable_used": region.used,
+                "variable_free": region.free,
+            }
+        )
         return {
             "hits": session.hits,
             "misses": session.misses,
@@ -355,6 +385,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             "filled": cache.filled,
             "capacity": cache.capacity,
             "length": cache.length,
+            **variable,
         }
 
     def __repr__(self) -> str:

@@ -114,11 +114,12 @@ def _torch_knows(dtype: np.dtype[Any]) -> bool:
 
 
 def convert_leaf(leaf: Any, field: Field, name: str) -> Any:
-    """A leaf in the storage dtype ``dtypes=`` chose for ``field``, converted only when no value changes.
+    """A leaf in the storage dtype ``dtypes=`` chose for ``field``, converted only when every value is kept.
 
     ``TypeError`` for a conversion across kinds that cannot hold the values
-    (complex to real), ``ValueError`` naming the first value that does not
-    survive the round trip (300 into uint8, 0.5 into int64, 1e-8 into float16).
+    (complex to real), ``ValueError`` naming the first value the storage
+    dtype cannot represent (see :func:`_unrepresented`: -1 into uint8, 300
+    into int8, 0.5 into int64, 1e-8 into float16).
     """
     target = torch_dtype(field)
     tensor = leaf.detach().cpu() if isinstance(leaf, torch.Tensor) else torch.as_tensor(np.asarray(leaf))
@@ -128,17 +129,14 @@ def convert_leaf(leaf: Any, field: Field, name: str) -> Any:
         kind = str(target).removeprefix("torch.")
         raise TypeError(f"field {name!r}: complex values cannot be stored as {kind} (dtypes= asks for it)")
     converted = tensor.to(target)
-    back = converted.to(tensor.dtype)
-    same = back == tensor
-    if tensor.is_floating_point() or tensor.is_complex():
-        same |= torch.isnan(back) & torch.isnan(tensor)
-    if not bool(same.all()):
-        first = int(torch.nonzero(~same.reshape(-1))[0])
+    lost = _unrepresented(tensor, converted)
+    if lost.any():
+        first = int(np.flatnonzero(lost)[0])
         value = tensor.reshape(-1)[first].item()
         raise ValueError(
             f"field {name!r}: the value {value!r} cannot be stored as {str(target).removeprefix('torch.')} "
-            f"without changing it (it reads back as {back.reshape(-1)[first].item()!r}); the field's dtype "
-            f"(fields= or dtypes=) must hold every value exactly — {_wider(tensor)}, or convert before the cache"
+            f"without changing it (it would read back as {converted.reshape(-1)[first].item()!r}); the field's "
+            f"dtype (fields= or dtypes=) must hold every value exactly — {_wider(tensor)}, or convert before the cache"
         )
     return converted
 
@@ -168,6 +166,59 @@ def converted(leaf: Any, field: Field, name: str) -> Any:
     else:
         return leaf
     return leaf if same else convert_leaf(leaf, field, name)
+
+
+def _unrepresented(tensor: torch.Tensor, converted: torch.Tensor) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """Which values of ``tensor`` its conversion ``converted`` did not keep exactly (flat, a bool per value).
+
+    Integer and bool targets are checked by range, never by a round trip: a
+    conversion between signed and unsigned integers wraps modulo 2**bits, and
+    the wrap converts back to the same value (int8 -1 -> uint8 255 -> -1).
+    Floats must be finite, whole and in range to become integers; integers
+    must be in the range a float can take and read back equal to become one;
+    floats into floats must round-trip (NaN keeps NaN).
+    """
+    target = converted.dtype
+    if not (target.is_floating_point or target.is_complex):  # an integer or bool target: a range
+        low, high = (0, 1) if target == torch.bool else (torch.iinfo(target).min, torch.iinfo(target).max)
+        if tensor.is_floating_point():
+            real = tensor.reshape(-1).to(torch.float64).numpy()  # every float dtype converts exactly
+            with np.errstate(invalid="ignore"):
+                bad: np.ndarray[Any, np.dtype[np.bool_]] = ~np.isfinite(real) | (real != np.trunc(real))
+                return bad | (real < float(low)) | (real >= float(high) + 1)  # low and high + 1: powers of two
+        return _outside(_integers(tensor), low, high)
+    if tensor.is_floating_point() or tensor.is_complex():
+        back = converted.to(tensor.dtype)
+        same = (back == tensor) | (torch.isnan(back) & torch.isnan(tensor))
+        return ~same.reshape(-1).numpy()
+    # Integers (or bools) into a float or complex dtype: the float must be a whole number the integer
+    # dtype holds (else converting it back is undefined), and read back as the integer.
+    numbers = _integers(tensor)
+    wide = converted.reshape(-1).to(torch.complex128 if target.is_complex else torch.float64).numpy().real
+    kind = np.iinfo(numbers.dtype) if numbers.dtype.kind in "iu" else np.iinfo(np.uint8)
+    with np.errstate(invalid="ignore"):
+        fits: np.ndarray[Any, np.dtype[np.bool_]] = (
+            np.isfinite(wide) & (wide >= float(kind.min)) & (wide < float(kind.max) + 1)
+        )
+    out = ~fits
+    out[fits] = wide[fits].astype(numbers.dtype) != numbers[fits]
+    return out
+
+
+def _integers(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
+    """The values of an integer or bool tensor as a flat numpy array of the same dtype."""
+    return tensor.reshape(-1).resolve_neg().numpy()
+
+
+def _outside(numbers: np.ndarray[Any, Any], low: int, high: int) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """Which integers lie outside ``[low, high]`` (the bounds clipped to the array's own range, so no
+    comparison ever converts a bound that its dtype cannot hold)."""
+    if numbers.dtype == np.bool_:
+        numbers = numbers.view(np.uint8)
+    own = np.iinfo(numbers.dtype)
+    below = numbers < max(low, own.min) if low > own.min else np.zeros(numbers.shape, bool)
+    above = numbers > min(high, own.max) if high < own.max else np.zeros(numbers.shape, bool)
+    return below | above
 
 
 def leaf_shape(leaf: Any) -> tuple[int, ...]:

@@ -17,13 +17,13 @@ inherited over ``fork`` takes its parent's :class:`~._checks.Verdict`.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ from .._errors import CacheInUseError, SchemaMismatchError, StaleCacheError
 from .._field import Field
 from .._file import remove
 from .._format import slot_nbytes
+from .._heap import place
+from .._paths import free_bytes
+from .._sizes import format_bytes
 from .._slots import STRONGLY_ORDERED
 from ..cache import Cache
 from ._checks import (
@@ -51,8 +54,6 @@ from ._settings import Settings
 __all__ = ["Session"]
 
 log = logging.getLogger("mmapcache")
-
-_REFUTED_WAIT = 10.0  # seconds to wait for the holders of a refuted file to let go
 
 _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
 
@@ -78,10 +79,9 @@ class Session:
         self.schema: Schema | None = None
         self.checked = False  # a sample from the dataset was compared with the cache's fields
         self.deterministic = False  # the dataset gave the same sample twice (checked once per job)
-        self.fresh: tuple[Any, ...] | None = None  # the file whose content was found fresh (checked once per job)
+        self.fresh: str | None = None  # the file whose content was found fresh (checked once per job)
         if verdict is not None and verdict.inherited():  # a process of the job that checked: trust it
             self.deterministic, self.fresh = verdict.deterministic, verdict.file
-        self.transform_checked = False  # copy=False: the transform was seen not to write to its input
         self.views: list[torch.Tensor | None] | None = None  # copy=False: tensors over a read-only mapping
         self.readonly: Cache | None = None
         self.lock = threading.Lock()
@@ -137,43 +137,40 @@ class Session:
         settings = self.settings
         if settings.length == 0:
             return None  # an empty shard has no file
-        deadline = time.monotonic() + _REFUTED_WAIT
         while True:
             try:
+                named = os.stat(settings.path, follow_symlinks=False)
                 cache = Cache.open(
                     settings.path,
                     length=settings.length,
                     key=settings.key,
                     verify=settings.verify,
                     dataset_indices=settings.cached_indices,
+                    timeout=settings.timeout,
                 )
             except FileNotFoundError:
                 return None
-            if not (cache.refuted and settings.fields is None):
+            if not cache.refuted:
                 return cache
-            # A first try created it from a sample whose shapes the rest of the dataset does not share.
+            # A first try created it from a sample whose shapes the rest of the dataset does not share: it
+            # is never used again, so it is replaced even while processes of that try still hold it (they
+            # keep their nameless copy). mmapcache never links a removed file again, so the name held the
+            # opened file if it names the same one before and after the open; only that one is removed —
+            # another process may have replaced it already.
             cache.close()
             try:
-                remove(settings.path)
+                if not os.path.samestat(named, os.stat(settings.path, follow_symlinks=False)):
+                    continue
+                remove(settings.path, force=True, timeout=settings.timeout, same_as=named)
             except FileNotFoundError:
-                return None
-            except CacheInUseError as error:
-                if time.monotonic() > deadline:
-                    raise SchemaMismatchError(
-                        f"the cache at {settings.path} (key {settings.key!r}) was created with fields that do not "
-                        f"fit the dataset (a first try inferred them from one sample), and it is still open in "
-                        f"processes {error.pids}. Stop them (or close their datasets); the next use replaces it",
-                        path=settings.path,
-                    ) from None
-                time.sleep(0.05)
-                continue
+                continue  # replaced or removed meanwhile: open what the name holds now
             log.warning("removed %s: its fields were found not to fit the dataset; creating it anew", settings.path)
             return None
 
     def _create(self, fields: dict[str, Field], text_bytes: int | None = None) -> Cache:
         """Open the file, creating it with ``fields`` if it is missing.
 
-        ``text_bytes``: room for text values when ``max_bytes`` was not given (see :func:`_text_budget`).
+        ``text_bytes``: room for text values when ``max_bytes`` was not given (see :meth:`_size_variable`).
         """
         settings = self.settings
         with self.lock:
@@ -187,6 +184,7 @@ class Session:
                     max_bytes=settings.max_bytes if settings.max_bytes is not None else text_bytes,
                     verify=settings.verify,
                     dataset_indices=settings.cached_indices,
+                    timeout=settings.timeout,
                 )
                 self._adopt(cache, checked=True)
                 self.fresh = file_identity(cache)  # made from this job's samples (or a racing creator's, just now)
@@ -197,7 +195,7 @@ class Session:
         self.schema = schema = Schema(cache.fields, self.settings.path)
         self.checked = checked
         if not self.settings.copy:
-            self.readonly = Cache.open(self.settings.path, readonly=True)
+            self.readonly = Cache.open(self.settings.path, readonly=True, timeout=self.settings.timeout)
             views = self.readonly.views
             with warnings.catch_warnings():
                 # The mapping is PROT_READ: torch cannot make a tensor read-only,
@@ -265,8 +263,11 @@ class Session:
 
     # -- reading -------------------------------------------------------------------
 
-    def get(self, index: Any) -> Any:
-        """The sample at dataset index ``index`` (validated like ``ds[i]``), from the file or loaded."""
+    def get(self, index: Any, *, fresh: bool = False) -> Any:
+        """The sample at dataset index ``index`` (validated like ``ds[i]``), from the file or loaded.
+
+        ``fresh``: fresh tensors even with ``copy=False`` (what a transform gets).
+        """
         i = self.settings.index(index)
         shard = self.settings.cached_indices
         if shard is not None:  # a shard: its position in the file, if it is one of them
@@ -279,7 +280,7 @@ class Session:
         if cache is not None and i in cache:  # a miss is counted by the load (single flight)
             schema = self.schema
             assert schema is not None
-            views = self.views
+            views = None if fresh else self.views
             if views is None:
                 stored = cache.get(i)
                 if stored is not None:
@@ -301,8 +302,11 @@ class Session:
         self.hits += 1
         return sample
 
-    def get_many(self, indices: Sequence[int]) -> list[Any]:
-        """The samples at ``indices``: one vectorized read for the hits, one batch write for the misses."""
+    def get_many(self, indices: Sequence[int], *, fresh: bool = False) -> list[Any]:
+        """The samples at ``indices``: one vectorized read for the hits, one batch write for the misses.
+
+        ``fresh``: fresh tensors even with ``copy=False`` (what a transform gets).
+        """
         given = self.settings.indices(indices)
         idx = self.settings.positions(given)
         if idx is None:  # some are not among cached_indices: read those from the dataset
@@ -312,7 +316,7 @@ class Session:
             return self.load(idx.tolist())
         schema = self.schema
         assert schema is not None
-        if self.views is None:
+        if self.views is None or fresh:
             gathered = self.gather(cache, idx)
             for column in gathered:
                 if isinstance(column, torch.Tensor):
@@ -517,11 +521,17 @@ class Session:
             stored = self._columns(schema, indices, raw)
             if first_miss:
                 self._check_deterministic(indices[0], raw[0])
-            cache = self._create(fields, _text_budget(schema, stored, self.settings.length))
+            sized = self._size_variable(schema, positions, stored)
+            cache = self._create(fields, None if sized is None else sized.budget)
             assert self.schema is not None
             if self.schema.names != schema.names:  # another process created it, its fields in another order
                 schema = self.schema
                 stored = self._columns(schema, indices, raw)
+                if sized is not None:
+                    sized = sized._replace(columns=self._columns(schema, sized.indices, sized.raw))
+            if sized is not None and sized.positions:  # the samples loaded for sizing are stored, not wasted
+                batch = dict(zip(schema.names, sized.columns, strict=True))
+                self.written += int(np.count_nonzero(cache.put_many(sized.positions, batch)))
         else:
             if not self.checked:
                 self._check_sample(raw[0], indices[0])
@@ -533,6 +543,72 @@ class Session:
         written = cache.put_many(positions, dict(zip(schema.names, stored, strict=True)))
         self.written += int(np.count_nonzero(written))
         return schema.samples(stored)
+
+    def _size_variable(self, schema: Schema, positions: list[int], stored: list[Any]) -> _Sized | None:
+        """The byte budget of a new file with variable fields and no ``max_bytes``, from a spread sample.
+
+        ``SIZING_SAMPLES`` positions spread evenly over the file (the middles of as
+        many equal parts; the first batch's rows among them are not loaded again)
+        are loaded, checked and measured: the budget is the
+        fixed parts of every slot, plus ``SIZING_HEADROOM`` times the mean bytes of
+        a sample's variable values times the slots, plus 1 MiB (writers claim the
+        region in extents). It is capped by the file system's free space (a warning
+        says so, and what to do). The loaded samples are returned, to be stored.
+        """
+        settings = self.settings
+        if settings.max_bytes is not None or not schema.ragged:
+            return None
+        slots = settings.length if settings.capacity is None else min(settings.capacity, settings.length)
+        drawn = min(slots, SIZING_SAMPLES)
+        spread = sorted({int((j + 0.5) * slots / drawn) for j in range(drawn)})  # the middles of equal parts
+        extra = sorted(set(spread) - set(positions))
+        loaded = self.fetch(extra) if extra else []  # loads the user pays once, at creation (stored below)
+        # A sample that does not fit the fields is left out: it raises when it is read, as it would have.
+        fitting = [(p, sample) for p, sample in zip(extra, loaded, strict=True) if self._fits(schema, p, sample)]
+        extra = [p for p, _ in fitting]
+        indices, raw = self.settings.sources(extra), [sample for _, sample in fitting]
+        columns = self._columns(schema, indices, raw) if extra else [[] for _ in schema.names]
+        variable = [k for k, v in enumerate(schema.variable) if v]
+        # The mean over the spread sample only: the first batch (often the dataset's first samples) is
+        # no sample of the dataset; those of its rows that are in the spread sample count.
+        rows = {position: row for row, position in enumerate(positions)}
+        mine = [rows[p] for p in spread if p in rows] if extra else list(range(len(positions)))
+        values = [place(value.nbytes) for k in variable for value in columns[k]]
+        values += [place(stored[k][row].nbytes) for k in variable for row in mine]
+        measured = len(extra) + len(mine)
+        mean = sum(values) / max(measured, 1)
+        fixed = slots * slot_nbytes(schema.fields)
+        budget = fixed + math.ceil(SIZING_HEADROOM * mean * slots) + 2**20
+        free = free_bytes(settings.path.parent)
+        if free is not None and budget > free * 0.9:
+            capped = int(free * 0.9)
+            names = [schema.names[k] for k in variable]
+            log.warning(
+                "%s: the values of the variable fields %s take %s a sample on average (%d samples drawn), "
+                "so caching all %d samples needs about %s, but %s has only %s free: the cache is made with "
+                "%s, and samples whose values find no room are read from the dataset every time (see "
+                "stats()['variable_free'] and `mmapcache info`). Give max_bytes= to choose the size, or set "
+                "MMAPCACHE_DIR to a larger file system",
+                settings.path,
+                names,
+                format_bytes(int(mean)),
+                measured,
+                slots,
+                format_bytes(budget),
+                settings.path.parent,
+                format_bytes(free),
+                format_bytes(capped),
+            )
+            budget = capped
+        return _Sized(budget, extra, columns, indices, raw)
+
+    def _fits(self, schema: Schema, position: int, sample: Any) -> bool:
+        """Whether the sample at file position ``position`` can be stored with ``schema``."""
+        try:
+            columns(schema, self.settings.sources([position]), [sample], self.settings.dtypes, declared=True)
+        except (TypeError, ValueError):
+            return False
+        return True
 
     def _columns(self, schema: Schema, indices: list[int], raw: list[Any]) -> list[Any]:
         """:func:`~._columns.columns`, with the advice (and the refuted file) for shapes that vary."""
@@ -549,11 +625,11 @@ class Session:
         cache.refute()
         self.close()
         try:
-            remove(path)
+            remove(path, timeout=self.settings.timeout)
         except CacheInUseError:
             return (
-                "it is marked as not fitting the dataset, and the next try replaces it once the processes using "
-                "it now have let go (nothing to remove by hand)."
+                "it is marked as not fitting the dataset, and the next try replaces it, even while the processes "
+                "using it now still hold it (nothing to remove by hand)."
             )
         except FileNotFoundError:
             pass
@@ -585,7 +661,7 @@ class Session:
 
 def _written(cache: Cache) -> int:
     """Slots this handle has stored so far (the count it keeps in the file)."""
-    return cache._board.mine().written
+    return cache.counts.written
 
 
 class _VariesError(Exception):
@@ -596,16 +672,15 @@ class _VariesError(Exception):
         self.error, self.raw = error, raw
 
 
-def _text_budget(schema: Schema, columns: list[Any], length: int) -> int | None:
-    """Bytes for a new file whose only variable fields are text and which got no ``max_bytes``.
+SIZING_SAMPLES = 64  # samples a new file with variable fields and no max_bytes is sized from
+SIZING_HEADROOM = 1.25  # room for the variable values: this many times the sample's mean
 
-    The fixed parts of every slot, plus room for text values twice the mean size of the
-    first batch's (each value padded to 16 bytes), and 1 MiB: text found longer later may not
-    fit, and such samples are served uncached rather than failing.
-    """
-    variable = [k for k, v in enumerate(schema.variable) if v]
-    if not variable or any(schema.texts[k] is None for k in variable):
-        return None
-    count = max(len(columns[variable[0]]), 1)
-    mean = sum(len(value) + 16 for k in variable for value in columns[k]) / count
-    return length * slot_nbytes(schema.fields) + int(2 * mean * length) + 2**20
+
+class _Sized(NamedTuple):
+    """A budget sized from a spread sample, and the samples loaded for it (stored once the file exists)."""
+
+    budget: int
+    positions: list[int]
+    columns: list[Any]
+    indices: list[int]
+    raw: list[Any]

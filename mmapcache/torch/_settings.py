@@ -21,6 +21,7 @@ import torch
 
 from .._field import Field, FieldsLike
 from .._format import indices_digest
+from .._names import SUFFIX
 from .._paths import default_dir
 from ._schema import declared_fields, storage_dtypes, with_dtypes
 
@@ -42,6 +43,7 @@ class Settings:
     cached_indices: np.ndarray[Any, np.dtype[np.int64]] | None
     dtypes: dict[str, Any] | None
     check: int
+    timeout: float = 60.0
 
     @classmethod
     def checked(
@@ -58,6 +60,7 @@ class Settings:
         cached_indices: Sequence[int] | np.ndarray[Any, Any] | None,
         dtypes: Mapping[str, Any] | None,
         check: int,
+        timeout: float = 60.0,
     ) -> Settings:
         """The arguments of ``CachedDataset(...)``, each checked; TypeError/ValueError saying what is wrong."""
         if not isinstance(key, str):
@@ -75,6 +78,11 @@ class Settings:
             declared = with_dtypes(declared, storage, where="fields=")
         if isinstance(check, bool) or not isinstance(check, int) or check < 0:
             raise ValueError(f"check must be a number of samples (0 disables the check), not {check!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+            raise ValueError(
+                f"timeout must be a finite number of seconds >= 0, not {timeout!r}: how long to wait for another "
+                "process creating, removing or checking the cache file before CacheTimeoutError (default 60)"
+            )
         shard = None if cached_indices is None else _index_set(cached_indices, len(dataset))
         return cls(
             dataset=dataset,
@@ -88,6 +96,7 @@ class Settings:
             cached_indices=shard,
             dtypes=storage,
             check=check,
+            timeout=float(timeout),
         )
 
     @property
@@ -145,7 +154,7 @@ def _default_path(key: str, shard: np.ndarray[Any, Any] | None = None) -> Path:
     named = hashlib.sha256(key.encode("utf-8"))
     if shard is not None:
         named.update(b"\0" + indices_digest(shard).encode("ascii"))
-    return default_dir() / f"{safe}-{named.hexdigest()[:12]}.mmc"
+    return default_dir() / f"{safe}-{named.hexdigest()[:12]}{SUFFIX}"
 
 
 def _index_set(indices: Any, length: int) -> np.ndarray[Any, np.dtype[np.int64]]:

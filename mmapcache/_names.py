@@ -1,0 +1,123 @@
+"""File names: what a cache is called, and every side file derived from its name.
+
+A cache file is named ``<name>.mmc`` (``SUFFIX``; :func:`is_cache_name`). Every name derived from
+a cache's name comes from this module.
+
+The *stem* of a cache named ``N`` is ``N`` itself when ``N`` plus the
+longest side suffix (``.tmp-<pid>-<8 hex>``, at most 24 bytes) fits the
+directory's ``NAME_MAX`` (255 bytes on most file systems); else it is the
+first bytes of ``N`` (cut at a UTF-8 character boundary), ``~``, the first 16
+hex digits of the SHA-256 of ``N``, and ``N``'s extension (``.mmc``), short
+enough that every side name fits. The side files are:
+
+- ``<stem>.lock``: the creation lock (never deleted while in use; see
+  :func:`mmapcache._file.creation_lock`); its holder may write one line of JSON into it
+  saying what it does and how far it is (:class:`~mmapcache._file.LockStatus`: the check
+  after a reboot does), which waiters log;
+- ``<stem>.tmp-<pid>-<8 hex>``: the file a creator builds before linking it
+  to ``N``; only a holder of the creation lock makes or deletes one.
+
+A stem is its own stem, so ``lock_path_for(directory / temp_stem(name,
+directory))`` is the creation lock that guards the temp file ``name``:
+``mmapcache gc`` can collect the leftovers of killed creators without knowing
+the cache's name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from pathlib import Path
+
+__all__ = [
+    "CHECK_OWNER",
+    "CHECK_PREFIX",
+    "LOCK_SUFFIX",
+    "SUFFIX",
+    "TEMP_MARK",
+    "is_cache_name",
+    "is_temp_name_of",
+    "lock_path_for",
+    "name_max",
+    "new_temp_path",
+    "side_stem",
+    "temp_stem",
+]
+
+# Cache files end in this; `mmapcache ls` and `gc` look only at such names.
+SUFFIX = ".mmc"
+# mmapcache.testing's private directories in default_dir(): `check-<random>`, holding an owner file that
+# the running check keeps an exclusive flock on (free once it died: `mmapcache gc` then removes the directory).
+CHECK_PREFIX = "check-"
+CHECK_OWNER = ".owner"
+
+LOCK_SUFFIX = ".lock"
+TEMP_MARK = ".tmp-"
+# ".tmp-" + a pid of up to 10 digits + "-" + 8 hex digits: the longest side suffix.
+_SIDE_SUFFIX_MAX = len(TEMP_MARK) + 10 + 1 + 8
+_HASH_DIGITS = 16
+_EXTENSION_MAX = 16
+_DEFAULT_NAME_MAX = 255
+
+
+def name_max(directory: Path) -> int:
+    """The longest file name (in bytes) the file system holding ``directory`` accepts."""
+    try:
+        return os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return _DEFAULT_NAME_MAX
+
+
+def side_stem(path: Path) -> str:
+    """The stem of the side files of the cache at ``path`` (see the module docstring)."""
+    name = path.name
+    encoded = os.fsencode(name)
+    room = name_max(path.parent) - _SIDE_SUFFIX_MAX
+    if len(encoded) <= room:
+        return name
+    extension = os.path.splitext(name)[1]
+    if len(os.fsencode(extension)) > _EXTENSION_MAX:
+        extension = ""
+    tail = "~" + hashlib.sha256(encoded).hexdigest()[:_HASH_DIGITS] + extension
+    keep = max(0, room - len(os.fsencode(tail)))
+    while 0 < keep < len(encoded) and encoded[keep] & 0xC0 == 0x80:  # not inside a UTF-8 character
+        keep -= 1
+    return os.fsdecode(encoded[:keep]) + tail
+
+
+def lock_path_for(path: Path) -> Path:
+    """The creation lock of the cache at ``path``: ``<stem>.lock``."""
+    return path.parent / (side_stem(path) + LOCK_SUFFIX)
+
+
+def new_temp_path(path: Path) -> Path:
+    """A fresh name to build the cache at ``path`` under: ``<stem>.tmp-<pid>-<8 hex>``."""
+    return path.parent / f"{side_stem(path)}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def temp_stem(name: str, directory: Path) -> str | None:
+    """The stem the temp file ``directory / name`` was made from (``None``: not a temp name).
+
+    ``lock_path_for(directory / stem)`` is the creation lock that guards it.
+    """
+    stem, mark, tail = name.rpartition(TEMP_MARK)
+    if not (mark and stem and _is_temp_tail(tail)) or side_stem(directory / stem) != stem:
+        return None
+    return stem
+
+
+def is_temp_name_of(name: str, path: Path) -> bool:
+    """Whether ``name`` (in ``path``'s directory) is a temp file of a creator of ``path``."""
+    prefix = side_stem(path) + TEMP_MARK
+    return name.startswith(prefix) and _is_temp_tail(name[len(prefix) :])
+
+
+def _is_temp_tail(tail: str) -> bool:
+    pid, dash, token = tail.partition("-")
+    return pid.isdigit() and bool(dash) and bool(token)
+
+
+def is_cache_name(name: str) -> bool:
+    """Whether ``name`` is named like a cache (``*.mmc``, not hidden)."""
+    return name.endswith(SUFFIX) and not name.startswith(".")
