@@ -145,9 +145,13 @@ def _wider(tensor: torch.Tensor) -> str:
     """What to declare instead of a dtype that cannot hold ``tensor``'s values: the narrowest that can."""
     if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool or not tensor.numel():
         return f"choose {str(tensor.dtype).removeprefix('torch.')} (the values' own dtype)"
-    low, high = int(tensor.min()), int(tensor.max())
-    holds = np.result_type(np.min_scalar_type(low), np.min_scalar_type(high))
-    return f"choose a dtype that holds {low}..{high}, such as {holds.name}"
+    numbers = _integers(tensor)  # numpy: torch has no min/max for uint16/32/64
+    low, high = int(numbers.min()), int(numbers.max())
+    kinds = ("uint8", "uint16", "uint32", "uint64") if low >= 0 else ("int8", "int16", "int32", "int64")
+    holds = next((k for k in kinds if np.iinfo(k).min <= low and high <= np.iinfo(k).max), None)
+    if holds is None:  # below 0 and above int64's range
+        return f"no integer dtype holds {low}..{high}"
+    return f"choose a dtype that holds {low}..{high}, such as {holds}"
 
 
 def converted(leaf: Any, field: Field, name: str) -> Any:
