@@ -59,6 +59,7 @@ STEPS = [
     Step("bench_cold", ("--quick",), optional=True),
     Step("bench_shuffle", ("--quick",), optional=True),
     Step("bench_singleflight", ("--quick",), optional=True),
+    Step("bench_stream", ("--quick", "--rounds", "1"), optional=True),
 ]
 
 

@@ -55,6 +55,7 @@ from ._paths import (
 from ._residency import resident_bytes
 from ._sizes import format_bytes, parse_duration
 from ._slots import READY, WRITING
+from ._stream import StreamStatus, read_stream_status
 from ._times import iso_time
 from ._variable import value_bytes
 
@@ -152,6 +153,7 @@ class CacheInfo:
     variable: VariableRegion | None = None
     indices_digest: str | None = None  # the digest of the dataset index table (a shard's cache), if any
     refuted: bool = False  # a process found the fields, inferred from a first sample, do not fit the dataset
+    stream: StreamStatus | None = None  # version 8: how far the fill of a cached stream got
 
     @property
     def ok(self) -> bool:
@@ -204,6 +206,7 @@ class CacheInfo:
             "indices_digest": self.indices_digest,
             "refuted": self.refuted,
             "uncounted_pids": list(self.uncounted_pids),
+            "stream": self.stream.to_dict() if self.stream is not None else None,
         }
 
 
@@ -449,12 +452,13 @@ def _inspect(path: Path, location: _Location) -> tuple[CacheInfo, Exception | No
             filled, writing = _count_states(fd, header)
             usage, flags = _read_usage(fd, layout)
             variable = _read_variable_region(fd, header, layout)
+            stream = read_stream_status(fd, header, layout)
         except (CacheError, OSError) as error:
             return _broken(path, location, error, st=st, in_use=in_use, pids=pids), error
     finally:
         os.close(fd)
     healthy = _healthy(path, location, st, header, in_use, pids, filled, writing)
-    return replace(healthy, usage=usage, variable=variable, refuted=bool(flags & REFUTED)), None
+    return replace(healthy, usage=usage, variable=variable, refuted=bool(flags & REFUTED), stream=stream), None
 
 
 def _read_usage(fd: int, layout: Layout) -> tuple[Usage, int]:

@@ -126,6 +126,7 @@ class NewFile:
     variable_size: int = 0
     extent_size: int = 0
     dataset_indices: np.ndarray[Any, np.dtype[np.uint64]] | None = None  # the index table to write (version 4)
+    stream: tuple[int, int] | None = None  # (ranks, workers) of a cached stream (version 8)
 
 
 @dataclass
@@ -172,6 +173,7 @@ def open_or_create(
                 extent_size=new.extent_size,
                 indices_digest="" if new.dataset_indices is None else indices_digest(new.dataset_indices),
                 on_disk=not is_memory_filesystem(filesystem_type(path.parent)),
+                stream=new.stream,
             )
             planned = header, compute_layout(header)
             _check_space(path, planned[1].file_size)
@@ -628,6 +630,8 @@ def _create(
             _write_all(fd, np.ascontiguousarray(dataset_indices, dtype="<u8").tobytes(), layout.indices_offset, temp)
         if layout.boot_offset:
             _write_all(fd, boot_page(), layout.boot_offset, temp)
+        if layout.stream_offset:  # the stream page starts with the fill boot id, as a boot page does
+            _write_all(fd, boot_page(), layout.stream_offset, temp)
         os.fsync(fd)
         _check_written(fd, path, header)
         try:

@@ -1,4 +1,4 @@
-r"""The mmapcache file format, versions 1 to 5.
+r"""The mmapcache file format, versions 1 to 5 and 8.
 
 This docstring is the specification, written so that a stranger could
 implement a reader or a writer from it; `docs/format.md` carries the same
@@ -14,9 +14,10 @@ NOT, SHOULD and MAY are used as in RFC 2119.
 | 3 | variable-shape fields: per-slot descriptors, and the variable region after the data | mmapcache 0.2 and later |
 | 4 | the dataset index table: the file caches a chosen set of a dataset's indices (one node's shard) | mmapcache 0.3 and later |
 | 5 | the boot page and each slot's synced byte: a file on a disk checks what a crash may have torn | mmapcache 0.3 and later |
+| 8 | the stream region: the file caches a stream, filled once, partition by partition, in arrival order | mmapcache 0.3 and later |
 
-A writer writes the lowest version that holds its schema (5 when the file
-lives on a disk, that is on any file system but a memory one such as tmpfs;
+A writer writes the lowest version that holds its schema (8 for the cache
+of a stream; else 5 when the file lives on a disk, that is on any file system but a memory one such as tmpfs;
 else 4 when the file has a dataset index table, else 3 when a field has a
 variable dimension, else 2), so that older readers keep reading what they can; a reader MUST read every version it knows and MUST reject the
 others. Everything below holds for every version unless a section names one.
@@ -42,7 +43,11 @@ A cache file has these regions, each starting on a multiple of 4096 bytes:
 | allocation page    |  version 3 with variable fields: 4096 bytes
 | variable region    |  variable_size bytes, padded to 4096
 +--------------------+
-| boot page          |  version 5: 4096 bytes
+| boot page          |  versions 5 and 8: 4096 bytes
++--------------------+
+| stream page        |  version 8: 4096 bytes
+| partition table    |  partitions * 64 bytes, padded to 4096
+| element table      |  capacity * 16 bytes, padded to 4096
 +--------------------+  file_size
 ```
 
@@ -54,7 +59,7 @@ uses the byte order its dtype descriptor names.
 | offset | size | content |
 |-------:|-----:|---------|
 | 0 | 8 | magic: the bytes `89 4D 4D 43 0D 0A 1A 0A` (`\x89MMC\r\n\x1a\n`) |
-| 8 | 4 | format version, uint32: 1 to 5 (see Versions) |
+| 8 | 4 | format version, uint32: 1 to 5, or 8 (see Versions) |
 | 12 | 4 | header_size, uint32: bytes in the header region, a non-zero multiple of 4096, at most 64 MiB |
 | 16 | 4 | meta_size, uint32: bytes of the metadata document |
 | 20 | 4 | header checksum, uint32: CRC-32 (the zlib/PNG polynomial) of the whole header region `[0, header_size)` with these four bytes taken as zero |
@@ -98,6 +103,9 @@ without raising the format version.
   table): `{"digest": str}`, the XXH3-64 (seed 0) of the table's
   `length * 8` bytes as 16 lowercase hexadecimal digits. Two files cache the
   same index set exactly when their digests are equal.
+- `stream` (version 8, present exactly then): `{"ranks": int, "workers": int}`,
+  the partitioning of the stream the file caches (below), both positive,
+  their product at most 65536.
 
 ## Slot table
 
@@ -157,6 +165,9 @@ if indices:        indices_offset = pos;  pos = align(pos + length * 8)
 for each field k:  offset_k = pos;  pos = align(pos + capacity * nbytes_k)
 if variable_size:  allocation_offset = pos;  variable_offset = pos + 4096;  pos = align(variable_offset + variable_size)
 if version >= 5:   boot_offset = pos;  pos = pos + 4096
+if version == 8:   stream_offset = pos;  partitions_offset = pos + 4096
+                   elements_offset = align(partitions_offset + partitions * 64)
+                   pos = align(elements_offset + capacity * 16)
 file_size = pos
 ```
 
@@ -244,6 +255,73 @@ boot (`/proc/sys/kernel/random/boot_id`); the rest of the page is zero.
   boot id is the running kernel's is read as in other versions: its open
   costs no scan.
 
+## Stream region (version 8)
+
+A version 8 file caches a *stream*: a sequence of samples of unknown length
+that the processes of a job read in *partitions*, each process its own. The
+partitioning is `ranks * workers` partitions (a job's processes, each with its
+loader workers; `workers` is 1 for a process that reads without workers);
+partition `p = rank * workers + worker` is what process `rank`'s worker
+`worker` reads, and its *elements* are numbered `0, 1, ...` in the order it
+reads them. Slots are handed out in arrival order and are not dataset
+indices: `length` equals `capacity`, the slots the file has room for.
+
+The stream page, at `stream_offset`:
+
+| offset | size | content |
+|-------:|-----:|---------|
+| 0 | 16 | fill boot id: the boot id (see "Boot page") of the kernel that created the file |
+| 16 | 8 | allocated, uint64: slots handed out so far, from slot 0; at most `capacity` |
+| 24 | 4072 | zero |
+
+The partition table, at `partitions_offset`: one record of 64 bytes per
+partition, record `p` at `partitions_offset + p * 64`:
+
+| offset | size | content |
+|-------:|-----:|---------|
+| 0 | 8 | stored, uint64: the partition's elements `0 .. stored - 1` are in the file, each in exactly one READY slot |
+| 8 | 8 | pending slot, uint64: 1 + the slot a writer is filling with element `stored`; 0 if none |
+| 16 | 8 | pending element, uint64: the element that pending slot holds |
+| 24 | 8 | total, uint64: the partition's elements, when it has ended; else 0 |
+| 32 | 4 | flags, uint32: bit 0 *ended* (the partition was read to its end by a writer that stored every element it could), bit 1 *full* (an element did not fit; none after it is stored); other bits zero |
+| 36 | 28 | zero |
+
+The element table, at `elements_offset`: one record of 16 bytes per slot,
+slot `i`'s at `elements_offset + i * 16`: the element (uint64) and the
+partition (uint32) the slot holds, then 4 zero bytes. It is meaningful only
+for a READY slot below `allocated`.
+
+- A writer of partition `p` holds an exclusive `F_OFD_SETLK` lock on the
+  first byte of `p`'s record for as long as it writes the partition; the
+  kernel drops it when the writer dies. A writer that takes the lock first
+  *recovers*: if pending slot is non-zero, that slot is READY and `stored`
+  equals pending element, it sets `stored` to pending element + 1; then it
+  sets pending slot to 0.
+- A writer stores element `j` only when `j == stored`, `ended` and `full`
+  are clear: it takes a slot by advancing `allocated` (holding an exclusive
+  `F_OFD_SETLKW` lock on the byte at `stream_offset + 16`; when `allocated`
+  equals `capacity` it sets `full` instead), writes pending element `j`, then
+  pending slot, then the slot's element record, fills the slot by the slot
+  rules below, then sets `stored` to `j + 1` and pending slot to 0. When the
+  slot cannot hold the sample (the variable region is full) the slot stays
+  not READY and the writer sets `full`. So a writer killed at any instant
+  leaves each element of `p` in at most one counted READY slot, and a
+  READY slot of `p` is counted exactly when its element is below `stored`.
+- A writer that read partition `p` from element 0 to its end, holding the
+  lock throughout the elements from `stored` on, and found `stored` equal to
+  the elements it read or `full` set, sets `total` and then `ended`. On a
+  file that is not in memory it first makes the slots durable (`fdatasync`).
+- The file is *complete* when every partition has ended. It is *fully
+  cached* when, besides, no partition is full: then the READY slots below
+  `allocated` hold the stream, each element once, and a reader MAY read them
+  in any order and split them across any partitioning. Its canonical order
+  is by partition, then element. A reader MUST NOT serve a file that is not
+  complete as the whole stream.
+- A file that is not complete and whose fill boot id is not the running
+  kernel's MUST NOT be continued (the counts may have reached the disk
+  without the slots they count); mmapcache then removes and recreates it,
+  as it does when a job with another partitioning finds it not complete.
+
 ## Rules for writers and readers
 
 - A writer MUST create the file complete (header, zeroed slot table,
@@ -301,7 +379,7 @@ __all__ = [
 ]
 
 MAGIC = b"\x89MMC\r\n\x1a\n"
-FORMAT_VERSION = 5  # the newest; a writer writes the lowest version that holds its schema
+FORMAT_VERSION = 8  # the newest; a writer writes the lowest version that holds its schema
 ALIGNMENT = 4096
 RECORD_SIZE = 8
 MAX_HEADER_SIZE = 64 * 2**20
@@ -324,6 +402,7 @@ class Version:
     variable: bool = False  # fields may have variable dimensions, stored in a variable region
     indexed: bool = False  # the file may hold a dataset index table (the indices it caches)
     boot: bool = False  # a boot page ends the file; slot records carry a synced byte
+    stream: bool = False  # the file caches a stream: the stream region follows the boot page
 
 
 VERSIONS = {
@@ -332,14 +411,20 @@ VERSIONS = {
     3: Version(record_size=RECORD_SIZE, counter_records=256, variable=True),
     4: Version(record_size=RECORD_SIZE, counter_records=256, variable=True, indexed=True),
     5: Version(record_size=RECORD_SIZE, counter_records=256, variable=True, indexed=True, boot=True),
+    8: Version(record_size=RECORD_SIZE, counter_records=256, variable=True, indexed=True, boot=True, stream=True),
 }
 INDEX_ITEMSIZE = 8  # bytes per entry of the dataset index table (uint64, little-endian)
 COUNTER_RECORD_SIZE = 32
+PARTITION_RECORD_SIZE = 64  # version 8: one partition table record (a cache line: writers of two partitions share none)
+ELEMENT_RECORD_SIZE = 16  # version 8: one element table record per slot
+MAX_PARTITIONS = 65536  # version 8: ranks * workers
 PAYLOAD_ALIGNMENT = 16  # a variable value starts on a multiple of this in the variable region
 
 
-def version_for(fields: dict[str, Field], *, indexed: bool = False, on_disk: bool = False) -> int:
+def version_for(fields: dict[str, Field], *, indexed: bool = False, on_disk: bool = False, stream: bool = False) -> int:
     """The lowest format version that holds ``fields`` (an index table, a boot page): older readers read the file."""
+    if stream:
+        return 8
     if on_disk:
         return 5
     if indexed:
@@ -379,6 +464,12 @@ class Header:
     variable_size: int = 0  # bytes of the variable region (version 3 with variable fields)
     extent_size: int = 0  # bytes a writer claims from it at a time
     indices_digest: str = ""  # version 4: the dataset index table's digest ("" when the file has none)
+    stream: tuple[int, int] | None = None  # version 8: (ranks, workers), the partitioning of the cached stream
+
+    @property
+    def partitions(self) -> int:
+        """Partitions of the cached stream (0: the file caches no stream)."""
+        return self.stream[0] * self.stream[1] if self.stream else 0
 
 
 @dataclass(frozen=True)
@@ -396,6 +487,10 @@ class Layout:
     extent_size: int = 0
     indices_offset: int = 0  # the dataset index table (0: the file has none)
     boot_offset: int = 0  # the boot page (0: the file has none, before version 5)
+    stream_offset: int = 0  # version 8: the stream page (0: the file caches no stream)
+    partitions_offset: int = 0  # version 8: the partition table
+    elements_offset: int = 0  # version 8: the element table
+    partitions: int = 0  # version 8: records in the partition table
 
 
 MAX_FILE_SIZE = 2**63 - 1  # off_t, and the most bytes a numpy array can span
@@ -432,6 +527,11 @@ def compute_layout(header: Header) -> Layout:
         pos = align(variable_offset + header.variable_size)
     boot_offset = pos if VERSIONS[header.version].boot else 0
     pos += ALIGNMENT if boot_offset else 0
+    stream_offset = partitions_offset = elements_offset = 0
+    if header.stream:
+        stream_offset, partitions_offset = pos, pos + ALIGNMENT
+        elements_offset = align(partitions_offset + header.partitions * PARTITION_RECORD_SIZE)
+        pos = align(elements_offset + header.capacity * ELEMENT_RECORD_SIZE)
     return Layout(
         table_offset=table_offset,
         field_offsets=offsets,
@@ -444,6 +544,10 @@ def compute_layout(header: Header) -> Layout:
         extent_size=header.extent_size,
         indices_offset=indices_offset,
         boot_offset=boot_offset,
+        stream_offset=stream_offset,
+        partitions_offset=partitions_offset,
+        elements_offset=elements_offset,
+        partitions=header.partitions,
     )
 
 
@@ -458,13 +562,14 @@ def new_header(
     extent_size: int = 0,
     indices_digest: str = "",
     on_disk: bool = False,
+    stream: tuple[int, int] | None = None,
 ) -> Header:
     """A header for a new file, with a fresh uuid and the smallest header size that fits.
 
     Raises ``ValueError`` naming what is too big when the header would exceed
     :data:`MAX_HEADER_SIZE` (a reader would refuse the file).
     """
-    version = version_for(fields, indexed=bool(indices_digest), on_disk=on_disk)
+    version = version_for(fields, indexed=bool(indices_digest), on_disk=on_disk, stream=stream is not None)
     draft = Header(
         fields,
         length,
@@ -477,6 +582,7 @@ def new_header(
         variable_size=variable_size,
         extent_size=extent_size,
         indices_digest=indices_digest,
+        stream=stream,
     )
     meta = _metadata_bytes(draft)
     header_size = align(PREFIX_SIZE + len(meta))
@@ -514,6 +620,8 @@ def _metadata_bytes(header: Header) -> bytes:
         meta["variable"] = {"size": header.variable_size, "extent": header.extent_size}
     if header.indices_digest:
         meta["indices"] = {"digest": header.indices_digest}
+    if header.stream:
+        meta["stream"] = {"ranks": header.stream[0], "workers": header.stream[1]}
     return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
@@ -633,6 +741,7 @@ def unpack_header(region: bytes, *, path: str) -> Header:
             raise TypeError("key must be a string and created an object")
         variable_size, extent_size = _variable_metadata(meta.get("variable"))
         indices_digest = _indices_metadata(meta.get("indices"))
+        stream = _stream_metadata(meta.get("stream"))
     # numpy parses comma-string dtypes ("(2,)u1,") with ast.literal_eval, so a
     # damaged descriptor can also raise SyntaxError; deeply nested JSON raises
     # RecursionError. Found by tests/test_header_fuzz.py.
@@ -652,6 +761,8 @@ def unpack_header(region: bytes, *, path: str) -> Header:
     problems += _variable_problems(fields, version, variable_size, extent_size)
     if indices_digest and not VERSIONS[version].indexed:
         problems.append(f"a dataset index table, which format version {version} cannot hold")
+    if (stream is not None) != VERSIONS[version].stream:
+        problems.append(f"{'a' if stream else 'no'} stream partitioning in format version {version}")
     if problems:
         raise CacheFormatError(f"{path} has an unsupported or corrupt header: {'; '.join(problems)}", path=path)
     return Header(
@@ -668,6 +779,7 @@ def unpack_header(region: bytes, *, path: str) -> Header:
         variable_size=variable_size,
         extent_size=extent_size,
         indices_digest=indices_digest,
+        stream=stream,
     )
 
 
@@ -684,6 +796,18 @@ def _indices_metadata(entry: Any) -> str:
     if not isinstance(digest, str) or len(digest) != 16 or digest.strip("0123456789abcdef"):
         raise ValueError(f"indices digest {digest!r} is not 16 lowercase hexadecimal digits")
     return digest
+
+
+def _stream_metadata(entry: Any) -> tuple[int, int] | None:
+    """``(ranks, workers)`` of the metadata's ``stream`` member (``None`` when it is absent)."""
+    if entry is None:
+        return None
+    ranks, workers = entry["ranks"], entry["workers"]
+    if not all(type(n) is int and n > 0 for n in (ranks, workers)) or ranks * workers > MAX_PARTITIONS:
+        raise ValueError(
+            f"stream partitioning {ranks!r} x {workers!r} (expected positive integers, at most {MAX_PARTITIONS} partitions)"
+        )
+    return ranks, workers
 
 
 def _variable_metadata(entry: Any) -> tuple[int, int]:

@@ -33,6 +33,7 @@ from ._cold import readahead_for
 from ._format import Header, Layout
 from ._handle import Handle
 from ._jagged import Jagged, rows_like
+from ._partitions import StreamRegion
 from ._slots import EMPTY, READY, SlotTable
 from ._variable import VariableColumn, text_value, texts
 from ._verify import failed_rows, intact, intact_parts
@@ -65,6 +66,7 @@ class Mapped:
         "region",
         "slots",
         "states",
+        "stream",
         "variables",
     )
 
@@ -108,6 +110,10 @@ class Mapped:
         # Read-ahead hints for a file on a disk; None in memory (tmpfs), where reads stay as they were.
         self.readahead = readahead_for(handle.path, handle.fd, layout, header, self.variables)
         self.boot = BootPage(mm, layout.boot_offset) if layout.boot_offset else None  # version 5: see _boot.py
+        # Version 8: the cache of a stream (see _partitions.py).
+        self.stream = (
+            StreamRegion(mm, layout, capacity, self.slots.states, handle.locks) if layout.stream_offset else None
+        )
 
     def parts(self, index: int) -> list[np.ndarray[Any, Any]] | None:
         """Slot ``index``'s checksum parts in field order (``None``: a variable descriptor is impossible)."""

@@ -96,6 +96,12 @@ def resize(path: str | os.PathLike[str], *, max_bytes: int | str, timeout: float
     budget = parse_bytes(max_bytes, name="max_bytes")
     with Cache(target, timeout=timeout, readonly=True) as old:
         header, layout = old._header, old._layout
+        if header.stream is not None:
+            raise ValueError(
+                f"{target} caches a stream (format version 8), whose slots are numbered by arrival and whose size "
+                "the first epoch planned: it cannot be resized. Remove it (`mmapcache rm PATH`); the next run "
+                "fills a new one with the larger max_bytes= given to CachedStream"
+            )
         with creation_lock(target, timeout):
             if not os.path.samestat(os.stat(target, follow_symlinks=False), os.fstat(old._handle.fd)):
                 raise FileNotFoundError(errno.ENOENT, f"{target} was replaced while resizing it", str(target))

@@ -172,6 +172,8 @@ def _to_numpy(value: Any, field: Field, name: str) -> np.ndarray[Any, Any]:
 
 def cast(array: np.ndarray[Any, Any], field: Field, name: str, *, from_python: bool) -> np.ndarray[Any, Any]:
     """``array`` in ``field.dtype``, refusing kind changes and lossy integer/string narrowing."""
+    if array.dtype == field.dtype and field.dtype.names is None:
+        return array  # the common case, before field.dtype_name (a few µs) is needed for a message
     return _cast(array, field.dtype, field.dtype_name, name, from_python=from_python)
 
 

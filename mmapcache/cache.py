@@ -17,7 +17,7 @@ from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
-from ._boot import check_boot, sync_slots
+from ._boot import check_boot, current_boot_id, sync_slots
 from ._cold import prefetch_later
 from ._counters import REFUTED, Counts, Usage
 from ._errors import CacheError, CacheInUseError, CacheMissError, ReadonlyCacheError
@@ -699,6 +699,8 @@ class Cache:
                     mapped.slots.synced[:] = 0
                     if mapped.heap is not None:
                         mapped.heap.reset()
+                    if mapped.stream is not None:
+                        mapped.stream.reset(current_boot_id())
                     if mapped.boot is not None:
                         # On a disk, before anyone refills: a crash must not find the old
                         # synced READY records beside new bytes (a synced slot is never
@@ -930,6 +932,14 @@ def _warn_if_on_a_disk(path: Path, version: int, st: os.stat_result) -> None:
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+def attach_opened(path: Path, opened: OpenedFile, *, timeout: float) -> Cache:
+    """A writable cache over a file :func:`open_or_create` opened: for files ``Cache()`` does not create (streams)."""
+    cache = Cache.__new__(Cache)
+    cache._closed = True
+    cache._attach(path, opened, readonly=False, verify=False, timeout=timeout)
+    return cache
 
 
 def _reopen_cache(path: str, readonly: bool, verify: bool, timeout: float) -> Cache:

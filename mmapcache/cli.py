@@ -45,6 +45,7 @@ from ._names import LOCK_SUFFIX, SUFFIX, TEMP_MARK
 from ._paths import default_dir
 from ._resize import resize
 from ._sizes import format_age, format_bytes, parse_duration
+from ._stream import describe as describe_stream
 from ._times import iso_time
 from ._version import __version__
 from .cache import Cache, Problem
@@ -274,6 +275,7 @@ def format_info(item: CacheInfo, now: float) -> str:
         ("filled", _filled(item)),
         *([("refuted", _REFUTED)] if item.refuted else []),
         *([("variable region", _variable(item))] if item.variable is not None else []),
+        *([("stream", describe_stream(item.stream))] if item.stream is not None else []),
         ("reads", _reads(item)),
         ("fields", fields[0]),
         *(("", line) for line in fields[1:]),

@@ -24,6 +24,7 @@ CASES = {
     "recipe_hf_tokens.py": ["--count", "400", "--vocab", "300", "--workers", "2"],
     "recipe_lightning.py": ["--length", "256", "--devices", "2", "--workers", "1", "--epochs", "1"],
     "recipe_from_stocaching.py": ["--length", "300", "--workers", "2"],
+    "stream_tokens.py": ["--count", "600", "--workers", "2", "--epochs", "2"],
 }
 
 

@@ -177,3 +177,34 @@ def test_bad_metadata_with_a_valid_checksum(meta_change: dict[str, object], matc
 def test_capacity_larger_than_length_is_corrupt() -> None:
     with pytest.raises(CacheFormatError, match="capacity"):
         unpack_header(pack_header(header(capacity=2000)), path="p")
+
+
+def test_a_stream_header_is_version_8_and_round_trips_its_partitioning() -> None:
+    h = new_header(FIELDS, length=600, capacity=600, key="s", created={}, stream=(2, 3))
+    assert h.version == 8
+    data = pack_header(h)
+    (meta_size,) = struct.unpack_from("<I", data, 16)
+    assert json.loads(data[PREFIX_SIZE : PREFIX_SIZE + meta_size])["stream"] == {"ranks": 2, "workers": 3}
+    assert unpack_header(data, path="p") == h
+
+
+def test_stream_region_layout_follows_the_boot_page() -> None:
+    h = new_header(FIELDS, length=600, capacity=600, key="s", created={}, stream=(2, 3))
+    layout = compute_layout(h)
+    assert layout.stream_offset == layout.boot_offset + ALIGNMENT
+    assert layout.partitions_offset == layout.stream_offset + ALIGNMENT
+    assert layout.partitions == 6
+    assert layout.elements_offset == align(layout.partitions_offset + 6 * 64)
+    assert layout.file_size == align(layout.elements_offset + 600 * 16)
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"version": 5, "stream": (1, 1)}, "a stream partitioning in format version 5"),
+        ({"version": 8, "stream": None}, "no stream partitioning in format version 8"),
+    ],
+)
+def test_a_stream_partitioning_goes_with_version_8_only(changes: dict[str, object], match: str) -> None:
+    with pytest.raises(CacheFormatError, match=match):
+        unpack_header(pack_header(header(**changes)), path="p")

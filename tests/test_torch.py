@@ -493,7 +493,7 @@ def test_fill_in_process_and_with_workers(cache_dir: Path, capsys: pytest.Captur
     assert "filling" in capsys.readouterr().err  # the tqdm bar
     assert ds.fill() == 0
     assert Counter(i for _, _, i in accesses(log)) == Counter(range(N))
-    totals = {"total_hits": 0, "total_misses": 1, "total_written": N, "processes": 1}
+    totals = {"waited": 0, "total_hits": 0, "total_misses": 1, "total_written": N, "processes": 1}
     assert ds.stats() == {"hits": 0, "misses": 1, "written": N, **totals, "filled": N, "capacity": N, "length": N}
 
     other = CachedDataset(Recorded(N, log), key="fill-workers", check=0)
@@ -512,7 +512,7 @@ def test_stats_count_this_process_and_every_process_in_the_file(cache_dir: Path)
     ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="stats")
     ds.__getitems__([0, 1, 2])
     ds.__getitems__([1, 2, 3])
-    totals = {"total_hits": 2, "total_misses": 4, "total_written": 4}
+    totals = {"waited": 0, "total_hits": 2, "total_misses": 4, "total_written": 4}
     assert ds.stats() == {"hits": 2, "misses": 4, "written": 4, **totals, "processes": 1} | FILE
     read, write = os.pipe()
     pid = os.fork()
@@ -537,7 +537,7 @@ def test_pickles_by_path(cache_dir: Path) -> None:
     ds.fill(progress=False)
     ds[5]
     blob = pickle.dumps(ds)
-    assert len(blob) < len(pickle.dumps(source)) + 400
+    assert len(blob) < len(pickle.dumps(source)) + 1024  # the path and arguments, not the 16 MB
     clone = pickle.loads(blob)
     assert clone.path == ds.path
     assert same(clone[3999], ds[3999])

@@ -41,7 +41,8 @@ determinism, in-place transforms) · ``_leaves.py`` (what a leaf is, and the one
 rule for whether it fits a field) · ``_columns.py`` (batches as per-field
 columns) · ``_loader.py`` (``loader()``) · ``_ragged.py`` (``ragged=``: variable
 fields in a batch, ``Packed``) · ``_collate.py`` (``pad_collate``,
-``Padded``) · ``_fill.py`` (``fill()``). :class:`NodeShardSampler` is
+``Padded``) · ``_fill.py`` (``fill()``) · ``_stream.py`` (:class:`CachedStream`, over the
+core's ``mmapcache._stream``). :class:`NodeShardSampler` is
 :mod:`mmapcache._sampler`'s.
 """
 
@@ -52,11 +53,13 @@ from ._collate import Padded, collate, pad_collate
 from ._dataset import CachedDataset
 from ._ragged import Packed
 from ._schema import infer_fields
+from ._stream import CachedStream
 
-__all__ = ["CachedDataset", "NodeShardSampler", "Packed", "Padded", "collate", "pad_collate"]
+__all__ = ["CachedDataset", "CachedStream", "NodeShardSampler", "Packed", "Padded", "collate", "pad_collate"]
 
 # Pickles name the public module, whatever file the class lives in.
 CachedDataset.__module__ = __name__
+CachedStream.__module__ = __name__
 Padded.__module__ = __name__
 Packed.__module__ = __name__
 _ = infer_fields  # mmapcache.torch.infer_fields, as in 0.3.0

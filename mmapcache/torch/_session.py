@@ -49,7 +49,7 @@ from ._checks import (
 from ._collate import adopt
 from ._columns import ShapeVariesError, columns, new_batch
 from ._schema import Schema, declaration, first_fields
-from ._settings import Settings
+from ._settings import Settings, not_map_style
 
 __all__ = ["Session"]
 
@@ -445,12 +445,18 @@ class Session:
         """Raw samples from the wrapped dataset (through its ``__getitems__`` when it has one)."""
         dataset = self.settings.dataset
         getitems = getattr(dataset, "__getitems__", None)
-        if getitems is not None and len(indices) > 1:
-            samples = list(getitems(indices))
-            if len(samples) != len(indices):
-                raise ValueError(f"dataset.__getitems__ returned {len(samples)} samples for {len(indices)} indices")
-            return samples
-        return [dataset[i] for i in indices]
+        try:
+            if getitems is not None and len(indices) > 1:
+                samples = list(getitems(indices))
+                if len(samples) != len(indices):
+                    raise ValueError(f"dataset.__getitems__ returned {len(samples)} samples for {len(indices)} indices")
+                return samples
+            return [dataset[i] for i in indices]
+        except NotImplementedError as error:
+            # A pipeline that only streams (a WebDataset with .with_length()) has a __getitem__ that refuses.
+            raise TypeError(
+                f"{not_map_style(dataset)} ({type(dataset).__name__}.__getitem__ raised NotImplementedError)"
+            ) from error
 
     def load(self, positions: list[int]) -> list[Any]:
         """Misses: each loaded once per node and stored, then returned as a hit would be; counted in the file.

@@ -25,7 +25,7 @@ from .._names import SUFFIX
 from .._paths import default_dir
 from ._schema import declared_fields, storage_dtypes, with_dtypes
 
-__all__ = ["Settings"]
+__all__ = ["Settings", "default_path"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,8 +67,10 @@ class Settings:
             raise TypeError(f"key must be a string naming the cached content, not {type(key).__name__}")
         if not key:
             raise ValueError("key must not be empty: it names the cached content (dataset + preprocessing)")
-        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            raise TypeError(f"dataset must be map-style (define __len__ and __getitem__); got {type(dataset).__name__}")
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not (
+            hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+        ):
+            raise TypeError(not_map_style(dataset))
         declared = declared_fields(fields) if fields is not None else None
         variable = declared is not None and any(field.variable for field in declared.values())
         if capacity is not None and max_bytes is not None and not variable:
@@ -86,7 +88,7 @@ class Settings:
         shard = None if cached_indices is None else _index_set(cached_indices, len(dataset))
         return cls(
             dataset=dataset,
-            path=Path(os.path.abspath(os.fspath(path))) if path is not None else _default_path(key, shard),
+            path=Path(os.path.abspath(os.fspath(path))) if path is not None else default_path(key, shard),
             key=key,
             max_bytes=max_bytes,
             capacity=capacity,
@@ -148,7 +150,23 @@ class Settings:
         return idx
 
 
-def _default_path(key: str, shard: np.ndarray[Any, Any] | None = None) -> Path:
+def not_map_style(dataset: Any) -> str:
+    """The message for a dataset that cannot be read by index: a stream is CachedStream's."""
+    kind = type(dataset).__name__
+    if isinstance(dataset, torch.utils.data.IterableDataset) or hasattr(dataset, "__iter__"):
+        what = "an IterableDataset (a stream)" if isinstance(dataset, torch.utils.data.IterableDataset) else "iterable"
+        return (
+            f"dataset must be map-style (__len__ and a working __getitem__), but {kind} is {what}: cache a stream "
+            "with mmapcache.torch.CachedStream, which streams it once into the cache and then reads every epoch "
+            "from the file"
+        )
+    return (
+        f"dataset must be map-style (define __len__ and __getitem__); got {kind}. A stream, read by iterating "
+        "it, is cached with mmapcache.torch.CachedStream"
+    )
+
+
+def default_path(key: str, shard: np.ndarray[Any, Any] | None = None) -> Path:
     """``default_dir()/<key>-<hash>.mmc``; a shard's hash covers its index set too, so each shard has its own file."""
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._-")[:80] or "cache"
     named = hashlib.sha256(key.encode("utf-8"))

@@ -1,0 +1,252 @@
+"""Streams: CachedStream's first epoch against plain streaming, its later epochs against re-streaming and LitData.
+
+Three streams over the same local data, each iterated element by element in
+one process (``num_workers=0``, where every cost shows):
+
+* **json** — Hugging Face ``datasets`` streaming over JSONL files (a text and
+  a label per row): the cheapest stream, where the cache's own cost per
+  element shows most;
+* **tokens** — the same stream with a ``tokenizers`` BPE tokenizer mapped over
+  it (int32 token ids of varying length, the kind of stream worth caching);
+* **images** — WebDataset tar shards of 192 x 192 JPEGs decoded to uint8 tensors.
+
+Per stream, in interleaved rounds: iterating the stream (``plain``);
+iterating a ``CachedStream`` over it into a new file (``fill``, the first
+epoch: target <= 1.05x ``plain``); iterating a ``CachedStream`` whose file is
+complete (``cached``, a later epoch: every element from the file, in a fresh
+permutation). Figures are medians over rounds of per-round ratios.
+
+LitData (``litdata.optimize`` then ``StreamingDataset``) runs in its own
+virtual environment (it depends on torchvision, which must not replace this
+environment's torch): ``--litdata-python PATH``, by default
+``benchmarks/.venv-litdata/bin/python`` when it exists. It
+converts the token stream's elements offline, then its two epochs are timed
+in that process, beside ours in the same run.
+
+``python benchmarks/bench_stream.py [--quick] [--litdata-python PATH]``.
+Results go to ``benchmarks/results/bench_stream[-quick].json``.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _common import HERE, bench_parser, machine_info, ratio, run_rounds, table, write_results
+
+from mmapcache import Field
+from mmapcache.torch import CachedStream
+
+# Made by hand (it is not set up by run.py): python -m venv benchmarks/.venv-litdata &&
+# benchmarks/.venv-litdata/bin/pip install torch==<this interpreter's torch version> litdata
+LITDATA_PYTHON = HERE / ".venv-litdata" / "bin" / "python"
+
+
+def _words(rng: random.Random) -> list[str]:
+    return ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(5000)]
+
+
+def _photo(rng: np.random.Generator) -> np.ndarray[Any, Any]:
+    """A 192 x 192 RGB image with smooth gradients and some noise (JPEG-compresses like a photo)."""
+    y, x = np.mgrid[0:192, 0:192]
+    base = np.stack([x, y, (x + y) // 2], axis=-1) + rng.integers(0, 40, (1, 1, 3))
+    return np.clip(base + rng.normal(0, 8, (192, 192, 3)), 0, 255).astype(np.uint8)
+
+
+def make_data(root: Path, n: int, images: int) -> dict[str, Any]:
+    """JSONL files (two shards), a BPE tokenizer trained on them, WebDataset shards of JPEGs."""
+    import io
+
+    import webdataset as wds
+    from PIL import Image
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    rng = random.Random(0)
+    words = _words(rng)
+    rows = [
+        {"text": " ".join(rng.choice(words) for _ in range(rng.randint(40, 160))), "label": i % 10} for i in range(n)
+    ]
+    files = []
+    for k in range(2):
+        path = root / f"rows-{k}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows[k::2]))
+        files.append(str(path))
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()  # type: ignore[assignment]
+    trainer = trainers.BpeTrainer(vocab_size=3000, special_tokens=["[UNK]"])  # type: ignore[call-arg]
+    tokenizer.train_from_iterator([row["text"] for row in rows[:1000]], trainer, length=1000)
+    shards = []
+    pixels = np.random.default_rng(0)
+    for k in range(2):
+        shard = str(root / f"images-{k}.tar")
+        with wds.TarWriter(shard) as writer:
+            for i in range(k, images, 2):
+                buffer = io.BytesIO()
+                array = _photo(pixels)
+                Image.fromarray(array).save(buffer, format="JPEG", quality=90)
+                writer.write({"__key__": f"{i:07d}", "jpg": buffer.getvalue(), "cls": i % 10})
+        shards.append(shard)
+    return {"files": files, "tokenizer": tokenizer, "shards": shards, "rows": rows, "images": images}
+
+
+def streams(data: dict[str, Any]) -> dict[str, tuple[Callable[[], Iterable[Any]], dict[str, Any]]]:
+    """Each stream's maker and the CachedStream arguments it needs."""
+    import datasets
+    import webdataset as wds
+
+    tokenizer = data["tokenizer"]
+
+    def json_stream() -> Iterable[Any]:
+        return datasets.load_dataset("json", data_files=data["files"], split="train", streaming=True)
+
+    def tokens_stream() -> Iterable[Any]:
+        def tokenize(row: dict[str, Any]) -> dict[str, Any]:
+            return {"input_ids": np.asarray(tokenizer.encode(row["text"]).ids, np.int32)}
+
+        return json_stream().map(tokenize, remove_columns=["text"])  # type: ignore[attr-defined,no-any-return]
+
+    def images_stream() -> Iterable[Any]:
+        return wds.WebDataset(data["shards"], shardshuffle=False).decode("torchrgb8").to_tuple("jpg", "cls")
+
+    tokens_fields = {"label": Field((), "int64"), "input_ids": Field((None,), "int32")}
+    # Budgets of about 1.5x what the elements take, as a user sizes them: the file is preallocated in epoch 1.
+    rows, images = len(data["rows"]), data["images"]
+    return {
+        "json": (json_stream, {"max_bytes": rows * 1536}),
+        "tokens": (tokens_stream, {"fields": tokens_fields, "max_bytes": rows * 2048}),
+        "images": (images_stream, {"max_bytes": images * 150 * 1024}),
+    }
+
+
+def _drain(iterable: Iterable[Any]) -> tuple[float, int]:
+    start = time.perf_counter()
+    count = 0
+    for _ in iterable:
+        count += 1
+    return time.perf_counter() - start, count
+
+
+def measure(data: dict[str, Any], root: Path, rounds: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (make, options) in streams(data).items():
+        complete = CachedStream(make(), root / f"{name}-complete.mmc", key=f"bench/{name}", **options)
+        _drain(complete)  # fill it once, outside the timing
+        counts: dict[str, int] = {}  # elements each variant saw (all must agree)
+
+        def plain(r: int, make: Callable[[], Iterable[Any]] = make, counts: dict[str, int] = counts) -> float:
+            seconds, counts["plain"] = _drain(make())
+            return seconds
+
+        def fill(
+            r: int,
+            make: Callable[[], Iterable[Any]] = make,
+            options: dict[str, Any] = options,
+            name: str = name,
+            counts: dict[str, int] = counts,
+        ) -> float:
+            path = root / f"{name}-round{r}.mmc"
+            ds = CachedStream(make(), path, key=f"bench/{name}/{r}", **options)
+            seconds, counts["fill"] = _drain(ds)
+            ds.close()
+            path.unlink()
+            return seconds
+
+        def cached(r: int, complete: CachedStream = complete, counts: dict[str, int] = counts) -> float:
+            complete.set_epoch(r + 1)
+            seconds, counts["cached"] = _drain(complete)
+            return seconds
+
+        times = run_rounds({"plain": plain, "fill": fill, "cached": cached}, rounds=rounds)
+        assert len(set(counts.values())) == 1, counts
+        n = counts["plain"]
+        out[name] = {
+            "elements": n,
+            "us_per_element": {k: statistics.median(v) / n * 1e6 for k, v in times.items()},
+            "fill_over_plain": ratio(times, "fill", "plain"),
+            "plain_over_cached": ratio(times, "plain", "cached"),
+            "times": times,
+        }
+        complete.close()
+    return out
+
+
+def litdata_epochs(python: str, data: dict[str, Any], root: Path) -> dict[str, Any]:
+    """LitData over the token stream's elements, in its own environment: seconds of its first two epochs."""
+    tokenizer = data["tokenizer"]
+    elements = [
+        {"label": row["label"], "input_ids": np.asarray(tokenizer.encode(row["text"]).ids, np.int32)}
+        for row in data["rows"]
+    ]
+    source = root / "litdata-elements.pkl"
+    source.write_bytes(pickle.dumps(elements))
+    run = subprocess.run(
+        [python, str(HERE / "_litdata_child.py"), str(source), str(root / "litdata")],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if run.returncode != 0:
+        raise RuntimeError(f"the LitData child failed:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = bench_parser(__doc__ or "", quick="1500 rows, 300 images, 2 rounds", rounds=(5, 3))
+    parser.add_argument(
+        "--litdata-python",
+        default=str(LITDATA_PYTHON) if LITDATA_PYTHON.exists() else None,
+        help=f"the python of a virtual environment with litdata installed (default {LITDATA_PYTHON}, if it exists)",
+    )
+    args = parser.parse_args()
+    n, images = (1500, 300) if args.quick else (20000, 4000)
+    rounds = args.rounds or (2 if args.quick else 5)
+    root = Path(tempfile.mkdtemp(prefix="bench-stream-", dir=args.dir))
+    try:
+        data = make_data(root, n, images)
+        results: dict[str, Any] = {
+            "machine": machine_info(),
+            "quick": args.quick,
+            "rows": n,
+            "images": images,
+            "rounds": rounds,
+        }
+        results["streams"] = measure(data, root, rounds)
+        rows = []
+        for name, found in results["streams"].items():
+            per = found["us_per_element"]
+            rows.append(
+                [name, found["elements"], per["plain"], per["fill"], per["cached"], found["fill_over_plain"],
+                 found["plain_over_cached"]]
+            )  # fmt: skip
+        print(table(["stream", "elements", "plain µs", "fill µs", "cached µs", "fill/plain", "plain/cached"], rows))
+        if args.litdata_python:
+            lit = litdata_epochs(args.litdata_python, data, root)
+            ours = results["streams"]["tokens"]["us_per_element"]["cached"]
+            lit["cached_us_per_element"] = ours
+            lit["litdata_epoch2_over_cached"] = lit["epoch2_us_per_element"] / ours
+            results["litdata"] = lit
+            print(
+                f"LitData (tokens, converted offline in {lit['optimize_seconds']:.1f} s): epoch 1 "
+                f"{lit['epoch1_us_per_element']:.1f} µs/element, epoch 2 {lit['epoch2_us_per_element']:.1f}; "
+                f"CachedStream's later epoch {ours:.1f} ({lit['litdata_epoch2_over_cached']:.2f}x faster than "
+                "LitData's epoch 2)"
+            )
+        print(f"results: {write_results('bench_stream', results, quick=args.quick, path=args.json)}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The stream region of a version 8 file: the allocation counter, the partition table, the element table.
+
+The mechanics of caching a stream (the rules are in ``_format.py``, "Stream
+region"); the policy — which partition a process reads, when to restart a
+fill — is ``_stream.py``'s.
+
+Why a stored element is counted exactly once
+--------------------------------------------
+A writer of partition ``p`` holds the kernel lock on ``p``'s record and
+stores element ``j`` only when ``j == stored``. It writes ``pending = (slot,
+j)`` before it fills the slot and clears it after advancing ``stored``; each
+is one aligned 8-byte store. Killed
+
+* before the slot is READY: the slot is never READY (a hole nobody serves),
+  ``stored`` is still ``j``, and the next writer stores ``j`` elsewhere;
+* after READY, before ``stored`` moved: the next writer to take the lock
+  finds the pending slot READY with ``stored == j`` and rolls forward;
+* after ``stored`` moved: the pending element is below ``stored``, so the
+  roll-forward does nothing twice.
+
+The kernel drops the lock of a dead writer, so there is no stale lock: the
+next run (or a second job behind it on the same partition) takes over.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._format import ELEMENT_RECORD_SIZE, PARTITION_RECORD_SIZE, Layout
+from ._locks import SlotLocks
+from ._slots import READY
+
+__all__ = ["ENDED", "FULL", "PartitionState", "StreamRegion", "read_region"]
+
+ENDED, FULL = 1, 2  # partition flags
+_BOOT_ID_SIZE = 16
+_ALLOCATED = 16  # offset of `allocated` in the stream page
+
+_PARTITION = np.dtype(
+    [
+        ("stored", "<u8"),
+        ("pending_slot", "<u8"),
+        ("pending_element", "<u8"),
+        ("total", "<u8"),
+        ("flags", "<u4"),
+        ("zero", "V28"),
+    ]
+)
+_ELEMENT = np.dtype([("element", "<u8"), ("partition", "<u4"), ("zero", "<u4")])
+assert _PARTITION.itemsize == PARTITION_RECORD_SIZE
+assert _ELEMENT.itemsize == ELEMENT_RECORD_SIZE
+
+
+def read_region(fd: int, layout: Layout) -> tuple[int, np.ndarray[Any, Any]]:
+    """``(allocated, partition table)`` of the file behind ``fd``, read with ``pread`` (no mapping)."""
+    (allocated,) = np.frombuffer(os.pread(fd, 8, layout.stream_offset + _ALLOCATED), "<u8")
+    table = np.frombuffer(os.pread(fd, layout.partitions * PARTITION_RECORD_SIZE, layout.partitions_offset), _PARTITION)
+    return int(allocated), table
+
+
+@dataclass(frozen=True)
+class PartitionState:
+    """One partition's record, as read."""
+
+    stored: int
+    total: int
+    ended: bool
+    full: bool
+
+
+class StreamRegion:
+    """Views of the stream region in a mapping, and the store-once protocol on it.
+
+    Each column of the partition and element tables is a strided view of its
+    own: indexing one costs a plain array access, which the per-element path
+    of a fill does a few times.
+    """
+
+    __slots__ = (
+        "_alloc_lock",
+        "_records_offset",
+        "allocated",
+        "boot_id",
+        "element",
+        "flags",
+        "locks",
+        "partition",
+        "pending_element",
+        "pending_slot",
+        "states",
+        "stored",
+        "total",
+    )
+
+    def __init__(
+        self, buffer: Any, layout: Layout, capacity: int, states: np.ndarray[Any, Any], locks: SlotLocks
+    ) -> None:
+        self.boot_id = np.ndarray((_BOOT_ID_SIZE,), np.uint8, buffer=buffer, offset=layout.stream_offset)
+        self.allocated = np.ndarray((1,), "<u8", buffer=buffer, offset=layout.stream_offset + _ALLOCATED)
+        table = np.ndarray((layout.partitions,), _PARTITION, buffer=buffer, offset=layout.partitions_offset)
+        self.stored = table["stored"]
+        self.pending_slot = table["pending_slot"]
+        self.pending_element = table["pending_element"]
+        self.total = table["total"]
+        self.flags = table["flags"]
+        elements = np.ndarray((capacity,), _ELEMENT, buffer=buffer, offset=layout.elements_offset)
+        self.element = elements["element"]
+        self.partition = elements["partition"]
+        self.states = states  # the slot table's state column
+        self.locks = locks
+        self._alloc_lock = layout.stream_offset + _ALLOCATED
+        self._records_offset = layout.partitions_offset
+
+    # -- reading -------------------------------------------------------------
+
+    def state(self, p: int) -> PartitionState:
+        flags = int(self.flags[p])
+        return PartitionState(int(self.stored[p]), int(self.total[p]), bool(flags & ENDED), bool(flags & FULL))
+
+    def complete(self) -> bool:
+        """Every partition ended: the file holds what it will ever hold of the stream."""
+        return bool(np.all(self.flags & ENDED))
+
+    def full(self) -> bool:
+        """Some partition had an element that did not fit."""
+        return bool(np.any(self.flags & FULL))
+
+    def counted(self) -> np.ndarray[Any, np.dtype[np.intp]]:
+        """The READY slots that hold a counted element, in canonical order (by partition, then element).
+
+        A READY slot whose element is not below its partition's ``stored`` (a
+        writer died between publishing and counting it, and nobody recovered
+        the partition yet) is left out.
+        """
+        allocated = min(int(self.allocated[0]), len(self.element))
+        slots = np.flatnonzero(self.states[:allocated] == READY)
+        partition = self.partition[slots].astype(np.intp)
+        element = self.element[slots]
+        known = partition < len(self.stored)
+        slots, partition, element = slots[known], partition[known], element[known]
+        keep = element < self.stored[partition]
+        slots, partition, element = slots[keep], partition[keep], element[keep]
+        counted: np.ndarray[Any, np.dtype[np.intp]] = slots[np.lexsort((element, partition))]
+        return counted
+
+    # -- writing (the caller holds the partition's lock) ----------------------
+
+    def lock_offset(self, p: int) -> int:
+        return self._records_offset + p * PARTITION_RECORD_SIZE
+
+    def try_lock(self, p: int) -> bool:
+        """Take partition ``p``'s writer lock without waiting, and recover a dead writer's pending slot."""
+        if not self.locks.try_claim(self.lock_offset(p)):
+            return False
+        pending = int(self.pending_slot[p])
+        if pending:
+            element = int(self.pending_element[p])
+            if self.states[pending - 1] == READY and int(self.stored[p]) == element:
+                self.stored[p] = element + 1  # published, then killed before it was counted
+            self.pending_slot[p] = 0
+        return True
+
+    def unlock(self, p: int) -> None:
+        self.locks.release(self.lock_offset(p))
+
+    def allocate(self, count: int = 1) -> range:
+        """Up to ``count`` slots of our own from the shared counter (empty when every slot is handed out)."""
+        self.locks.claim_wait(self._alloc_lock)
+        try:
+            first = int(self.allocated[0])
+            last = min(first + count, len(self.element))
+            self.allocated[0] = max(first, last)
+        finally:
+            self.locks.release(self._alloc_lock)
+        return range(first, last)
+
+    def begin(self, p: int, element: int, slot: int) -> None:
+        """Announce that ``slot`` is being filled with element ``element`` of partition ``p``."""
+        self.pending_element[p] = element
+        self.pending_slot[p] = slot + 1
+        self.element[slot] = element
+        self.partition[slot] = p
+
+    def commit(self, p: int, element: int) -> None:
+        """Count element ``element`` (its slot is READY)."""
+        self.stored[p] = element + 1
+        self.pending_slot[p] = 0
+
+    def set_full(self, p: int) -> None:
+        """An element of ``p`` did not fit; nothing after it is stored (the pending slot, if any, stays a hole)."""
+        self.pending_slot[p] = 0
+        self.flags[p] |= FULL
+
+    def end(self, p: int, total: int) -> None:
+        self.total[p] = total
+        self.flags[p] |= ENDED
+
+    def reset(self, boot_id: bytes) -> None:
+        """Forget the fill (for ``Cache.clear``, which empties every slot under the exclusive lock)."""
+        self.allocated[0] = 0
+        for column in (self.stored, self.pending_slot, self.pending_element, self.total, self.flags):
+            column[:] = 0
+        self.element[:] = 0
+        self.partition[:] = 0
+        self.boot_id[:] = np.frombuffer(boot_id, np.uint8)

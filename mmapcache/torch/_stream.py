@@ -1,0 +1,442 @@
+"""``CachedStream``: an ``IterableDataset`` streamed once into a cache file, then read from it with a true shuffle.
+
+The file format and the store-once protocol are the core's (``mmapcache._stream``,
+``mmapcache._partitions``); this module says which partition a process reads
+(its DDP rank and DataLoader worker), turns stream elements into cache fields
+and back, and chooses, per epoch, between filling, reading and streaming.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from .._errors import SchemaMismatchError
+from .._field import Field, FieldsLike
+from .._stream import (
+    Partition,
+    PartitionWriter,
+    StreamPlan,
+    StreamStatus,
+    checked_records,
+    epoch_slots,
+    open_stream,
+    per_rank,
+    plan_stream,
+    region,
+    stream_status,
+    usable,
+)
+from .._tensors import tensor_to_numpy
+from ..cache import Cache
+from ._leaves import LeafShapeError, convert_leaf, fit
+from ._schema import Schema, declaration, declared_fields, describe, first_fields, storage_dtypes
+from ._settings import default_path
+
+__all__ = ["CachedStream"]
+
+log = logging.getLogger("mmapcache")
+
+
+def _rank() -> tuple[int, int]:
+    """``(rank, world size)``: from ``torch.distributed`` once initialised, else ``RANK``/``WORLD_SIZE``, else one."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is not None and world is not None:
+        return int(rank), int(world)
+    return 0, 1
+
+
+class CachedStream(torch.utils.data.IterableDataset[Any]):
+    """``stream`` (any iterable of samples) cached in one file as it is read, then read from the file.
+
+    >>> ds = CachedStream(hf_stream, key="c4-en/gpt2/v1", max_bytes="20GiB")  # doctest: +SKIP
+    >>> loader = DataLoader(ds, batch_size=64, num_workers=4)  # doctest: +SKIP
+
+    While the cache is not complete, each process iterates ``stream`` as it
+    would without the cache — the stream shards itself across DDP ranks and
+    DataLoader workers, and each (rank, worker) is one *partition* — yields
+    its elements in stream order and stores each of them once, whatever the
+    number of processes and jobs reading it. Once every partition has been
+    read to its end the cache is *complete*: every later epoch reads only the
+    file, all elements in a fresh permutation per epoch (``set_epoch``; drawn
+    from ``seed``, or in stored order with ``shuffle=False``), split evenly
+    across ranks (padded by wrap-around, as ``DistributedSampler`` does) and
+    workers, and ``len()`` is the count per rank.
+
+    Samples are what :class:`CachedDataset` caches (tensors, arrays, Python
+    scalars, ``str``/``bytes``, a tuple/list/dict of those one level deep);
+    each element comes back as a read from the cache returns it, already in
+    the first epoch. ``fields``/``dtypes`` are CachedDataset's: without
+    ``fields`` the first element's shapes are kept; declare varying
+    dimensions as ``None``.
+
+    The file is preallocated: its size comes from ``max_bytes`` or, without
+    it, from ``len(stream)`` (a stream without either is refused when it is
+    first iterated). A stream that does not fit is admitted until the file is
+    full; the rest of each partition is streamed uncached every epoch, and
+    :meth:`stats` says so (``full``, ``uncached``).
+
+    A run killed during the first epoch leaves a cache that the next run
+    continues (same ranks and workers) or starts again (other ranks or
+    workers, once no other job uses the file); nothing is stored twice and an
+    incomplete cache is never read as the whole stream.
+    """
+
+    def __init__(
+        self,
+        stream: Iterable[Any],
+        path: str | os.PathLike[str] | None = None,
+        *,
+        key: str,
+        fields: FieldsLike | None = None,
+        dtypes: Mapping[str, Any] | None = None,
+        max_bytes: int | str | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a string naming the cached content, not {type(key).__name__}")
+        if not key:
+            raise ValueError("key must not be empty: it names the cached content (stream + preprocessing)")
+        if isinstance(stream, torch.utils.data.Dataset) and not isinstance(stream, torch.utils.data.IterableDataset):
+            raise TypeError(
+                f"{type(stream).__name__} is a map-style dataset: cache it with mmapcache.torch.CachedDataset, "
+                "which reads any index in any order; CachedStream is for streams (IterableDataset...)"
+            )
+        if not hasattr(stream, "__iter__"):
+            raise TypeError(f"stream must be an iterable (an IterableDataset...), not {type(stream).__name__}")
+        if isinstance(stream, Iterator):
+            raise TypeError(
+                f"stream is a one-shot iterator ({type(stream).__name__}), but it is iterated again in each epoch "
+                "until the cache is complete, and in each DataLoader worker: pass an iterable instead (an "
+                "IterableDataset, or a class whose __iter__ is a generator function)"
+            )
+        if dtypes is not None and fields is not None:
+            raise ValueError("give dtypes= or fields=, not both: fields= declares every field's dtype already")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, not {type(seed).__name__}")
+        self.stream = stream
+        self.key = key
+        self.fields = None if fields is None else declared_fields(fields)
+        self.dtypes = None if dtypes is None else storage_dtypes(dtypes)
+        self.max_bytes = max_bytes
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.epoch: int | None = None  # set_epoch's; None: each pass in a process draws the next
+        self.path = Path(os.path.abspath(os.fspath(path))) if path is not None else default_path(key)
+        self._ranks: tuple[int, int] | None = None  # the main process's rank, handed to its workers
+        self._init_process_state()
+
+    def _init_process_state(self) -> None:
+        self._cache: Cache | None = None
+        self._schema: Schema | None = None
+        self._lock = threading.Lock()
+        self._read = self._streamed = self._written = 0
+        self._passes = 0  # iterations of this object in this process (see set_epoch)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {name: value for name, value in self.__dict__.items() if not name.startswith("_")}
+        state["_ranks"] = self._ranks or _rank()  # workers started by spawn have no process group
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_process_state()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the permutation of the next epoch from ``(seed, epoch)``: call it on every rank, every epoch.
+
+        Without it, each pass over the object in one process draws the next one
+        by itself (``num_workers=0``, persistent workers); workers that are not
+        persistent start afresh each epoch, so there the order repeats unless the
+        epoch is set.
+        """
+        self.epoch = int(epoch)
+
+    # -- who reads what ------------------------------------------------------------
+
+    def _partition(self) -> Partition:
+        rank, ranks = self._ranks or _rank()
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        return Partition(rank, ranks, worker, workers)
+
+    def _opened(self, partition: Partition, plan: Any = None) -> Cache | None:
+        """The cache this process iterates as ``partition`` (``None``: it must be made from a first element)."""
+        with self._lock:
+            if self._cache is not None and not self._cache.closed:
+                if usable(self._cache, partition):
+                    return self._cache
+                self._cache.close()  # e.g. opened by the main process, which forked workers of another partitioning
+                self._cache = None
+            cache = open_stream(self.path, key=self.key, fields=None, partition=partition, plan=plan)
+            if cache is not None:
+                self._adopt(cache)
+            return cache
+
+    def _adopt(self, cache: Cache) -> None:
+        if self.fields is not None and cache.fields != self.fields and set(cache.fields) != set(self.fields):
+            cache.close()
+            raise SchemaMismatchError(
+                f"the stream cache at {self.path} (key {self.key!r}) holds fields {describe(cache.fields)}, but "
+                f"fields= declares {describe(self.fields)}: change the key for the new data, or remove the old "
+                f"cache (`mmapcache rm {self.path}`)",
+                path=self.path,
+                differences={"fields": (self.fields, cache.fields)},
+            )
+        self._cache = cache
+        self._schema = Schema(cache.fields, self.path)
+
+    # -- iterating -----------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        partition = self._partition()
+        self._passes += 1
+        cache = self._opened(partition)
+        if cache is None:
+            return self._fill(None, partition)
+        status = stream_status(cache)
+        if status.cached:
+            return self._read_epoch(cache, partition)
+        state = region(cache).state(partition.index)
+        if state.ended:
+            return self._read_partition(cache, partition, state.stored, state.full)
+        return self._fill(cache, partition)
+
+    def _epoch(self) -> int:
+        return self.epoch if self.epoch is not None else self._passes - 1
+
+    def _read_epoch(self, cache: Cache, partition: Partition) -> Iterator[Any]:
+        slots = epoch_slots(
+            checked_records(cache),
+            epoch=self._epoch(),
+            seed=self.seed,
+            shuffle=self.shuffle,
+            rank=partition.rank,
+            ranks=partition.ranks,
+            worker=partition.worker,
+            workers=partition.workers,
+        )
+        yield from self._from_file(cache, slots)
+
+    def _read_partition(self, cache: Cache, partition: Partition, stored: int, full: bool) -> Iterator[Any]:
+        """An ended partition of a cache that is not complete, or is full: its elements from the file, then the rest."""
+        stream = region(cache)
+        counted = checked_records(cache)
+        mine = counted[stream.partition[counted] == partition.index]
+        if self.shuffle:
+            mine = mine[np.random.default_rng([self.seed, self._epoch(), partition.index]).permutation(len(mine))]
+        yield from self._from_file(cache, mine)
+        if full:
+            yield from self._stream_rest(partition, stored)
+
+    def _from_file(self, cache: Cache, slots: np.ndarray[Any, Any]) -> Iterator[Any]:
+        schema = self._schema
+        assert schema is not None
+        names = schema.names
+        for slot in slots.tolist():
+            sample = cache.get(slot)
+            if sample is None:  # only a file that was cleared or damaged under us
+                raise RuntimeError(f"slot {slot} of the stream cache {self.path} is no longer filled")
+            self._read += 1
+            yield schema.build([[schema.to_tensor(sample[name], k)] for k, name in enumerate(names)])[0]
+
+    def _stream_rest(self, partition: Partition, stored: int) -> Iterator[Any]:
+        """The partition's elements after the ``stored`` cached ones, streamed and not stored (a full cache)."""
+        schema = self._schema
+        assert schema is not None
+        for j, element in enumerate(self.stream):
+            if j < stored:
+                continue  # a generic iterable cannot seek: its cached elements are read past
+            self._streamed += 1
+            yield self._build(schema, self._leaves(schema, element, j))
+
+    def _fill(self, cache: Cache | None, partition: Partition) -> Iterator[Any]:
+        writer = None if cache is None else PartitionWriter(cache, partition)
+        count = 0
+        try:
+            for element in self.stream:
+                if writer is None:
+                    cache = self._opened(partition, plan=functools.partial(self._plan, element, count, partition))
+                    assert cache is not None
+                    writer = PartitionWriter(cache, partition)
+                schema = self._schema
+                assert schema is not None
+                leaves = self._leaves(schema, element, count)
+                if writer.offer(count, self._row(schema, leaves)):
+                    self._written += 1
+                self._streamed += 1
+                yield self._build(schema, leaves)
+                count += 1
+            if writer is None:  # an empty partition: it ends once somebody made the file
+                cache = self._opened(partition)
+                writer = None if cache is None else PartitionWriter(cache, partition)
+            if writer is not None:
+                writer.finish(count)
+        finally:
+            if writer is not None:
+                writer.close()
+
+    def _plan(self, first: Any, index: int, partition: Partition) -> StreamPlan:
+        fields = self._first_fields(first, index)
+        schema = Schema(fields, self.path)
+        leaves = self._leaves(schema, first, index)
+        value_bytes = sum(
+            -(-np.asarray(leaf).nbytes // 16) * 16
+            for leaf, field in zip(leaves, fields.values(), strict=True)
+            if field.variable
+        )
+        try:
+            length: int | None = len(self.stream)  # type: ignore[arg-type]
+        except TypeError:
+            length = None
+        return plan_stream(
+            fields,
+            max_bytes=self.max_bytes,
+            length=length,
+            partitions=partition.ranks * partition.workers,
+            value_bytes=value_bytes,
+        )
+
+    def _first_fields(self, sample: Any, index: int) -> dict[str, Field]:
+        """The fields to create the file with: ``fields=`` in the element's order, or its own."""
+        try:
+            return first_fields(sample, index, self.fields, self.dtypes)
+        except (TypeError, ValueError) as error:
+            raise type(error)(_as_element(str(error))) from None
+
+    def _leaves(self, schema: Schema, element: Any, index: int) -> list[Any]:
+        """``element``'s leaves as storage arrays, in field order, checked against the fields.
+
+        One element at a time: arrays are views of the element's own tensors where they can be
+        (``Cache.put`` copies them into the file), so the first epoch copies nothing more.
+        """
+        fields = list(schema.fields.items())
+        arrays: list[Any] = []
+        try:
+            for leaf, (name, field) in zip(schema.flatten(element), fields, strict=True):
+                if self.dtypes is not None and name in self.dtypes:
+                    leaf = convert_leaf(leaf, field, name)
+                fitted = fit(leaf, field, name)
+                arrays.append(tensor_to_numpy(fitted, field, name) if isinstance(fitted, torch.Tensor) else fitted)
+        except LeafShapeError as error:
+            if self.fields is not None:
+                raise ValueError(f"stream element {index}: {error}, which fields= declares") from None
+            raise ValueError(
+                f"stream element {index}: field {error.name!r} has shape {error.shape}, but the cache's field has "
+                f"the fixed shape {error.field.shape}: without fields=, every field keeps the shape of the first "
+                f"element. Declare the dimensions that vary as None: CachedStream(..., "
+                f"fields={declaration(schema, [element])}, max_bytes=...), with Field from mmapcache; then use "
+                f"a new key or remove the cache (`mmapcache rm {self.path}`)"
+            ) from None
+        except (TypeError, ValueError) as error:
+            raise type(error)(
+                f"stream element {index}: {error}. mmapcache caches samples of one structure and dtype per field "
+                f"({describe(schema.fields)}); convert them in the stream before the cache"
+            ) from None
+        return arrays
+
+    @staticmethod
+    def _build(schema: Schema, leaves: list[Any]) -> Any:
+        """The element as a read from the cache returns it (tensors over its storage arrays; str/bytes for text)."""
+        return schema.build([[schema.to_tensor(_writable(leaf, schema.texts[k]), k)] for k, leaf in enumerate(leaves)])[
+            0
+        ]
+
+    @staticmethod
+    def _row(schema: Schema, leaves: list[Any]) -> dict[str, Any]:
+        """What ``Cache.put`` stores: the element's storage arrays by field name."""
+        return dict(zip(schema.names, leaves, strict=True))
+
+    # -- what it knows -------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Elements this rank reads in an epoch of a complete cache; else ``len(stream)`` if it has one."""
+        partition = self._partition()
+        status = self._status(partition)
+        if status is not None and status.cached:
+            assert status.total is not None
+            return per_rank(status.total, partition.ranks)
+        try:
+            return len(self.stream)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                f"len() of a CachedStream is known once its cache is complete (after a first epoch that reads the "
+                f"whole stream), and {type(self.stream).__name__} has no len() of its own"
+            ) from None
+
+    def stats(self) -> dict[str, Any]:
+        """Where the cache stands, and what this process read, streamed and stored.
+
+        ``complete``: every partition was read to its end. ``full``: the
+        stream did not fit the file; ``uncached`` elements (known once
+        complete) are streamed every epoch. ``read``/``streamed``/``written``
+        count this process's elements from the file, from the stream, and
+        stored.
+        """
+        counts = {"read": self._read, "streamed": self._streamed, "written": self._written}
+        status = self._status(self._partition())
+        if status is None:
+            return {"complete": False, "full": False, "stored": 0, "total": None, "uncached": None, **counts}
+        uncached = None if status.total is None else status.total - status.stored
+        return {**status.to_dict(), "uncached": uncached, **counts}
+
+    @property
+    def cache(self) -> Cache | None:
+        """The :class:`~mmapcache.Cache` holding the stream (``None`` until some process made the file).
+
+        The handle stays open in this process: while it does, a run with other
+        ranks or workers cannot restart a fill that is not complete.
+        """
+        with self._lock:
+            if self._cache is None or self._cache.closed:
+                try:
+                    self._adopt(Cache(self.path, key=self.key))
+                except FileNotFoundError:
+                    return None
+            return self._cache
+
+    def _status(self, partition: Partition) -> StreamStatus | None:
+        """The fill's status, without keeping an incomplete cache open (that would keep a restart from happening)."""
+        if self._cache is not None and not self._cache.closed:
+            return stream_status(self._cache)
+        try:
+            cache = Cache(self.path, key=self.key, readonly=True)
+        except FileNotFoundError:
+            return None
+        with cache:
+            return stream_status(cache)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._cache is not None:
+                self._cache.close()
+                self._cache = None
+
+    def __repr__(self) -> str:
+        return f"CachedStream({type(self.stream).__name__}, path={str(self.path)!r}, key={self.key!r})"
+
+
+def _writable(array: Any, text: str | None) -> Any:
+    """``array``, copied if torch would have to share a read-only buffer (text is decoded, never shared)."""
+    if text is None and isinstance(array, np.ndarray) and not array.flags.writeable:
+        return array.copy()
+    return array
+
+
+def _as_element(message: str) -> str:
+    """A message of the shared torch layer, which speaks of ``dataset[i]``, about a stream element."""
+    return re.sub(r"dataset\[(\d+)\]", r"stream element \1", message)

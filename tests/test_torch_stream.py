@@ -1,0 +1,311 @@
+"""CachedStream over real streams (generator IterableDataset, HF datasets, WebDataset): workers, ranks, kills."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from mmapcache import Cache, Field
+from mmapcache._stream import stream_status
+from mmapcache.torch import CachedStream, pad_collate
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from stream_sources import Numbers, WithLength, fixed, numbered  # noqa: E402
+
+FIELDS = {
+    "x": Field((4,), "int64"),
+    "label": Field((), "int64"),
+    "caption": Field((None,), "str"),
+    "tokens": Field((None,), "int32"),
+}
+
+
+def _labels(loader: DataLoader[Any]) -> list[int]:
+    return [label for batch in loader for label in batch["label"].tolist()]
+
+
+def _passes(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+
+
+def test_the_first_epoch_yields_the_stream_in_order_as_the_cache_returns_it(tmp_path: Path) -> None:
+    ds = CachedStream(Numbers(20), tmp_path / "s.mmc", key="k", fields=FIELDS, max_bytes="1MiB")
+    first = list(ds)
+    later = {int(element["label"]): element for element in ds}
+    for i, element in enumerate(first):
+        expected = numbered(i)
+        assert isinstance(element["x"], torch.Tensor)
+        assert torch.equal(element["x"], expected["x"])
+        assert element["label"].dtype == torch.int64
+        assert int(element["label"]) == i
+        assert element["caption"] == expected["caption"]
+        assert torch.equal(element["tokens"], expected["tokens"])
+        cached = later[i]  # the same element, read from the file
+        assert cached["caption"] == element["caption"]
+        assert torch.equal(cached["tokens"], element["tokens"])
+        assert torch.equal(cached["x"], element["x"])
+
+
+def test_later_epochs_read_only_the_file_in_a_fresh_permutation_each(tmp_path: Path) -> None:
+    passes = tmp_path / "passes"
+    ds = CachedStream(
+        Numbers(64, kind="fixed", passes=str(passes)), tmp_path / "s.mmc", key="k", max_bytes="1MiB", seed=1
+    )
+    loader = DataLoader(ds, batch_size=8)
+    with pytest.raises(TypeError, match="known once its cache is complete"):
+        len(ds)
+    assert _labels(loader) == list(range(64))  # stream order
+    assert _passes(passes) == 1
+    assert len(ds) == len(loader) * 8 == 64
+    orders = []
+    for epoch in (1, 2):
+        ds.set_epoch(epoch)
+        orders.append(_labels(loader))
+    assert _passes(passes) == 1  # the stream was not read again
+    assert sorted(orders[0]) == sorted(orders[1]) == list(range(64))
+    assert orders[0] != orders[1]
+    ds.set_epoch(1)
+    again = CachedStream(Numbers(64, kind="fixed"), tmp_path / "s.mmc", key="k", max_bytes="1MiB", seed=1)
+    again.set_epoch(1)
+    assert _labels(DataLoader(again, batch_size=8)) == orders[0]  # the same permutation in every process
+    unshuffled = CachedStream(Numbers(64, kind="fixed"), tmp_path / "s.mmc", key="k", max_bytes="1MiB", shuffle=False)
+    assert _labels(DataLoader(unshuffled, batch_size=8)) == list(range(64))
+    stats = ds.stats()
+    assert (stats["complete"], stats["full"], stats["stored"], stats["total"], stats["uncached"]) == (
+        True,
+        False,
+        64,
+        64,
+        0,
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_workers_store_each_element_once_and_share_later_epochs(tmp_path: Path, workers: int) -> None:
+    passes = tmp_path / "passes"
+    ds = CachedStream(Numbers(50, passes=str(passes)), tmp_path / "s.mmc", key="k", fields=FIELDS, max_bytes="1MiB")
+    loader = DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=pad_collate)
+    assert sorted(_labels(loader)) == list(range(50))
+    with Cache(tmp_path / "s.mmc", readonly=True) as cache:
+        status = stream_status(cache)
+        assert status.partitioning == (1, max(workers, 1))
+        assert (status.cached, status.stored) == (True, 50)
+    for epoch in (1, 2):
+        ds.set_epoch(epoch)
+        assert sorted(_labels(loader)) == list(range(50))
+    assert _passes(passes) == max(workers, 1)  # one pass per worker, in the first epoch only
+
+
+def test_a_stream_with_a_len_sizes_the_file_from_it(tmp_path: Path) -> None:
+    ds = CachedStream(WithLength(30, kind="fixed"), tmp_path / "s.mmc", key="k")
+    assert len(ds) == 30  # the stream's own, until the cache is complete
+    assert len(list(ds)) == 30
+    assert ds.cache is not None
+    assert 30 <= ds.cache.capacity < 100
+
+
+def test_a_stream_larger_than_the_budget_is_admitted_until_full_and_the_rest_streamed_every_epoch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    passes = tmp_path / "passes"
+    ds = CachedStream(Numbers(3000, kind="fixed", passes=str(passes)), tmp_path / "s.mmc", key="k", max_bytes="64KiB")
+    with caplog.at_level(logging.WARNING, logger="mmapcache"):
+        assert sorted(int(e["label"]) for e in ds) == list(range(3000))
+    assert "is full" in caplog.text
+    stats = ds.stats()
+    assert (stats["complete"], stats["full"]) == (True, True)
+    assert 0 < stats["stored"] < 3000
+    assert stats["uncached"] == 3000 - stats["stored"]
+    second = [int(e["label"]) for e in ds]
+    assert sorted(second) == list(range(3000))  # the stored ones from the file, the rest streamed
+    assert _passes(passes) == 2
+    assert ds.stats()["read"] == stats["stored"]
+
+
+def test_hf_datasets_streaming_over_jsonl_and_parquet(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    rows = [{"text": f"line {i} " + "x" * (i % 9), "label": i} for i in range(40)]
+    jsonl = []
+    for k in range(2):  # two files: two shards, one per DataLoader worker
+        path = tmp_path / f"part{k}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows[k * 20 : (k + 1) * 20]))
+        jsonl.append(str(path))
+    parquet = str(tmp_path / "all.parquet")
+    datasets.Dataset.from_list(rows).to_parquet(parquet)
+    for name, files, kind, workers in (("j", jsonl, "json", 2), ("p", [parquet], "parquet", 0)):
+        stream = datasets.load_dataset(kind, data_files=files, split="train", streaming=True)
+        ds = CachedStream(stream, tmp_path / f"{name}.mmc", key=f"hf-{name}", max_bytes="1MiB")
+        loader = DataLoader(ds, batch_size=8, num_workers=workers)
+        first = [
+            (text, int(label)) for batch in loader for text, label in zip(batch["text"], batch["label"], strict=True)
+        ]
+        assert sorted(first, key=lambda row: row[1]) == [(row["text"], row["label"]) for row in rows]
+        assert ds.stats()["complete"]
+        ds.set_epoch(1)
+        second = [
+            (text, int(label)) for batch in loader for text, label in zip(batch["text"], batch["label"], strict=True)
+        ]
+        assert sorted(second) == sorted(first)
+        assert second != first
+
+
+def test_webdataset_tar_shards(tmp_path: Path) -> None:
+    wds = pytest.importorskip("webdataset")
+    shards = []
+    for k in range(2):
+        shard = str(tmp_path / f"shard-{k}.tar")
+        with wds.TarWriter(shard) as writer:
+            for i in range(k * 25, (k + 1) * 25):
+                writer.write({"__key__": f"{i:06d}", "txt": f"caption {i}", "cls": i})
+        shards.append(shard)
+    for workers in (0, 2):
+        stream = wds.WebDataset(shards, shardshuffle=False).decode().to_tuple("txt", "cls")
+        ds = CachedStream(stream, tmp_path / f"w{workers}.mmc", key=f"wds-{workers}", max_bytes="1MiB")
+        loader = DataLoader(ds, batch_size=5, num_workers=workers)
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            seen = [(text, int(label)) for texts, labels in loader for text, label in zip(texts, labels, strict=True)]
+            assert sorted(seen, key=lambda row: row[1]) == [(f"caption {i}", i) for i in range(50)]
+        assert ds.stats()["stored"] == 50
+
+
+def test_a_run_killed_during_the_first_epoch_is_continued_by_the_next_without_duplicates(tmp_path: Path) -> None:
+    path, out = tmp_path / "s.mmc", tmp_path / "out"
+    command = [sys.executable, str(HERE / "stream_run.py"), str(path), "--length", "200", "--workers", "2"]
+    run = subprocess.Popen([*command, "--delay", "0.01", "--out", str(out)], env=_env(), stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while _passes(out) < 40 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.send_signal(signal.SIGKILL)
+    run.wait(timeout=30)
+    time.sleep(0.5)  # the orphaned workers notice their parent is gone and exit
+    with Cache(path, readonly=True) as cache:
+        status = stream_status(cache)
+        assert not status.complete
+        assert 0 < status.stored < 200
+    done = subprocess.run([*command, "--out", str(out), "--epochs", "2"], env=_env(), capture_output=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with Cache(path, readonly=True) as cache:
+        status = stream_status(cache)
+        assert (status.cached, status.stored, status.total) == (True, 200, 200)
+    stats_line = out.read_text().splitlines()[-1]
+    assert stats_line.startswith("stats 0")
+
+
+def test_two_ranks_under_torchrun_store_the_stream_once_and_read_equal_shares(tmp_path: Path) -> None:
+    path, out = tmp_path / "s.mmc", tmp_path / "out"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    command += [str(HERE / "stream_run.py"), str(path), "--length", "101", "--workers", "2", "--epochs", "3"]
+    run = subprocess.run(
+        [*command, "--out", str(out), "--ddp"], env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = [line.split() for line in out.read_text().splitlines() if not line.startswith("stats")]
+    by_epoch: dict[int, Counter[int]] = {}
+    per_rank: Counter[tuple[int, int]] = Counter()
+    for rank, epoch, label in ((int(a), int(b), int(c)) for a, b, c in lines):
+        by_epoch.setdefault(epoch, Counter())[label] += 1
+        per_rank[(epoch, rank)] += 1
+    assert sorted(by_epoch[0]) == list(range(101))
+    assert set(by_epoch[0].values()) == {1}  # the first epoch: the stream itself, each element once
+    for epoch in (1, 2):
+        assert sorted(by_epoch[epoch]) == list(range(101))  # every element, one padded in twice
+        assert sum(by_epoch[epoch].values()) == 102
+        assert per_rank[(epoch, 0)] == per_rank[(epoch, 1)] == 51  # equal shares, as DDP needs
+    with Cache(path, readonly=True) as cache:
+        status = stream_status(cache)
+        assert status.partitioning == (2, 2)
+        assert (status.cached, status.stored) == (True, 101)
+
+
+def test_a_map_style_dataset_or_a_one_shot_iterator_is_refused_with_what_to_use(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"cache it with mmapcache\.torch\.CachedDataset"):
+        CachedStream(torch.utils.data.TensorDataset(torch.zeros(3)), tmp_path / "s.mmc", key="k")
+    with pytest.raises(TypeError, match="one-shot iterator"):
+        CachedStream((fixed(i) for i in range(3)), tmp_path / "s.mmc", key="k")
+    with pytest.raises(ValueError, match="key must not be empty"):
+        CachedStream(Numbers(3), tmp_path / "s.mmc", key="")
+
+
+def test_a_stream_without_len_or_budget_is_refused_at_its_first_element(tmp_path: Path) -> None:
+    ds = CachedStream(Numbers(3, kind="fixed"), tmp_path / "s.mmc", key="k")
+    with pytest.raises(ValueError, match="pass max_bytes="):
+        next(iter(ds))
+
+
+def test_varying_shapes_without_fields_are_refused_with_the_declaration_to_use(tmp_path: Path) -> None:
+    ds = CachedStream(Numbers(20), tmp_path / "s.mmc", key="k", max_bytes="1MiB")
+    with pytest.raises(ValueError, match=r"fields=\{.*\"tokens\": Field\(\(None,\), \"int32\"\)"):
+        list(ds)
+
+
+def test_spawned_workers_receive_the_stream_without_data_and_fill_the_same_file(tmp_path: Path) -> None:
+    ds = CachedStream(Numbers(40, kind="fixed"), tmp_path / "s.mmc", key="k", max_bytes="1MiB")
+    loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="spawn")
+    assert sorted(_labels(loader)) == list(range(40))
+    assert sorted(_labels(loader)) == list(range(40))  # the second epoch from the file
+    stats = ds.stats()
+    assert (stats["complete"], stats["stored"], stats["partitioning"]) == (True, 40, [1, 2])
+
+
+def test_cached_dataset_refuses_a_stream_and_names_cached_stream(tmp_path: Path) -> None:
+    from mmapcache.torch import CachedDataset
+
+    with pytest.raises(TypeError, match=r"IterableDataset \(a stream\).*CachedStream"):
+        CachedDataset(Numbers(10), tmp_path / "a.mmc", key="k")
+
+    class OnlyLength:
+        def __len__(self) -> int:
+            return 3
+
+    with pytest.raises(TypeError, match=r"got OnlyLength\. A stream.*CachedStream"):
+        CachedDataset(OnlyLength(), tmp_path / "b.mmc", key="k")
+
+
+def test_cached_dataset_over_a_getitem_that_raises_not_implemented_names_cached_stream(tmp_path: Path) -> None:
+    from mmapcache.torch import CachedDataset
+
+    class Streaming(torch.utils.data.Dataset[Any]):  # map-style by its methods, a stream in fact
+        def __len__(self) -> int:
+            return 5
+
+        def __getitem__(self, index: int) -> Any:
+            raise NotImplementedError
+
+        def __iter__(self) -> Any:
+            return iter(range(5))
+
+    ds = CachedDataset(Streaming(), tmp_path / "c.mmc", key="k")
+    with pytest.raises(TypeError, match="CachedStream") as info:
+        ds[0]
+    assert "CachedStream" in str(info.value)
+    assert "raised NotImplementedError" in str(info.value)
+
+
+def test_a_webdataset_pipeline_with_a_length_is_refused_by_cached_dataset_with_what_to_use(tmp_path: Path) -> None:
+    wds = pytest.importorskip("webdataset")
+    from mmapcache.torch import CachedDataset
+
+    shard = str(tmp_path / "s.tar")
+    with wds.TarWriter(shard) as writer:
+        writer.write({"__key__": "0", "txt": "a", "cls": 0})
+    pipeline = wds.WebDataset([shard], shardshuffle=False).decode().to_tuple("txt", "cls").with_length(1)
+    with pytest.raises(TypeError, match="CachedStream"):
+        CachedDataset(pipeline, tmp_path / "w.mmc", key="k")
