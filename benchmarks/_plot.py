@@ -291,12 +291,41 @@ def _cold_bars(section: Any, name: str) -> list[tuple[str, float, tuple[float, f
     return bars
 
 
+def plot_tokens(tokens: Results, out: Path) -> Path:
+    """Warm epochs over tokenized documents: mmapcache's loader against HF Arrow, LitData and the flat-memmap limit."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    names = [name for name, ts in tokens["seconds"].items() if ts]
+    stats = [_quartiles([t * 1e3 for t in tokens["seconds"][name]]) for name in names]
+    labels = [
+        name.replace("mmapcache loader(ragged=", "mmapcache\nragged=")
+        .rstrip(")")
+        .replace(" + ", "\n+ ")
+        .replace(": ", ":\n")
+        .replace(" StreamingDataset", "\nStreamingDataset")
+        for name in names
+    ]
+    _bars(ax, labels, [s[1] for s in stats], [(s[0], s[2]) for s in stats])
+    ax.set_xticks(range(len(labels)), labels, rotation=0, fontsize=7)
+    for bar, name in zip(ax.patches, names, strict=True):
+        bar.set_color(COLOURS["mmapcache"] if name.startswith("mmapcache") else LIMIT if "limit" in name else "#e07b00")
+    for k, name in enumerate(names):
+        ratio = tokens["ratios"].get(name, {}).get("speed_of_mmapcache_vs_it", {}).get("median")
+        if ratio is not None and not name.startswith("mmapcache"):
+            ax.annotate(f"{ratio:.2f}x", (k, stats[k][1]), ha="center", va="bottom", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per warm epoch (log; x = pad speed vs it)")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    title = f"Warm epochs over {tokens['n']} tokenized documents, batch {tokens['batch']}, padded (lower is better)"
+    return _save(fig, out / "tokens.png", title)
+
+
 PLOTS: dict[str, list[Callable[[Results, Path], Path | None]]] = {
     "bench_peers": [plot_throughput, plot_fill],
     "bench_dataloader": [plot_epochs, plot_memory],
     "bench_scale": [plot_open, plot_readers],
     "bench_variable": [plot_variable],
     "bench_cold": [plot_cold],
+    "bench_tokens": [plot_tokens],
 }
 
 

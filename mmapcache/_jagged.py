@@ -316,6 +316,37 @@ class Jagged(Sequence[Any]):
     def nbytes(self) -> int:
         return int(self.values.nbytes)
 
+    def to_nested(self, dtype: Any = None) -> Any:
+        """A torch jagged-layout nested tensor ``(len, j, *tail)`` that views ``values`` (no copy).
+
+        Its ``values()`` is ``values`` itself (copied only when ``values`` is
+        read-only), its offsets are ``offsets``, and the rows' shortest and
+        longest lengths are passed in, so nothing reads them back from a
+        device. ``dtype`` reinterprets the stored bits as a torch dtype of the
+        same width (``torch.bfloat16`` for a field stored as uint16 bits).
+        Rows must vary in their first dimension only (``ValueError``
+        otherwise: use ``to_padded()``), and none may be missing. Imports
+        torch when called.
+        """
+        if self._ndim - len(self._tail) != 1:
+            raise ValueError(
+                f"a nested tensor has one ragged dimension, but these rows vary in their first "
+                f"{self._ndim - len(self._tail)} dimensions (shapes such as {self.shapes[0].tolist()}); "
+                "use to_padded(), or iterate over the rows"
+            )
+        if self._present is not None:
+            missing = np.flatnonzero(~self._present)
+            raise ValueError(f"rows {missing[:5].tolist()} are missing (None): a nested tensor has no place for them")
+        import torch
+
+        from ._tensors import nested
+
+        # torch.from_numpy of a read-only array warns and would let writes through: copy those.
+        values = torch.from_numpy(self.values if self.values.flags.writeable else self.values.copy())
+        if dtype is not None and dtype != values.dtype:
+            values = values.view(dtype)
+        return nested(values, self.offsets, self._lengths_extent())
+
     def to_padded(self, pad_value: Any = 0) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, np.dtype[np.int64]]]:
         """``(array, lengths)``: every row in the leading corner of one array, the rest ``pad_value``.
 

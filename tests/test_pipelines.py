@@ -238,8 +238,6 @@ class lambda_free_complex(torch.utils.data.Dataset[Any]):  # noqa: N801 - reads 
 
 
 def test_dtypes_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="not both"):
-        CachedDataset(Pixels(), key="px", dtypes={"0": "uint8"}, fields={"0": Field((3, 8, 8), "uint8")})
     with pytest.raises(ValueError, match=r"names the field 'image', but dataset\[0\] has the fields \['0', '1'\]"):
         CachedDataset(Pixels(), tmp_path / "c.mmc", key="px", dtypes={"image": "uint8"})[0]
     with pytest.raises(TypeError):

@@ -19,10 +19,21 @@ import torch
 
 from .._errors import SchemaMismatchError
 from .._field import Field, FieldsLike, normalize_fields
+from .._jagged import Jagged
 from .._structure import Structure, name_leaves
 from .._tensors import torch_dtype
 from .._variable import text_value
-from ._leaves import SUPPORTED, check_declared, is_leaf, leaf_field, leaf_hint, leaf_shape, misfit
+from ._leaves import (
+    SUPPORTED,
+    check_declared,
+    fit,
+    is_leaf,
+    leaf_field,
+    leaf_hint,
+    leaf_shape,
+    misfit,
+    variable_column,
+)
 
 __all__ = [
     "Schema",
@@ -34,6 +45,7 @@ __all__ = [
     "infer_fields",
     "sample_fields",
     "storage_dtypes",
+    "with_dtypes",
 ]
 
 
@@ -90,6 +102,35 @@ class Schema:
             return leaves
         return self.structure.flatten(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
 
+    def rows(self, columns: list[Any]) -> list[Any]:
+        """Gathered columns (a batch tensor, a :class:`~mmapcache.Jagged` or a list per field) as leaves per sample."""
+        return [
+            column.unbind(0)
+            if isinstance(column, torch.Tensor)
+            else [None if a is None else self.to_tensor(a, k) for a in column]
+            if isinstance(column, Jagged)
+            else column
+            for k, column in enumerate(columns)
+        ]
+
+    def with_rows(self, columns: list[Any], found: Mapping[int, list[Any]]) -> list[Any]:
+        """Gathered columns with the leaves of the rows in ``found`` (samples loaded, not read) put in.
+
+        A :class:`~mmapcache.Jagged` is rebuilt with them (each leaf converted exactly to the storage dtype).
+        """
+        out = []
+        for k, (column, (name, field)) in enumerate(zip(columns, self.fields.items(), strict=True)):
+            if isinstance(column, Jagged):
+                arrays: list[Any] = list(column)
+                for row, leaves in found.items():
+                    arrays[row] = variable_column([fit(leaves[k], field, name, convert=True)], field)[0]
+                column = Jagged.from_arrays(arrays, dtype=field.dtype, tail=column.tail, ndim=column.shapes.shape[1])
+            else:
+                for row, leaves in found.items():
+                    column[row] = leaves[k]
+            out.append(column)
+        return out
+
     def samples(self, columns: list[Any]) -> list[Any]:
         """Samples, as a read returns them, from storage columns (an array per fixed field, a list per variable one)."""
         return self.build(
@@ -134,24 +175,32 @@ def storage_dtypes(dtypes: Mapping[str, Any]) -> dict[str, Any]:
     return dict(dtypes)
 
 
-def sample_fields(sample: Any, index: int, dtypes: Mapping[str, Any] | None) -> dict[str, Field]:
-    """``sample``'s own fields, with the storage dtypes ``dtypes=`` sets."""
-    fields = infer_fields(sample)
-    for name, dtype in (dtypes or {}).items():
-        if name not in fields:
+def with_dtypes(fields: dict[str, Field], dtypes: Mapping[str, Any], *, where: str) -> dict[str, Field]:
+    """``fields`` with the storage dtypes ``dtypes=`` sets, each named field keeping its shape.
+
+    ``where`` names what ``fields`` came from (``"fields="``, ``"dataset[0]"``), for the errors.
+    """
+    out = dict(fields)
+    for name, dtype in dtypes.items():
+        if name not in out:
             raise ValueError(
-                f"dtypes= names the field {name!r}, but dataset[{index}] has the fields {list(fields)} "
+                f"dtypes= names the field {name!r}, but {where} has the fields {list(out)} "
                 "(named by their place in the sample: see mmapcache.torch)"
             )
-        if fields[name].text is not None:
-            raise TypeError(f"dtypes= gives field {name!r} a dtype, but it holds {fields[name].text} values")
-        fields[name] = Field(fields[name].shape, dtype)
-    return fields
+        if out[name].text is not None:
+            raise TypeError(f"dtypes= gives field {name!r} a dtype, but it holds {out[name].text} values")
+        out[name] = Field(out[name].shape, dtype)
+    return out
+
+
+def sample_fields(sample: Any, index: int, dtypes: Mapping[str, Any] | None) -> dict[str, Field]:
+    """``sample``'s own fields, with the storage dtypes ``dtypes=`` sets."""
+    return with_dtypes(infer_fields(sample), dtypes or {}, where=f"dataset[{index}]")
 
 
 def check_declared_sample(sample: Any, index: int, fields: Mapping[str, Field]) -> None:
     """TypeError/ValueError naming the field unless ``sample`` fits ``fields=``."""
-    problem = misfit(sample, fields)
+    problem = misfit(sample, fields, convert=True)
     if problem is not None:
         kind, message = problem
         raise kind(f"dataset[{index}] does not fit fields=: {message}")

@@ -46,7 +46,8 @@ from ._checks import (
     file_identity,
     some_ready,
 )
-from ._columns import ShapeVariesError, columns, new_batch, rows, set_row
+from ._collate import adopt
+from ._columns import ShapeVariesError, columns, new_batch
 from ._schema import Schema, declaration, first_fields
 from ._settings import Settings, not_map_style
 
@@ -316,7 +317,11 @@ class Session:
         schema = self.schema
         assert schema is not None
         if self.views is None or fresh:
-            return schema.build([rows(column) for column in self.gather(cache, idx)])
+            gathered = self.gather(cache, idx)
+            for column in gathered:
+                if isinstance(column, torch.Tensor):
+                    adopt(column)  # collate() may return its rows as the batch, without stacking a copy
+            return schema.build(schema.rows(gathered))
         return self._read_views(cache, idx)
 
     def uncached(self, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
@@ -358,8 +363,9 @@ class Session:
         """One column per field holding the samples at file positions ``idx``: hits read, misses loaded.
 
         A fixed field's column is one fresh batch tensor (in a DataLoader worker, in shared
-        memory); a variable field's is a list of fresh tensors, one per sample, each of its own
-        shape. ``given_rows``/``leaves``: samples a worker already loaded and could not store;
+        memory); a numeric variable field's is one :class:`~mmapcache.Jagged` of storage values,
+        gathered at once (no object per sample); a text field's a list of ``str``/``bytes``.
+        ``given_rows``/``leaves``: samples a worker already loaded and could not store;
         ``counted``: the reads were counted in the file already (by that worker). Misses are
         loaded through :meth:`load` (which counts them).
         """
@@ -372,24 +378,27 @@ class Session:
             [schema.dtypes[schema.names.index(name)] for name in schema.fixed],
         )
         out = dict(zip(schema.fixed, arrays, strict=True))
-        read, hits = cache.read_many(idx, out=out, count=False)  # variable fields: a sequence per field
+        read, hits = cache.read_many(idx, out=out, count=False)  # variable fields: Jagged, texts: lists
         found = int(np.count_nonzero(hits))
         self.hits += found
         if not counted:
             cache.count(hits=found)
         batch = iter(tensors)
         gathered: list[Any] = [
-            [None if a is None else schema.to_tensor(a, k) for a in read[name]] if schema.variable[k] else next(batch)
+            (read[name] if schema.texts[k] is None else list(read[name])) if schema.variable[k] else next(batch)
             for k, name in enumerate(schema.names)
         ]
+        loaded: dict[int, list[Any]] = {}
         for row, given in zip(given_rows, leaves, strict=True):
             if not hits[row]:
-                set_row(gathered, row, given)
+                loaded[row] = given
                 hits[row] = True
         if not hits.all():
             missing = np.flatnonzero(~hits)
             for row, sample in zip(missing.tolist(), self.load(idx[missing].tolist()), strict=True):
-                set_row(gathered, row, schema.flatten(sample))
+                loaded[row] = schema.flatten(sample)
+        if loaded:
+            gathered = schema.with_rows(gathered, loaded)
         return gathered
 
     def _read_views(self, cache: Cache, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:

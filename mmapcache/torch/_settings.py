@@ -23,7 +23,7 @@ from .._field import Field, FieldsLike
 from .._format import indices_digest
 from .._names import SUFFIX
 from .._paths import default_dir
-from ._schema import declared_fields, storage_dtypes
+from ._schema import declared_fields, storage_dtypes, with_dtypes
 
 __all__ = ["Settings", "default_path"]
 
@@ -75,8 +75,9 @@ class Settings:
         variable = declared is not None and any(field.variable for field in declared.values())
         if capacity is not None and max_bytes is not None and not variable:
             raise ValueError("give capacity= or max_bytes=, not both")
-        if dtypes is not None and fields is not None:
-            raise ValueError("give dtypes= or fields=, not both: fields= declares every field's dtype already")
+        storage = None if dtypes is None else storage_dtypes(dtypes)
+        if declared is not None and storage is not None:
+            declared = with_dtypes(declared, storage, where="fields=")
         if isinstance(check, bool) or not isinstance(check, int) or check < 0:
             raise ValueError(f"check must be a number of samples (0 disables the check), not {check!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
@@ -95,7 +96,7 @@ class Settings:
             verify=bool(verify),
             fields=declared,
             cached_indices=shard,
-            dtypes=None if dtypes is None else storage_dtypes(dtypes),
+            dtypes=storage,
             check=check,
             timeout=float(timeout),
         )
