@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from ._leaves import (
     variable_column,
 )
 
+if TYPE_CHECKING:
+    from ._columns import ShapeVariesError
+
 __all__ = [
     "Schema",
     "check_declared_sample",
@@ -45,6 +48,7 @@ __all__ = [
     "infer_fields",
     "sample_fields",
     "storage_dtypes",
+    "varying_shapes",
     "with_dtypes",
 ]
 
@@ -238,3 +242,30 @@ def declaration(schema: Schema, samples: list[Any]) -> str:
         for name, field in schema.fields.items()
     ]
     return "{" + ", ".join(entries) + "}"
+
+
+def varying_shapes(schema: Schema, varies: ShapeVariesError, raw: list[Any], path: Path, refuted: str | None) -> str:
+    """The message for a sample whose shape differs from the first one's, when ``fields=`` was not given.
+
+    ``refuted``: what became of the file made with fixed shapes (``None``: nothing was created).
+    """
+    index, error = varies.index, varies.error
+    name, shape, field = error.name, error.shape, error.field
+    if refuted is None:  # nothing was created: the schema is the first sample's of this batch
+        where, exists = f"the first sample's is {field.shape}", ""
+    else:
+        where = f"the cache's field has the fixed shape {field.shape}"
+        exists = f" The cache at {path} was made with fixed shapes: {refuted}"
+    if len(shape) != len(field.shape):
+        return (
+            f"dataset[{index}]: field {name!r} has shape {shape}, but {where}: a field has a fixed number of "
+            "dimensions; only their sizes may vary (declared as None with fields=). Reshape or pad before the "
+            f"cache, or move that part into transform.{exists}"
+        )
+    return (
+        f"dataset[{index}]: field {name!r} has shape {shape}, but {where}: without fields=, every field keeps "
+        "the fixed shape of the first sample. To cache samples whose shapes vary, declare the fields with None "
+        "for each dimension that varies, and a max_bytes= budget for the values: "
+        f"CachedDataset(..., fields={declaration(schema, raw)}, max_bytes=...), with Field from mmapcache. "
+        f"Or pad, crop or resize before the cache.{exists}"
+    )
