@@ -37,7 +37,8 @@ static int
 get_buffer(PyObject *obj, Py_buffer *view, int flags, const char *what)
 {
     if (PyObject_GetBuffer(obj, view, flags | PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Format(PyExc_TypeError, "gather: %s must be a C-contiguous buffer", what);
+        PyErr_Format(PyExc_TypeError, "_cgather: %s must be a C-contiguous%s buffer", what,
+                     flags & PyBUF_WRITABLE ? " writable" : "");
         return -1;
     }
     return 0;
@@ -53,12 +54,12 @@ get_int64s(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t count, const
     if (*f == '<' || *f == '=' || *f == '@')
         f++;
     if (view->itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l") && strcmp(f, "n"))) {
-        PyErr_Format(PyExc_TypeError, "gather: %s must hold int64, got format %s", what, view->format);
+        PyErr_Format(PyExc_TypeError, "_cgather: %s must hold int64, got format %s", what, view->format);
         PyBuffer_Release(view);
         return -1;
     }
     if (count >= 0 && view->len != count * 8) {
-        PyErr_Format(PyExc_ValueError, "gather: %s must hold %zd items, got %zd", what, count, view->len / 8);
+        PyErr_Format(PyExc_ValueError, "_cgather: %s must hold %zd items, got %zd", what, count, view->len / 8);
         PyBuffer_Release(view);
         return -1;
     }
