@@ -280,7 +280,8 @@ def test_compiled_padding_gives_what_the_masked_numpy_padding_gives(case: tuple[
     batch, pad_value = case
     padded, lengths = batch.to_padded(pad_value)  # the compiled pad (needs_native)
     expected, expected_lengths = batch._padded_numpy(pad_value)
-    assert padded.dtype == expected.dtype and padded.shape == expected.shape
+    assert padded.dtype == expected.dtype
+    assert padded.shape == expected.shape
     assert padded.tobytes() == expected.tobytes()
     assert lengths.tolist() == expected_lengths.tolist()
     for k, row in enumerate(batch):
