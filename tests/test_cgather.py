@@ -257,3 +257,77 @@ def test_with_the_extension_turned_off_reads_go_through_numpy(tmp_path: Path) ->
     out = run_python("-c", code, MMAPCACHE_NO_EXTENSION="1")
     assert out.split() == ["False", "[True,", "False,", "True]", "[1,", "0,", "3]", "6.0"]
     mmapcache.remove(path)
+
+
+PAD_DTYPES = ["uint8", "uint16", "int32", "float32", ">i4", "<f8", "complex64"]
+
+
+@st.composite
+def padding_cases(draw: st.DrawFn) -> tuple[Jagged, Any]:
+    """A batch of rows that vary in their first dimension (some missing, some empty), and a pad value."""
+    dtype = np.dtype(draw(st.sampled_from(PAD_DTYPES)))
+    tail = tuple(draw(st.lists(st.integers(0, 3), max_size=2)))
+    lengths = draw(st.lists(st.integers(0, 40) | st.none(), max_size=70))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    rows = [None if n is None else rng.integers(0, 250, (n, *tail)).astype(dtype) for n in lengths]
+    return Jagged.from_arrays(rows, dtype=dtype, tail=tail), draw(st.sampled_from([0, 1, 7, 255]))
+
+
+@needs_native
+@SETTINGS
+@given(case=padding_cases())
+def test_compiled_padding_gives_what_the_masked_numpy_padding_gives(case: tuple[Jagged, Any]) -> None:
+    batch, pad_value = case
+    padded, lengths = batch.to_padded(pad_value)  # the compiled pad (needs_native)
+    expected, expected_lengths = batch._padded_numpy(pad_value)
+    assert padded.dtype == expected.dtype
+    assert padded.shape == expected.shape
+    assert padded.tobytes() == expected.tobytes()
+    assert lengths.tolist() == expected_lengths.tolist()
+    for k, row in enumerate(batch):
+        n = 0 if row is None else len(row)
+        if row is not None:
+            np.testing.assert_array_equal(padded[k, :n], row)
+        assert (padded[k, n:] == np.array(pad_value, batch.dtype)).all()
+
+
+@needs_native
+def test_compiled_padding_of_a_large_batch_matches_numpy() -> None:
+    """Past the size from which the copy runs without the GIL."""
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(0, 8000, int(n), dtype=np.uint16) for n in rng.integers(8, 4096, 64)]
+    batch = Jagged.from_arrays(rows)
+    for pad_value in (0, 9):
+        assert batch.to_padded(pad_value)[0].tobytes() == batch._padded_numpy(pad_value)[0].tobytes()
+
+
+def test_a_pad_value_the_dtype_cannot_hold_fails_the_same_way_compiled_or_not() -> None:
+    batch = Jagged.from_arrays([np.arange(3, dtype=np.uint16), np.arange(1, dtype=np.uint16)])
+    with pytest.raises(OverflowError):
+        batch.to_padded(-1)
+    with pytest.raises(OverflowError):
+        batch._padded_numpy(-1)
+
+
+@needs_native
+def test_the_compiled_pad_refuses_rows_that_do_not_fit_without_writing_anything() -> None:
+    assert native is not None
+    values = np.arange(6, dtype=np.int32)
+    fill = np.zeros((), np.int32)
+
+    def refused(offsets: list[int], out: np.ndarray[Any, Any], match: str) -> None:
+        before = out.copy()
+        with pytest.raises(ValueError, match=match):
+            native.pad(values, np.array(offsets, np.int64), fill, out)
+        assert out.tobytes() == before.tobytes()
+
+    refused([0, 4, 6], np.full((2, 3), -5, np.int32), "row 0 .units 0 to 4. does not fit a padded row of 12 bytes")
+    refused([0, 3, 7], np.full((2, 4), -5, np.int32), "past the 24 bytes of values")
+    refused([0, 3, 2], np.full((2, 4), -5, np.int32), "row 1")
+    refused([-1, 3], np.full((1, 4), -5, np.int32), "start at 0 or more")
+    refused([0, 3, 6], np.full(7, -5, np.int32), "not a whole number of rows")
+    refused([], np.full(1, -5, np.int32), "len.rows. . 1 items")
+    with pytest.raises(TypeError, match="writable"):
+        native.pad(values, np.array([0, 6], np.int64), fill, bytes(24))
+    with pytest.raises(TypeError, match="offsets must hold int64"):
+        native.pad(values, np.array([0, 6], np.int32), fill, np.empty(6, np.int32))

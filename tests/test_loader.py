@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, Subset, default_collate
 from torch_helpers import Recorded, accesses, as_collated, check_batch, same
 
@@ -293,3 +295,30 @@ def test_dataloader_default_path_batches_are_exact(workers: int, cache_dir: Path
                 assert batch[0].is_shared(), "gathered in the worker's shared memory"
         assert sorted(seen) == list(range(N))
     assert len(accesses(log)) == N
+
+
+INDEX_ITEMS = st.integers(-2 * N, 2 * N) | st.sampled_from([True, 1.5, "3", None])
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(batch=st.lists(INDEX_ITEMS, max_size=20), as_array=st.booleans())
+def test_a_batch_of_indices_is_checked_as_ds_i_checks_each_one(batch: list[Any], as_array: bool) -> None:
+    """The sampler's lists of ints take a fast path; it accepts and refuses exactly what ``ds[i]`` does, one by one."""
+    from mmapcache.torch._settings import Settings
+
+    checked = Settings.checked(
+        list(range(N)), None, key="indices", max_bytes=None, capacity=None, copy=True, verify=False,
+        fields=None, cached_indices=None, dtypes=None, check=0,
+    )  # fmt: skip
+    given_batch: Any = batch
+    if as_array and all(type(i) is int for i in batch):
+        given_batch = np.array(batch, np.int64)
+    try:
+        expected: Any = [checked.index(i) for i in batch]
+    except (TypeError, IndexError) as error:
+        expected = (type(error), str(error))
+    try:
+        got: Any = checked.indices(given_batch).tolist()
+    except (TypeError, IndexError) as error:
+        got = (type(error), str(error))
+    assert got == expected

@@ -5,8 +5,8 @@ A batch of a variable field is gathered from the file once, into one
 it then appears in the batch is the ``ragged`` choice:
 
 * ``"pad"``: a :class:`~._collate.Padded` ``(data, lengths)``, as
-  :func:`~._collate.pad_collate` makes it — one scatter of the values into the
-  padded buffer;
+  :func:`~._collate.pad_collate` makes it — each row copied into its row of the
+  padded buffer by one compiled call (:meth:`~mmapcache.Jagged.to_padded`);
 * ``"nested"``: a jagged-layout nested tensor that views the values (no copy);
 * ``"packed"``: a :class:`Packed` ``(values, cu_seqlens, max_seqlen)``, what
   varlen attention kernels take — the values themselves (no copy);
@@ -76,7 +76,7 @@ def jagged_batch(jagged: Jagged, ragged: str, dtype: torch.dtype | None, padding
             return rows
         return [row.reshape(shape) for row, shape in zip(rows, jagged.shapes.tolist(), strict=True)]
     try:
-        data, lengths = jagged.to_padded(padding_value)  # one masked scatter of the values
+        data, lengths = jagged.to_padded(padding_value)  # one call copies every row into place
     except (OverflowError, ValueError, TypeError) as error:
         raise ValueError(
             f"field {name!r}: padding_value {padding_value!r} does not fit its {jagged.dtype} values ({error})"
