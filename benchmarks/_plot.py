@@ -18,11 +18,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from _report import BATCH_READS, FILLS, SAMPLE_READS
 from matplotlib.axes import Axes
+from matplotlib.patches import Patch
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 Results = dict[str, Any]
 COLOURS = {"mmapcache": "#1f5fbf", "stocaching": "#e07b00", "tensordict": "#2a9d4b", "memmap": "#8e44ad"}
 LIMIT = "#777777"
+FALLBACK = "#8fb3e8"  # mmapcache's numpy fallback: a lighter mmapcache blue
+GET = "#4a4a8a"
 __all__ = ["plot_all"]
 
 
@@ -202,26 +205,40 @@ def plot_readers(scale: Results, out: Path) -> Path:
 
 
 def plot_variable(var: Results, out: Path) -> Path:
-    """Variable fields against a fixed twin of the same bytes: read speed per dataset (1 = as fast)."""
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    labels, values, errors = [], [], []
+    """Variable fields against a fixed twin of the same bytes: read speed per dataset (1 = as fast).
+
+    ``get_many`` through the compiled gather and, where the run measured it,
+    through the numpy fallback (an install without a C compiler); ``get``.
+    """
+    fig, ax = plt.subplots(figsize=(9.5, 4.6))
+    labels, values, errors, colours = [], [], [], []
+    reads = (
+        ("per_round_get_many_speed", "get_many", COLOURS["mmapcache"]),
+        ("per_round_get_many_numpy_speed", "get_many\nnumpy", FALLBACK),
+        ("per_round_get_time", "get", GET),
+    )
     for r in var["read"]:
-        for key, what in (("per_round_get_many_speed", "get_many"), ("per_round_get_time", "get")):
+        for key, what, colour in reads:
+            if key not in r:
+                continue
             q1, q2, q3 = _quartiles(r[key])
             # get is reported as a time ratio: drawn as a speed (its inverse), like get_many.
-            speed = (q2, q1, q3) if what == "get_many" else (1 / q2, 1 / q3, 1 / q1)
+            speed = (1 / q2, 1 / q3, 1 / q1) if what == "get" else (q2, q1, q3)
             labels.append(f"{r['dataset']}\n{what}")
             values.append(speed[0])
             errors.append((speed[1], speed[2]))
+            colours.append(colour)
     _bars(ax, labels, values, errors)
-    ax.set_xticks(range(len(labels)), labels, rotation=0, fontsize=8)
-    for bar in ax.patches:
-        bar.set_color(COLOURS["mmapcache"])
+    ax.set_xticks(range(len(labels)), labels, rotation=0, fontsize=7)
+    for bar, colour in zip(ax.patches, colours, strict=True):
+        bar.set_color(colour)
     ax.axhline(1, color=LIMIT, linestyle="--", label="a fixed field of the same bytes")
     ax.axhline(0.8, color=LIMIT, linestyle=":", label="get_many target, rows of 64 B-4 KiB")
+    handles = [Patch(color=c, label=w.replace("\n", " ")) for _, w, c in reads]
     ax.set_ylabel("speed vs the fixed field (1 = as fast)")
-    ax.legend(fontsize=8)
-    return _save(fig, out / "variable.png", "Variable-shape fields: reads against a fixed field of the same bytes")
+    ax.legend(handles=[*ax.get_legend_handles_labels()[0], *handles], fontsize=7, loc="upper left")
+    title = "Variable-shape fields: reads against a fixed field of the same bytes"
+    return _save(fig, out / "variable.png", title)
 
 
 def plot_cold(cold: Results, out: Path) -> Path | None:
@@ -274,12 +291,41 @@ def _cold_bars(section: Any, name: str) -> list[tuple[str, float, tuple[float, f
     return bars
 
 
+def plot_tokens(tokens: Results, out: Path) -> Path:
+    """Warm epochs over tokenized documents: mmapcache's loader against HF Arrow, LitData and the flat-memmap limit."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    names = [name for name, ts in tokens["seconds"].items() if ts]
+    stats = [_quartiles([t * 1e3 for t in tokens["seconds"][name]]) for name in names]
+    labels = [
+        name.replace("mmapcache loader(ragged=", "mmapcache\nragged=")
+        .rstrip(")")
+        .replace(" + ", "\n+ ")
+        .replace(": ", ":\n")
+        .replace(" StreamingDataset", "\nStreamingDataset")
+        for name in names
+    ]
+    _bars(ax, labels, [s[1] for s in stats], [(s[0], s[2]) for s in stats])
+    ax.set_xticks(range(len(labels)), labels, rotation=0, fontsize=7)
+    for bar, name in zip(ax.patches, names, strict=True):
+        bar.set_color(COLOURS["mmapcache"] if name.startswith("mmapcache") else LIMIT if "limit" in name else "#e07b00")
+    for k, name in enumerate(names):
+        ratio = tokens["ratios"].get(name, {}).get("speed_of_mmapcache_vs_it", {}).get("median")
+        if ratio is not None and not name.startswith("mmapcache"):
+            ax.annotate(f"{ratio:.2f}x", (k, stats[k][1]), ha="center", va="bottom", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per warm epoch (log; x = pad speed vs it)")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    title = f"Warm epochs over {tokens['n']} tokenized documents, batch {tokens['batch']}, padded (lower is better)"
+    return _save(fig, out / "tokens.png", title)
+
+
 PLOTS: dict[str, list[Callable[[Results, Path], Path | None]]] = {
     "bench_peers": [plot_throughput, plot_fill],
     "bench_dataloader": [plot_epochs, plot_memory],
     "bench_scale": [plot_open, plot_readers],
     "bench_variable": [plot_variable],
     "bench_cold": [plot_cold],
+    "bench_tokens": [plot_tokens],
 }
 
 

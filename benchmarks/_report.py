@@ -160,6 +160,9 @@ def variable_table(var: Results) -> str:
     for r in var["read"]:
         label = f"{r['dataset']} ({fmt_bytes(r['mean_sample_bytes'])} mean)"
         rows.append([label, "`get_many` speed vs fixed", _q(spread(r["per_round_get_many_speed"]))])
+        if "per_round_get_many_numpy_speed" in r:  # the same, through the numpy fallback
+            fallback = _q(spread(r["per_round_get_many_numpy_speed"]))
+            rows.append([label, "`get_many` speed vs fixed, numpy fallback", fallback])
         rows.append([label, "`get` time vs fixed", _q(spread(r["per_round_get_time"]))])
     space = var["space"]
     what = f"tokens {space.get('dtype', 'int32')}"

@@ -51,6 +51,7 @@ from _common import (
 import mmapcache
 from mmapcache import Cache, Field
 from mmapcache._gather import PAGE, empty_aligned, gather
+from mmapcache._indices import check_index, index_array
 
 SIZES: dict[str, tuple[int, ...]] = {"12KB": (3, 64, 64), "150KB": (3, 224, 224)}
 BATCH = 256
@@ -152,7 +153,7 @@ def bench_get_many_overhead(s: Sources, rounds: int, reps: int) -> Times:
     shape = (BATCH, *array.shape[1:])
 
     def overhead(x: Any) -> object:  # everything get_many does but the gather
-        idx = cache._index_array(x[0])
+        idx = index_array(x[0], length)
         if not slots.ready_mask(idx, capacity, length).all():
             raise KeyError
         board.add(hits=len(idx))
@@ -173,7 +174,7 @@ def bench_get_many_overhead(s: Sources, rounds: int, reps: int) -> Times:
         "np.take allocating (take_mmap)": lambda x: np.take(array, x[0], axis=0),
         "_gather.gather (alloc aligned + take)": lambda x: gather(array, x[0]),
         "everything but the gather": overhead,
-        "_index_array": lambda x: cache._index_array(x[0]),
+        "index_array": lambda x: index_array(x[0], length),
         "ready_mask(...).all()": lambda x: slots.ready_mask(x[0], capacity, length).all(),
         "usage counter add": lambda x: board.add(hits=BATCH),
         "empty_aligned (allocation)": lambda x: empty_aligned(shape, array.dtype),
@@ -252,13 +253,13 @@ def bench_get_overhead(cache: Cache, rounds: int, reps: int) -> Times:
     name0, array0 = items[0]
 
     def inlined(index: int, default: Any = None) -> Any:  # the body of Cache.get before commit 290fd37
-        i = index if type(index) is int and 0 <= index < length else cache._index(index)
+        i = index if type(index) is int and 0 <= index < length else check_index(index, length)
         if i < capacity and states[i] == READY:
             return {name: array[i, ...].copy() for name, array in items}
         return default
 
     def loop_body(index: int, default: Any = None) -> Any:  # the same, with a for loop instead of a comprehension
-        i = index if type(index) is int and 0 <= index < length else cache._index(index)
+        i = index if type(index) is int and 0 <= index < length else check_index(index, length)
         if i < capacity and states[i] == READY:
             sample = {}
             for name, array in items:
@@ -267,7 +268,7 @@ def bench_get_overhead(cache: Cache, rounds: int, reps: int) -> Times:
         return default
 
     def one_field(index: int, default: Any = None) -> Any:  # specialised for a single field
-        i = index if type(index) is int and 0 <= index < length else cache._index(index)
+        i = index if type(index) is int and 0 <= index < length else check_index(index, length)
         if i < capacity and states[i] == READY:
             return {name0: array0[i, ...].copy()}
         return default

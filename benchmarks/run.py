@@ -60,6 +60,7 @@ STEPS = [
     Step("bench_shuffle", ("--quick",), optional=True),
     Step("bench_singleflight", ("--quick",), optional=True),
     Step("bench_stream", ("--quick", "--rounds", "1"), optional=True),
+    Step("bench_tokens", ("--quick",), optional=True),
 ]
 
 

@@ -21,6 +21,7 @@ from ._errors import (
 from ._field import Field
 from ._file import in_use, remove
 from ._flight import Claims
+from ._gather import accelerated
 from ._heap import VariableRegion
 from ._jagged import Jagged
 from ._paths import default_dir
@@ -52,6 +53,7 @@ __all__ = [
     "Usage",
     "VariableRegion",
     "__version__",
+    "accelerated",
     "default_dir",
     "disk_usage",
     "gc",

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._indices import index_array
 from ._jagged import Jagged, rows_like
 from ._slots import READY, SlotTable
 from ._values import coerce_batch
@@ -54,6 +55,7 @@ from ._variable import text_value
 
 if TYPE_CHECKING:
     from ._handle import Handle
+    from ._mapping import Mapped
     from .cache import Cache
 
 __all__ = [
@@ -66,7 +68,12 @@ __all__ = [
     "Claims",
     "Flight",
     "as_batch",
+    "check_flight",
+    "check_timeout",
+    "claim",
     "get_or_load_many",
+    "store",
+    "wait_for",
 ]
 
 WAIT_TIMEOUT = 10.0  # seconds a call waits at most for samples other processes are loading
@@ -326,7 +333,7 @@ def get_or_load_many(
     chunk: int | None,
 ) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]]]:
     """:meth:`Cache.get_or_load_many <mmapcache.Cache.get_or_load_many>`: the rules in this module's docstring."""
-    idx = cache._index_array(indices)
+    idx = index_array(indices, cache.length)
     batch, hits = cache.read_many(idx, out=out, count=False)
     loaded = np.zeros(len(idx), bool)
     if hits.all():
@@ -455,3 +462,79 @@ class _Run:
                 value = values[j] if field.text is None else text_value(field.text, values[j])
                 for row in rows:
                     self.batch[name][row] = value
+
+
+def check_timeout(timeout: Any) -> float:
+    """A wait's ``timeout`` as a float: finite and non-negative, else ``ValueError``."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+        raise ValueError(
+            f"timeout must be a finite number of seconds >= 0 (0: never wait), not {timeout!r}; "
+            "every wait is bounded, so that a stuck loader cannot hang the others"
+        )
+    return float(timeout)
+
+
+def check_flight(load: Any, timeout: Any, wait: Any, chunk: Any) -> float:
+    """:meth:`Cache.get_or_load_many <mmapcache.Cache.get_or_load_many>`'s arguments checked; the timeout."""
+    if load is None or not callable(load):
+        raise TypeError(f"load must be a function of a list of indices, not {type(load).__name__}")
+    seconds = check_timeout(timeout)
+    if wait is not None and not isinstance(wait, bool):
+        raise TypeError(f"wait must be True, False or None (wait when it pays), not {wait!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be a positive int (slots held per load) or None, not {chunk!r}")
+    return seconds
+
+
+def claim(cache: Cache, flight: Flight, handle: Handle, slots: SlotTable, idx: np.ndarray[Any, Any]) -> Claims:
+    """:meth:`Cache.claim_many <mmapcache.Cache.claim_many>` of cacheable ``idx``: hold what is free."""
+    states = slots.state_bytes
+    mine, held = [], []
+    for i in dict.fromkeys(idx.tolist()):
+        if states[i] == READY:
+            continue
+        if flight.hold(handle, slots, i):
+            mine.append(i)
+        elif states[i] != READY:
+            held.append(i)
+    return Claims(cache, flight, mine, held)
+
+
+def wait_for(
+    cache: Cache, flight: Flight, handle: Handle, slots: SlotTable, idx: np.ndarray[Any, Any], timeout: float
+) -> Claims:
+    """:meth:`Cache.wait_for <mmapcache.Cache.wait_for>` of cacheable ``idx``."""
+    states = slots.state_bytes
+    todo = list(dict.fromkeys(idx.tolist()))
+    deadline = time.monotonic() + timeout
+    for k, i in enumerate(todo):
+        if flight.wait(handle, slots, i, deadline) == HELD_HERE:
+            rest = [j for j in todo[k + 1 :] if states[j] != READY]
+            return Claims(cache, flight, [i], rest)
+    return Claims(cache, flight, [], [i for i in todo if states[i] != READY])
+
+
+def store(
+    flight: Flight,
+    handle: Handle,
+    mapped: Mapped,
+    idx: np.ndarray[Any, Any],
+    arrays: list[Any],
+    *,
+    capacity: int,
+    held: bool,
+) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """Store coerced rows at ``idx``: slots this thread holds (let go of each), or free ones (``held=False``)."""
+    fill = mapped.fill if not mapped.variables else mapped.fill_variable
+    stored = np.zeros(len(idx), bool)
+    for row, i in enumerate(idx.tolist()):
+        if i >= capacity or (not held and (mapped.states[i] == READY or flight.held_here(i))):
+            continue
+        try:
+            with handle.write_lock:
+                handle.check_usable(writing=True)
+                stored[row] = fill(i, arrays, row)  # releases the slot's lock
+        finally:
+            if held:
+                flight.let_go(handle, mapped.slots, [i], filled=True)
+    return stored

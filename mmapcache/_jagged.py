@@ -23,6 +23,8 @@ from typing import Any, overload
 
 import numpy as np
 
+from . import _gather
+
 __all__ = ["Jagged", "rows_like", "split_shape"]
 
 _INT32_MAX = 2**31 - 1
@@ -267,7 +269,7 @@ class Jagged(Sequence[Any]):
     def lengths(self) -> np.ndarray[Any, np.dtype[np.int64]]:
         """int64, one per row: how many ``tail``-shaped units each holds (0 for a missing row)."""
         if self._lengths is None:
-            self._lengths = _frozen(np.diff(self.offsets))
+            self._lengths = _frozen(np.subtract(self.offsets[1:], self.offsets[:-1]))  # np.diff: 3x the cost
         return self._lengths
 
     @property
@@ -316,6 +318,37 @@ class Jagged(Sequence[Any]):
     def nbytes(self) -> int:
         return int(self.values.nbytes)
 
+    def to_nested(self, dtype: Any = None) -> Any:
+        """A torch jagged-layout nested tensor ``(len, j, *tail)`` that views ``values`` (no copy).
+
+        Its ``values()`` is ``values`` itself (copied only when ``values`` is
+        read-only), its offsets are ``offsets``, and the rows' shortest and
+        longest lengths are passed in, so nothing reads them back from a
+        device. ``dtype`` reinterprets the stored bits as a torch dtype of the
+        same width (``torch.bfloat16`` for a field stored as uint16 bits).
+        Rows must vary in their first dimension only (``ValueError``
+        otherwise: use ``to_padded()``), and none may be missing. Imports
+        torch when called.
+        """
+        if self._ndim - len(self._tail) != 1:
+            raise ValueError(
+                f"a nested tensor has one ragged dimension, but these rows vary in their first "
+                f"{self._ndim - len(self._tail)} dimensions (shapes such as {self.shapes[0].tolist()}); "
+                "use to_padded(), or iterate over the rows"
+            )
+        if self._present is not None:
+            missing = np.flatnonzero(~self._present)
+            raise ValueError(f"rows {missing[:5].tolist()} are missing (None): a nested tensor has no place for them")
+        import torch
+
+        from ._tensors import nested
+
+        # torch.from_numpy of a read-only array warns and would let writes through: copy those.
+        values = torch.from_numpy(self.values if self.values.flags.writeable else self.values.copy())
+        if dtype is not None and dtype != values.dtype:
+            values = values.view(dtype)
+        return nested(values, self.offsets, self._lengths_extent())
+
     def to_padded(self, pad_value: Any = 0) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, np.dtype[np.int64]]]:
         """``(array, lengths)``: every row in the leading corner of one array, the rest ``pad_value``.
 
@@ -325,11 +358,16 @@ class Jagged(Sequence[Any]):
         ``mmapcache.torch.Padded``). A missing row is all padding.
         """
         count = len(self)
-        if self._ndim - len(self._tail) == 1:  # only the first dimension varies: one masked assignment
-            longest = self.max_length
-            padded = np.full((count, longest, *self._tail), pad_value, self._dtype)
-            if count and longest:
-                padded[np.arange(longest) < self.lengths[:, None]] = self.values
+        if self._ndim - len(self._tail) == 1:  # only the first dimension varies: one step, no per-row Python
+            native = _gather.native
+            values = self.values
+            if native is None or self._dtype.hasobject or not values.flags.c_contiguous:
+                return self._padded_numpy(pad_value)
+            # One memcpy and one fill a row, straight into the padded array: ~9 µs for 64 token rows, where
+            # the masked assignment took ~290 µs (its boolean mask walks every padded element).
+            fill = np.full(self._tail, pad_value, self._dtype)  # a bad pad_value fails here as in np.full
+            padded = _gather.empty_aligned((count, self.max_length, *self._tail), self._dtype)
+            native.pad(values, self.offsets, fill, padded)
             return padded, (self.lengths if self._ndim == 1 else self.shapes)
         shapes = self.shapes
         longest_shape = tuple(shapes.max(axis=0).tolist()) if count else (0,) * self._ndim
@@ -339,6 +377,14 @@ class Jagged(Sequence[Any]):
                 corner: tuple[Any, ...] = (k, *(slice(0, d) for d in row.shape))
                 padded[corner] = row
         return padded, shapes
+
+    def _padded_numpy(self, pad_value: Any) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, np.dtype[np.int64]]]:
+        """``to_padded`` of rows that vary in their first dimension, by one masked assignment (no compiled code)."""
+        count, longest = len(self), self.max_length
+        padded = np.full((count, longest, *self._tail), pad_value, self._dtype)
+        if count and longest:
+            padded[np.arange(longest) < self.lengths[:, None]] = self.values
+        return padded, (self.lengths if self._ndim == 1 else self.shapes)
 
 
 def rows_like(template: Jagged, rows: Sequence[Any]) -> Jagged:

@@ -35,7 +35,7 @@ from ._handle import Handle
 from ._jagged import Jagged, rows_like
 from ._partitions import StreamRegion
 from ._slots import EMPTY, READY, SlotTable
-from ._variable import VariableColumn, text_value, texts
+from ._variable import NO_ROWS, VariableColumn, text_value, texts
 from ._verify import failed_rows, intact, intact_parts
 
 __all__ = ["Mapped"]
@@ -240,7 +240,7 @@ class Mapped:
         missing there (``None``).
         """
         batches: dict[str, Any] = {}
-        bad = np.zeros(len(idx), bool)
+        bad, damaged = np.zeros(len(idx), bool), False
         every = len(rows) == len(idx)  # rows are 0..n-1 in order (get_many, or read_many of all hits)
         for column in self.variables:
             jagged, impossible = column.gather(idx, None if every else rows)
@@ -250,8 +250,9 @@ class Mapped:
                 batches[column.name] = values
             else:
                 batches[column.name] = jagged
-            bad[impossible] = True
-        for row in np.flatnonzero(bad).tolist():
+            if len(impossible):  # rare: skip the array work for a batch without any
+                bad[impossible] = damaged = True
+        for row in np.flatnonzero(bad).tolist() if damaged else ():
             report_damage(self.path, int(idx[row]))
         if verify:
             for row in rows[~bad[rows]].tolist():
@@ -260,7 +261,7 @@ class Mapped:
                 if parts is None or not intact_parts(self.slots, i, parts):
                     report_mismatch(self.path, i)
                     bad[row] = True
-        failed = np.flatnonzero(bad)
+        failed = np.flatnonzero(bad) if damaged or verify else NO_ROWS
         if len(failed):
             batches = {name: _without(values, failed) for name, values in batches.items()}
         merged = {entry[0]: out[entry[0]] if entry[0] in out else batches[entry[0]] for entry in self.order}

@@ -1,8 +1,9 @@
-"""torch tensors and torch-only dtypes in the core's ``put``: the core's only torch code.
+"""torch tensors and torch-only dtypes in the core's ``put``, and :meth:`Jagged.to_nested`: the core's only torch code.
 
 :mod:`mmapcache._values` imports this module lazily, only when it meets a
 tensor (torch is then loaded already) or has to convert numbers into a dtype
-numpy lacks; nothing else in the core imports it, and it imports nothing of
+numpy lacks, and :class:`~mmapcache.Jagged` when asked for a nested tensor;
+nothing else in the core imports it, and it imports nothing of
 mmapcache but :mod:`mmapcache._field`. The torch layer (:mod:`mmapcache.torch`)
 imports it for the same facts — the dependency points one way, from the torch
 layer to the core (as ``safetensors.torch`` does).
@@ -23,7 +24,7 @@ import torch
 
 from ._field import Field
 
-__all__ = ["BITS", "as_tensor", "is_raw_bits", "tensor_to_numpy", "torch_dtype", "value_to_numpy"]
+__all__ = ["BITS", "as_tensor", "is_raw_bits", "nested", "tensor_to_numpy", "torch_dtype", "value_to_numpy"]
 
 # The unsigned torch dtype that holds the raw bits of an element of this many bytes.
 BITS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
@@ -100,3 +101,12 @@ def _numpy_knows(dtype: torch.dtype) -> bool:
     except TypeError:
         return False
     return True
+
+
+def nested(values: torch.Tensor, offsets: np.ndarray[Any, Any], extent: tuple[int, int]) -> torch.Tensor:
+    """A jagged-layout nested tensor over ``values`` (a view) cut at ``offsets``.
+
+    ``extent`` is the rows' ``(min, max)`` length, passed on so that nothing reads them back from a device.
+    """
+    cuts = torch.from_numpy(np.array(offsets, np.int64))  # B + 1 integers: copied, torch owns them afterwards
+    return torch.nested.nested_tensor_from_jagged(values, cuts, min_seqlen=extent[0], max_seqlen=extent[1])

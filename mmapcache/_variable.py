@@ -8,12 +8,14 @@ so a descriptor or value that does not belong together fails verification.
 
 Reads are the hot path, so descriptors are read through ``memoryview`` casts
 (a Python int per index, no numpy scalar), a value is copied out of a typed
-view of the region (two numpy calls), and a batch is validated with array
-operations and copied into one buffer, a :class:`Jagged` (``_gather.gather_runs``).
+view of the region (two numpy calls), and a batch is read, validated and
+copied into one buffer, a :class:`Jagged`, by one call of the compiled gather
+(``_cgather.c``) or, without it, by array operations and ``_gather.gather_runs``.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import sys
@@ -21,16 +23,29 @@ from typing import Any
 
 import numpy as np
 
+from . import _gather
 from ._field import Field
 from ._format import PAYLOAD_ALIGNMENT, descriptor_nbytes
 from ._gather import gather_runs
 from ._jagged import Jagged, split_shape
 
-__all__ = ["MAX_DIMENSION", "VariableColumn", "check_dimensions", "shape_bytes", "text_value", "texts", "value_bytes"]
+__all__ = [
+    "MAX_DIMENSION",
+    "NO_ROWS",
+    "VariableColumn",
+    "check_dimensions",
+    "shape_bytes",
+    "text_value",
+    "texts",
+    "value_bytes",
+]
 
 _DIM = np.dtype("<u4")
 _OFFSET = np.dtype("<u8")
 _LITTLE = sys.byteorder == "little"
+_INT64 = np.dtype(np.int64)
+NO_ROWS = np.zeros(0, np.intp)  # an empty, read-only row list (no row failed)
+NO_ROWS.flags.writeable = False
 
 
 MAX_DIMENSION = 2**32 - 1  # a descriptor holds one uint32 per dimension
@@ -81,12 +96,16 @@ class VariableColumn:
     """The descriptors of one variable field in a mapping, and reads and writes through them."""
 
     __slots__ = (
+        "_alloc",
         "_chunk_views",
+        "_descriptors",
         "_dim_words",
+        "_dims",
         "_dims_mv",
         "_fixed_axes",
         "_head",
         "_item",
+        "_may_overflow",
         "_ndim",
         "_offset_words",
         "_offsets_mv",
@@ -99,6 +118,7 @@ class VariableColumn:
         "_typed",
         "_unit",
         "_unit_tail",
+        "_width",
         "dims",
         "dtype",
         "field",
@@ -129,6 +149,13 @@ class VariableColumn:
         self._head, self._unit_tail = split_shape(field.shape)
         self._unit = math.prod(self._unit_tail) * field.dtype.itemsize
         self._chunk_views: dict[int, np.ndarray[Any, Any]] = {}
+        # What the compiled gather takes: the table as bytes, the shape with -1 where it varies, and
+        # how to allocate the values (a shape tuple in, an array out).
+        self._descriptors, self._width = table, width
+        self._dims = tuple(-1 if d is None else d for d in field.shape)
+        self._alloc = functools.partial(np.empty, dtype=field.dtype)
+        # Whether a descriptor's element count can pass int64 (several variable dims, or a large tail).
+        self._may_overflow = MAX_DIMENSION**self._head * max(self._unit, 1) >= 2**63
         self._region, self._size, self._item = region, len(region), field.dtype.itemsize
         # A view of the region in the field's dtype, when every value's offset is a multiple of its itemsize.
         usable = len(region) // self._item * self._item
@@ -261,21 +288,61 @@ class VariableColumn:
 
         ``rows``: the positions in ``indices`` to read (the READY ones); the
         others, and impossible rows, come back missing (``None``, length 0).
+        A row is impossible when a fixed dimension of its descriptor differs
+        from the field's, or its value would not lie within the region.
+        Through the compiled gather when it is there, else :meth:`gather_numpy` (the same result).
         """
+        native = _gather.native
+        if native is None:
+            return self.gather_numpy(indices, rows)
+        # One call reads, checks and copies every row (_cgather.c).
+        count = len(indices)
+        offsets = np.empty(count + 1, np.int64)
+        shapes = np.empty((count, self._ndim), np.int64) if self._head > 1 else None
+        values, bad = native.gather(
+            self._region,
+            self._descriptors,
+            self._width,
+            indices if indices.dtype == _INT64 and indices.flags.c_contiguous else indices.astype(np.int64),
+            rows if rows is None or rows.dtype == _INT64 else rows.astype(np.int64),
+            self._dims,
+            self._unit,
+            offsets,
+            shapes,
+            self._alloc,
+        )
+        present: np.ndarray[Any, Any] | None = None
+        if rows is not None and len(rows) != count:
+            present = np.zeros(count, bool)
+            present[rows] = True
+        if bad:
+            impossible = np.array(bad, np.intp)
+            if present is None:
+                present = np.ones(count, bool)
+            present[impossible] = False
+        else:
+            impossible = NO_ROWS
+        return Jagged._trusted(values, offsets, shapes, present), impossible
+
+    def gather_numpy(
+        self, indices: np.ndarray[Any, Any], rows: np.ndarray[Any, Any] | None = None
+    ) -> tuple[Jagged, np.ndarray[Any, Any]]:
+        """:meth:`gather` in numpy: about ten array operations and one ``gather_runs``."""
         count = len(indices)
         wanted = indices if rows is None else indices[rows]
         found = self._table[wanted].view(np.uint8).reshape(len(wanted), self._table.itemsize)
         starts = found[:, :8].view(_OFFSET)[:, 0].astype(np.int64)
         shapes = found[:, 8 : 8 + 4 * self._ndim].view(_DIM).astype(np.int64)
         head = self._head
-        if head == 1:  # a uint32 count of units: no product to overflow
-            units = shapes[:, 0].copy()
-            bad = np.zeros(len(wanted), bool)
-        else:  # counted in floating point first: a product that wraps in int64 must not look small
-            units = shapes[:, :head].prod(axis=1)
-            bad = shapes[:, :head].astype(np.float64).prod(axis=1) * max(self._unit, 1) > self._size
+        if self._may_overflow:  # an element count past int64: counted in floating point first
+            huge = shapes[:, :head].astype(np.float64).prod(axis=1) * max(self._unit, 1) > self._size
+            shapes[huge, :head] = 0
+        units = shapes[:, 0].copy() if head == 1 else shapes[:, :head].prod(axis=1)
         nbytes = units * self._unit
-        bad |= (starts < 0) | (starts + nbytes > self._size)
+        extent = nbytes if self._unit else units  # a unit of 0 bytes: at most one unit per byte of the region
+        bad = (starts < 0) | (starts > self._size) | (extent > self._size - starts)
+        if self._may_overflow:
+            bad |= huge
         for axis, d in self._fixed_axes:
             bad |= shapes[:, axis] != d
         if bad.any():
@@ -310,6 +377,7 @@ class VariableColumn:
         if head > 1:
             if present is not None:
                 shapes[~present, :head] = 0
+                shapes[~present, head:] = self._unit_tail
             return Jagged._trusted(values, offsets, shapes, present), impossible
         return Jagged._trusted(values, offsets, None, present), impossible
 

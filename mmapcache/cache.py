@@ -7,36 +7,34 @@ import inspect
 import logging
 import os
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
-from ._boot import check_boot, current_boot_id, sync_slots
+from . import _maintenance as maintenance
+from ._boot import check_boot
 from ._cold import prefetch_later
 from ._counters import REFUTED, Counts, Usage
-from ._errors import CacheError, CacheInUseError, CacheMissError, ReadonlyCacheError
+from ._errors import CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike
-from ._file import LockStatus, OpenedFile, creation_lock, exclusive_use, open_or_create, read_header
-from ._flight import HELD_HERE as _HELD_HERE
-from ._flight import WAIT_TIMEOUT, Claims, Flight, get_or_load_many
-from ._format import Header, Layout, indices_digest
+from ._file import LockStatus, OpenedFile, creation_lock, open_or_create
+from ._flight import WAIT_TIMEOUT, Claims, Flight, check_flight, check_timeout, claim, get_or_load_many, store, wait_for
+from ._format import Header, Layout
 from ._gather import empty_aligned, gather
 from ._handle import Handle, closed_error
 from ._heap import VariableRegion
-from ._holders import held_by
+from ._indices import as_given, check_index, check_out, index_array
 from ._mapping import Mapped
 from ._paths import filesystem_type, is_memory_filesystem
 from ._plan import plan
-from ._slots import EMPTY, READY, STRONGLY_ORDERED
+from ._slots import READY, STRONGLY_ORDERED
 from ._values import coerce_batch, coerce_sample
 from ._variable import check_dimensions
-from ._verify import Problem, region_problems, slot_problems
+from ._verify import Problem
 
 __all__ = ["Cache", "Problem"]
 
@@ -283,7 +281,7 @@ class Cache:
 
     def get(self, index: int, default: Any = None) -> Any:
         """The sample at ``index`` as ``{field: numpy array}`` (fresh copies), or ``default`` if not cached."""
-        i = index if type(index) is int and 0 <= index < self._length else self._index(index)
+        i = index if type(index) is int and 0 <= index < self._length else check_index(index, self._length)
         mapped = self._mapped
         if mapped is None:
             raise closed_error(self._path)
@@ -316,7 +314,7 @@ class Cache:
         return result
 
     def __contains__(self, index: object) -> bool:
-        i = index if type(index) is int and 0 <= index < self._length else self._index(index)
+        i = index if type(index) is int and 0 <= index < self._length else check_index(index, self._length)
         mapped = self._live()
         return i < self._capacity and bool(mapped.states[i] == READY)
 
@@ -339,13 +337,13 @@ class Cache:
         ``verify``, a row that fails its checksum raises after the gather).
         """
         mapped = self._live()
-        idx = self._index_array(indices)
+        idx = index_array(indices, self._length)
         if out is not None:
-            self._check_out(out, len(idx))
+            check_out(out, self._fields, len(idx))
         ready = mapped.slots.ready_mask(idx, self._capacity, self._length)
         if not ready.all():
             self._board.add(misses=len(idx) - int(np.count_nonzero(ready)))
-            raise _missing_error(self._path, _as_given(indices, idx)[~ready], len(idx))
+            raise _missing_error(self._path, as_given(indices, idx)[~ready], len(idx))
         if mapped.readahead is not None:
             mapped.readahead.before_read(idx)
         if out is None:
@@ -378,9 +376,9 @@ class Cache:
         counted these reads already, e.g. in another process).
         """
         mapped = self._live()
-        idx = self._index_array(indices)
+        idx = index_array(indices, self._length)
         if out is not None:
-            self._check_out(out, len(idx))
+            check_out(out, self._fields, len(idx))
         else:
             out = {name: empty_aligned((len(idx), *array.shape[1:]), array.dtype) for name, array in mapped.items}
         hits = mapped.slots.ready_mask(idx, self._capacity, self._length)
@@ -400,26 +398,6 @@ class Cache:
             self._board.add(hits=found, misses=len(idx) - found)
         return out, hits
 
-    def _check_out(self, out: Any, count: int) -> None:
-        fixed = {name: field for name, field in self._fields.items() if not field.variable}
-        if not isinstance(out, Mapping) or out.keys() != fixed.keys():
-            got = list(out) if isinstance(out, Mapping) else type(out).__name__
-            variable = [name for name in self._fields if name not in fixed]
-            also = f" (variable-shape fields {variable} always come back in new buffers: Jagged)" if variable else ""
-            raise ValueError(f"out must map every fixed-shape field {list(fixed)} to an array{also}, got {got}")
-        for name, field in fixed.items():
-            buffer = out[name]
-            shape = (count, *field.fixed_shape)
-            if not isinstance(buffer, np.ndarray):
-                raise ValueError(f"out[{name!r}] must be a numpy array, not {type(buffer).__name__}")
-            if buffer.shape != shape or buffer.dtype != field.dtype:
-                raise ValueError(
-                    f"out[{name!r}] must have shape {shape} and dtype {field.dtype}, "
-                    f"got shape {buffer.shape} and dtype {buffer.dtype}"
-                )
-            if not (buffer.flags.c_contiguous and buffer.flags.writeable):
-                raise ValueError(f"out[{name!r}] must be C-contiguous and writable")
-
     def prefetch(self, indices: Any, *, background: bool = True) -> None:
         """Ask for the cached samples among ``indices`` to be read into memory soon, without waiting.
 
@@ -433,7 +411,7 @@ class Cache:
         done). Bad indices raise as in :meth:`get_many`.
         """
         mapped = self._live()
-        idx = self._index_array(indices)
+        idx = index_array(indices, self._length)
         if mapped.readahead is None or not len(idx):
             return
         ready = idx[mapped.slots.ready_mask(idx, self._capacity, self._length)]
@@ -445,7 +423,7 @@ class Cache:
     def contains_many(self, indices: Any) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """Which of ``indices`` are cached, as a bool array (from the state bytes; see ``verify``)."""
         mapped = self._live()
-        return mapped.slots.ready_mask(self._index_array(indices), self._capacity, self._length)
+        return mapped.slots.ready_mask(index_array(indices, self._length), self._capacity, self._length)
 
     def count(self, *, hits: int = 0, misses: int = 0) -> None:
         """Add reads served outside :meth:`get`/:meth:`get_many` (e.g. through :attr:`views`) to the counters."""
@@ -472,7 +450,7 @@ class Cache:
         The first writer of a slot wins, across all processes: a slot being
         filled by another process at the same time also returns False.
         """
-        i = index if type(index) is int and 0 <= index < self._length else self._index(index)
+        i = index if type(index) is int and 0 <= index < self._length else check_index(index, self._length)
         mapped = self._live()
         if self._readonly:
             raise self._readonly_error("put")
@@ -494,7 +472,7 @@ class Cache:
         mapped = self._live()
         if self._readonly:
             raise self._readonly_error("put_many")
-        idx = self._index_array(indices)
+        idx = index_array(indices, self._length)
         stored = np.zeros(len(idx), dtype=bool)
         todo = np.flatnonzero((idx < self._capacity) & ~mapped.slots.ready_mask(idx, self._capacity, self._length))
         if not len(todo):
@@ -554,20 +532,14 @@ class Cache:
         nothing. Usage counts a row read from the cache (waited for or not)
         as a hit and a row loaded here as a miss.
         """
-        if load is None or not callable(load):
-            raise TypeError(f"load must be a function of a list of indices, not {type(load).__name__}")
-        timeout = _check_timeout(timeout)
-        if wait is not None and not isinstance(wait, bool):
-            raise TypeError(f"wait must be True, False or None (wait when it pays), not {wait!r}")
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"chunk must be a positive int (slots held per load) or None, not {chunk!r}")
+        timeout = check_flight(load, timeout, wait, chunk)
         return get_or_load_many(self, self._flight(), indices, load, out=out, timeout=timeout, wait=wait, chunk=chunk)
 
     def get_or_load(
         self, index: int, load: Callable[[int], Any], *, timeout: float = WAIT_TIMEOUT, wait: bool | None = None
     ) -> dict[str, Any]:
         """The sample at ``index``: from the cache, or ``load(index)`` once per node (see :meth:`get_or_load_many`)."""
-        i = self._index(index)
+        i = check_index(index, self._length)
         if load is None or not callable(load):
             raise TypeError(f"load must be a function of an index, not {type(load).__name__}")
         batch, _ = self.get_or_load_many([i], lambda idx: [load(idx[0])], timeout=timeout, wait=wait, chunk=1)
@@ -585,17 +557,8 @@ class Cache:
         mapped = self._live()
         if self._readonly:
             raise self._readonly_error("claim_many")
-        idx = self._index_array(indices)
-        states = mapped.states
-        mine, held = [], []
-        for i in dict.fromkeys(idx[idx < self._capacity].tolist()):
-            if states[i] == READY:
-                continue
-            if self._hold(i):
-                mine.append(i)
-            elif states[i] != READY:
-                held.append(i)
-        return Claims(self, self._flight(), mine, held)
+        idx = index_array(indices, self._length)
+        return claim(self, self._flight(), self._handle, mapped.slots, idx[idx < self._capacity])
 
     def wait_for(self, indices: Any, *, timeout: float = WAIT_TIMEOUT) -> Claims:
         """Wait until every one of ``indices`` is cached, or until one of them is left to this thread.
@@ -611,16 +574,9 @@ class Cache:
         mapped = self._live()
         if self._readonly:
             raise self._readonly_error("wait_for")
-        timeout = _check_timeout(timeout)
-        idx = self._index_array(indices)
-        todo = list(dict.fromkeys(idx[idx < self._capacity].tolist()))
-        flight = self._flight()
-        deadline = time.monotonic() + timeout
-        for k, i in enumerate(todo):
-            if self._wait_one(i, deadline) == _HELD_HERE:
-                rest = [j for j in todo[k + 1 :] if mapped.states[j] != READY]
-                return Claims(self, flight, [i], rest)
-        return Claims(self, flight, [], [i for i in todo if mapped.states[i] != READY])
+        timeout = check_timeout(timeout)
+        idx = index_array(indices, self._length)
+        return wait_for(self, self._flight(), self._handle, mapped.slots, idx[idx < self._capacity], timeout)
 
     @property
     def mean_load_time(self) -> float | None:
@@ -650,20 +606,8 @@ class Cache:
         self, idx: np.ndarray[Any, Any], arrays: list[Any], *, held: bool = True
     ) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """Store coerced rows at ``idx``: slots this thread holds (let go of each), or free ones (``held=False``)."""
-        mapped = self._live()
-        handle, flight = self._handle, self._flight()
-        fill = mapped.fill if not mapped.variables else mapped.fill_variable
-        stored = np.zeros(len(idx), bool)
-        for row, i in enumerate(idx.tolist()):
-            if i >= self._capacity or (not held and (mapped.states[i] == READY or flight.held_here(i))):
-                continue
-            try:
-                with handle.write_lock:
-                    handle.check_usable(writing=True)
-                    stored[row] = fill(i, arrays, row)  # releases the slot's lock
-            finally:
-                if held:
-                    flight.let_go(handle, mapped.slots, [i], filled=True)
+        flight = self._flight()
+        stored = store(flight, self._handle, self._live(), idx, arrays, capacity=self._capacity, held=held)
         self._board.add(written=int(np.count_nonzero(stored)))
         return stored
 
@@ -688,32 +632,7 @@ class Cache:
         mapped = self._live()
         if self._readonly:
             raise self._readonly_error("clear")
-        handle = self._handle
-        with handle.write_lock:
-            handle.check_usable(writing=True)
-            fd = handle.fd
-            with exclusive_use(self._path, fd, holds_shared=True, timeout=self._timeout) as holders:
-                if holders is None:
-                    mapped.slots.states[:] = EMPTY
-                    mapped.slots.checksums[:] = 0
-                    mapped.slots.synced[:] = 0
-                    if mapped.heap is not None:
-                        mapped.heap.reset()
-                    if mapped.stream is not None:
-                        mapped.stream.reset(current_boot_id())
-                    if mapped.boot is not None:
-                        # On a disk, before anyone refills: a crash must not find the old
-                        # synced READY records beside new bytes (a synced slot is never
-                        # checked after a reboot).
-                        os.fdatasync(fd)
-                    return
-        pids = [p for p in holders if p != os.getpid()]
-        # No other process holds it: another handle in this one does.
-        raise CacheInUseError(
-            f"cannot clear {self._path}: it is in use{held_by(pids or [os.getpid()], other_handles=True)}",
-            path=self._path,
-            pids=pids,
-        )
+        maintenance.clear(self._path, self._handle, mapped, timeout=self._timeout)
 
     def sync(self) -> int:
         """Make what is cached durable: ``fdatasync`` the file and mark its filled slots synced.
@@ -729,13 +648,7 @@ class Cache:
         mapped = self._live()
         if self._readonly:
             raise self._readonly_error("sync")
-        handle = self._handle
-        with handle.write_lock:
-            handle.check_usable(writing=True)
-            if mapped.boot is None:
-                os.fdatasync(handle.fd)
-                return 0
-            return sync_slots(handle.fd, mapped.slots)
+        return maintenance.sync(self._handle, mapped)
 
     # -- checking -------------------------------------------------------------
 
@@ -751,33 +664,7 @@ class Cache:
         mapped = self._live()
         if fix and self._readonly:
             raise self._readonly_error("verify(fix=True)")
-        handle = self._handle
-        with handle.write_lock:
-            handle.check_usable(writing=fix)
-            problems = self._header_problems(handle.fd)
-            ranges = mapped.value_ranges if mapped.variables else None
-            problems += slot_problems(mapped.slots, mapped.parts, fix=fix, ranges=ranges)
-            if mapped.heap is not None:
-                used, end = mapped.region_use()
-                found = region_problems(mapped.heap.size, int(mapped.heap.claimed[0]), used, end)
-                problems += [replace(p, fixed=fix and mapped.heap.cover(end)) for p in found]
-            if fix and mapped.boot is not None and any(p.fixed for p in problems):
-                # Reset slots may have been synced: their new state must be on the disk before
-                # their bytes are written again (see clear()).
-                os.fdatasync(handle.fd)
-        return problems
-
-    def _header_problems(self, fd: int) -> list[Problem]:
-        try:
-            header, _ = read_header(fd, str(self._path))
-        except CacheError as error:
-            return [Problem("header", None, str(error))]
-        if header != self._header:
-            return [Problem("header", None, f"the header of {self._path} changed after it was opened")]
-        table = self._live().indices
-        if table is not None and indices_digest(table) != header.indices_digest:
-            return [Problem("header", None, f"the dataset index table of {self._path} does not match its digest")]
-        return []
+        return maintenance.verify(self._path, self._header, self._handle, mapped, fix=fix)
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -826,62 +713,8 @@ class Cache:
             path=self._path,
         )
 
-    def _index(self, index: Any) -> int:
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
-            raise TypeError(f"cache indices must be integers, not {type(index).__name__}")
-        i = int(index)
-        if 0 <= i < self._length:
-            return i
-        raise IndexError(f"index {i} is out of range for a cache of length {self._length}")
 
-    def _index_array(self, indices: Any) -> np.ndarray[Any, np.dtype[np.intp]]:
-        """Validated indices as ``intp``; valid indices beyond ``intp`` become ``_BEYOND`` (never cacheable)."""
-        given = np.asarray(indices)
-        if given.ndim != 1:
-            raise ValueError(f"indices must be a 1-D sequence, got shape {given.shape}")
-        if given.dtype.kind not in "iu":
-            if given.size == 0 and given.dtype.kind != "b":
-                return np.zeros(0, np.intp)
-            if given.dtype.kind == "O":  # Python ints beyond 64 bits, or objects
-                for value in given.tolist():
-                    self._index(value)
-            raise TypeError(f"indices must be integers, got an array of {given.dtype}")
-        if given.dtype.kind == "u" and given.dtype.itemsize >= _INTP.itemsize:
-            if given.size and int(given.max()) >= self._length:
-                raise IndexError(f"index {int(given.max())} is out of range for a cache of length {self._length}")
-            # astype would wrap values >= 2**63 to negative slots; no slot lies that far
-            # (a file holds < 2**63 bytes), so such an index is valid but never cached.
-            clamped: np.ndarray[Any, np.dtype[np.intp]] = np.minimum(given, _BEYOND).astype(np.intp)
-            return clamped
-        idx = given.astype(np.intp, copy=False)
-        # One pass catches both ends: negative values become huge as unsigned.
-        if idx.size and (idx.view(np.uintp).max() >= self._length or given.dtype != idx.dtype):
-            bad = [i for i in given.tolist() if not 0 <= i < self._length]
-            if bad:
-                raise IndexError(f"index {bad[0]} is out of range for a cache of length {self._length}")
-        return idx
-
-
-_INTP = np.dtype(np.intp)
 _FLIGHT_LOCK = threading.Lock()
-
-
-def _check_timeout(timeout: Any) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
-        raise ValueError(
-            f"timeout must be a finite number of seconds >= 0 (0: never wait), not {timeout!r}; "
-            "every wait is bounded, so that a stuck loader cannot hang the others"
-        )
-    return float(timeout)
-
-
-_BEYOND = np.iinfo(np.intp).max
-
-
-def _as_given(indices: Any, idx: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """The indices as the caller wrote them, for messages (``idx`` may hold ``_BEYOND``)."""
-    given = np.asarray(indices)
-    return given if given.dtype.kind == "u" else idx
 
 
 def _check_after_reboot(path: Path, mapped: Mapped, *, readonly: bool, timeout: float) -> None:

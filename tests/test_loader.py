@@ -18,10 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, Subset, default_collate
 from torch_helpers import Recorded, accesses, as_collated, check_batch, same
 
-from mmapcache.torch import CachedDataset
+from mmapcache.torch import CachedDataset, collate
 from mmapcache.torch._loader import Batched, WorkerBatch
 
 N = 50
@@ -244,6 +246,42 @@ def test_default_collate_of_other_tensors_is_unchanged() -> None:
     assert stacked.data_ptr() != data.data_ptr(), "only mmapcache's own gather buffers are returned as views"
 
 
+# -- collate: default_collate without the second copy, when asked for ----------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_collate_gives_what_default_collate_gives(workers: int, cache_dir: Path) -> None:
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="collate")
+    ds.__getitems__(list(range(0, N, 3)))  # a third cached: batches mix hits and misses
+    for _ in range(2):  # cold, then warm
+        gen = torch.Generator().manual_seed(4)
+        ours = batches(
+            DataLoader(ds, batch_size=8, shuffle=True, num_workers=workers, collate_fn=collate, generator=gen)
+        )
+        gen = torch.Generator().manual_seed(4)
+        plain = batches(DataLoader(ds, batch_size=8, shuffle=True, num_workers=workers, generator=gen))
+        assert same(ours, plain)
+        assert ours[0][2]["bf16"].dtype == torch.bfloat16
+
+
+def test_collate_returns_a_warm_batch_as_gathered_instead_of_a_copy(cache_dir: Path) -> None:
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="collate")
+    ds.fill(progress=False)
+    samples = ds.__getitems__([7, 3, 9])
+    batch = collate(samples)
+    assert check_batch(batch) == [7, 3, 9]
+    assert batch[0].data_ptr() == samples[0][0].data_ptr(), "the rows the samples view, not a copy"
+    assert batch[2]["bf16"].data_ptr() == samples[0][2]["bf16"].data_ptr()
+    assert batch[2]["bf16"].dtype == torch.bfloat16
+    # Anything but those rows, whole and in order, is stacked as default_collate stacks it.
+    assert collate(samples[::-1])[0].data_ptr() != samples[2][0].data_ptr()
+    assert check_batch(collate(samples[1:])) == [3, 9]
+    data = torch.arange(12).reshape(4, 3)
+    assert collate(list(data.unbind(0))).data_ptr() != data.data_ptr(), "a user's tensor is never aliased"
+    batch[0].zero_()
+    assert same(ds[7], as_collated(7)), "the batch is fresh memory, never the cache"
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_dataloader_default_path_batches_are_exact(workers: int, cache_dir: Path) -> None:
     log = cache_dir / "log"
@@ -257,3 +295,30 @@ def test_dataloader_default_path_batches_are_exact(workers: int, cache_dir: Path
                 assert batch[0].is_shared(), "gathered in the worker's shared memory"
         assert sorted(seen) == list(range(N))
     assert len(accesses(log)) == N
+
+
+INDEX_ITEMS = st.integers(-2 * N, 2 * N) | st.sampled_from([True, 1.5, "3", None])
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(batch=st.lists(INDEX_ITEMS, max_size=20), as_array=st.booleans())
+def test_a_batch_of_indices_is_checked_as_ds_i_checks_each_one(batch: list[Any], as_array: bool) -> None:
+    """The sampler's lists of ints take a fast path; it accepts and refuses exactly what ``ds[i]`` does, one by one."""
+    from mmapcache.torch._settings import Settings
+
+    checked = Settings.checked(
+        list(range(N)), None, key="indices", max_bytes=None, capacity=None, copy=True, verify=False,
+        fields=None, cached_indices=None, dtypes=None, check=0,
+    )  # fmt: skip
+    given_batch: Any = batch
+    if as_array and all(type(i) is int for i in batch):
+        given_batch = np.array(batch, np.int64)
+    try:
+        expected: Any = [checked.index(i) for i in batch]
+    except (TypeError, IndexError) as error:
+        expected = (type(error), str(error))
+    try:
+        got: Any = checked.indices(given_batch).tolist()
+    except (TypeError, IndexError) as error:
+        got = (type(error), str(error))
+    assert got == expected

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from pipelines import Documents, Huge, NumpyStrings, Pixels, Random, Texts, Unresized, normalize_in_place
+from test_file import mounted_tmpfs
 from torch.utils.data import DataLoader, default_collate
 
 from mmapcache import Cache, CacheError, Field, SchemaMismatchError, StaleCacheError, in_use
@@ -238,8 +240,6 @@ class lambda_free_complex(torch.utils.data.Dataset[Any]):  # noqa: N801 - reads 
 
 
 def test_dtypes_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="not both"):
-        CachedDataset(Pixels(), key="px", dtypes={"0": "uint8"}, fields={"0": Field((3, 8, 8), "uint8")})
     with pytest.raises(ValueError, match=r"names the field 'image', but dataset\[0\] has the fields \['0', '1'\]"):
         CachedDataset(Pixels(), tmp_path / "c.mmc", key="px", dtypes={"image": "uint8"})[0]
     with pytest.raises(TypeError):
@@ -475,3 +475,23 @@ def test_a_pil_image_leaf_suggests_pil_to_tensor(tmp_path: Path) -> None:
 
     with pytest.raises(TypeError, match=r"PILToTensor\(\)"):
         CachedDataset(Images(), tmp_path / "c.mmc", key="pil")[0]
+
+
+def test_a_sized_budget_larger_than_the_file_system_is_capped_with_a_warning_that_says_what_to_do(
+    cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """20,000 documents of ~1 KB want ~25 MB; a 4 MiB file system gets a file sized at 90% of its free space."""
+    with mounted_tmpfs(cache_dir / "small", "size=4m,mode=0700") as small:
+        free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
+        with caplog.at_level(logging.WARNING, logger="mmapcache"):
+            ds = CachedDataset(Documents(20_000, first=1000), small / "d.mmc", key="docs", check=0)
+            assert ds[0]["text"] == Documents(20_000, first=1000)[0]["text"]
+        assert "has only" in caplog.text
+        assert "max_bytes=" in caplog.text
+        assert "MMAPCACHE_DIR" in caplog.text
+        assert (small / "d.mmc").stat().st_size <= 0.95 * free, "sized at 90% of the free space (plus the header)"
+        for i in (1, 7_777, 19_999):  # cached or not, every read is exact
+            assert ds[i]["text"] == Documents(20_000, first=1000)[i]["text"]
+        stats = ds.stats()
+        assert 0 < stats["filled"] < 20_000
+        ds.close()

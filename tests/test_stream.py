@@ -351,7 +351,7 @@ def test_info_says_how_far_the_fill_of_a_stream_got(tmp_path: Path) -> None:
     import time as clock
 
     from mmapcache import info
-    from mmapcache.cli import format_info
+    from mmapcache._reports import format_info
 
     path = tmp_path / "s.mmc"
     _run(path, Partition(0, 1, 0, 2), 20)

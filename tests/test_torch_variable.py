@@ -34,7 +34,6 @@ from torch_helpers import (
 
 from mmapcache import Field, SchemaMismatchError
 from mmapcache.torch import CachedDataset, Padded, pad_collate
-from mmapcache.torch._loader import Batched
 
 N = 60
 BUDGET = "1MiB"
@@ -181,10 +180,10 @@ def test_default_collate_stacks_variable_leaves_that_agree_and_raises_as_torch_d
     )
     for _ in range(2):  # cold, then warm
         plain = batches(DataLoader(uniform, batch_size=4, num_workers=workers))
-        fast = batches(uniform.loader(batch_size=4, num_workers=workers))
+        fast = batches(uniform.loader(batch_size=4, num_workers=workers, collate_fn=default_collate))
         direct = batches(DataLoader(Detection(uniform=True), batch_size=4))
         for a, b, c in zip(plain, fast, direct, strict=True):
-            assert same(a, b), "loader() yields what DataLoader(ds) yields"
+            assert same(a, b), "loader(collate_fn=default_collate) yields what DataLoader(ds) yields"
             assert same(a, c), "and what DataLoader over the dataset itself yields"
         assert plain[0]["boxes"].shape == (4, 0, 4)
     ragged = CachedDataset(Detection(), cache_dir / "r.mmc", key="ragged", fields=DETECTION_FIELDS, max_bytes=BUDGET)
@@ -193,7 +192,7 @@ def test_default_collate_stacks_variable_leaves_that_agree_and_raises_as_torch_d
     for loader in (
         DataLoader(Detection(), batch_size=4, num_workers=workers),
         DataLoader(ragged, batch_size=4, num_workers=workers),
-        ragged.loader(batch_size=4, num_workers=workers),
+        ragged.loader(batch_size=4, num_workers=workers, collate_fn=default_collate),
     ):
         with pytest.raises(RuntimeError) as info:
             next(iter(loader))
@@ -275,21 +274,6 @@ def _tensors(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_tensors(v) for v in value)
     return value
-
-
-def test_a_worker_batch_is_not_used_for_variable_fields(cache_dir: Path) -> None:
-    """Variable leaves are collated by torch in the worker, as DataLoader(ds) does: no WorkerBatch."""
-    ds = token_cache(cache_dir / "c.mmc")
-    ds.fill(progress=False)
-    loader = ds.loader(batch_size=4, collate_fn=pad_tokens)
-    assert isinstance(loader.dataset, Batched)
-    batch = loader.dataset.in_worker([3, 4])
-    collated = ds.loader(batch_size=4).dataset
-    assert isinstance(collated, Batched)
-    with pytest.raises(RuntimeError, match="stack expects"):
-        collated.in_worker([0, 1, 2, 3])
-    assert isinstance(batch, list)
-    assert same(batch[1], torch.tensor([3, 4]))
 
 
 def test_copy_false_reads_variable_fields_as_fresh_copies(cache_dir: Path) -> None:
@@ -427,8 +411,8 @@ def test_fields_that_cannot_describe_a_sample_are_refused_at_once(
         ),
         ({"0": Field((None,), "int64")}, ValueError, ["dataset[0]", "['0', '1']"]),
         ({"tokens": Field((None,), "int64"), "label": Field((), "int64")}, ValueError, ["['0', '1']", "tokens"]),
-        ({"0": Field((None,), "int32"), "1": Field((), "int64")}, TypeError, ["'0'", "int32", "int64", "fields="]),
-        ({"0": Field((None,), "float32"), "1": Field((), "int64")}, TypeError, ["'0'", "float32", "int64"]),
+        ({"0": Field((None,), "uint8"), "1": Field((), "int64")}, ValueError, ["'0'", "uint8", "such as uint16"]),
+        ({"0": Field((None,), "float16"), "1": Field((), "int64")}, ValueError, ["'0'", "float16", "such as"]),
         ({"0": Field((None, 1), "int64"), "1": Field((), "int64")}, ValueError, ["'0'", "(None, 1)", "{first}"]),
         ({"0": Field((1,), "int64"), "1": Field((), "int64")}, ValueError, ["'0'", "(1,)", "{first}"]),
         ({"0": Field((None,), "int64"), "1": Field((3,), "int64")}, ValueError, ["'1'", "(3,)"]),
@@ -445,6 +429,71 @@ def test_fields_that_do_not_fit_the_first_sample_name_the_field(
         for word in words:
             assert word.format(first=first) in str(info.value), str(info.value)
     assert not ds.path.exists(), "nothing is created from fields that do not fit"
+
+
+@pytest.mark.parametrize("dtype", ["int32", "uint16"])
+def test_a_declared_field_takes_int64_ids_that_convert_exactly(dtype: str, cache_dir: Path) -> None:
+    fields = {"0": Field((None,), dtype), "1": Field((), "int64")}
+    ds = CachedDataset(Tokens(N), cache_dir / "c.mmc", key="narrow", fields=fields, max_bytes=BUDGET, check=0)
+    first = ds.__getitems__(list(range(N)))  # misses: converted, stored, returned as stored
+    ds.close()
+    again = CachedDataset(Tokens(N), ds.path, key="narrow", fields=fields, max_bytes=BUDGET)
+    for read in (first, again.__getitems__(list(range(N))), [again[i] for i in range(N)]):
+        for i, (ids, label) in enumerate(read):
+            assert ids.dtype == getattr(torch, dtype)
+            assert torch.equal(ids.long(), tokens(i)[0])
+            assert int(label) == i
+    assert again.cache.fields["0"] == Field((None,), dtype)
+    batch = next(iter(again.loader(batch_size=8, collate_fn=pad_tokens)))
+    assert batch[0].data.dtype == getattr(torch, dtype)
+
+
+def test_dtypes_sets_the_storage_dtype_of_declared_fields(cache_dir: Path) -> None:
+    ds = CachedDataset(
+        Tokens(N), cache_dir / "c.mmc", key="narrow", fields=TOKEN_FIELDS, dtypes={"0": torch.int32}, max_bytes=BUDGET
+    )
+    assert ds.fields == {"0": Field((None,), "int32"), "1": Field((), "int64")}
+    ids, _ = ds[7]
+    assert ids.dtype == torch.int32
+    assert torch.equal(ids.long(), tokens(7)[0])
+    assert ds.cache.fields == ds.fields
+    restored = pickle.loads(pickle.dumps(ds))
+    assert restored.fields == ds.fields
+    assert torch.equal(restored[7][0], ids)
+
+
+def test_dtypes_with_fields_must_name_declared_numeric_fields() -> None:
+    with pytest.raises(ValueError, match=r"dtypes= names the field 'ids', but fields= has the fields \['0', '1'\]"):
+        CachedDataset(Tokens(N), key="t", fields=TOKEN_FIELDS, dtypes={"ids": "int32"}, max_bytes=BUDGET)
+    with pytest.raises(TypeError, match=r"'0'.*str"):
+        CachedDataset(Tokens(N), key="t", fields={"0": Field((None,), str)}, dtypes={"0": "int32"}, max_bytes=BUDGET)
+
+
+def test_a_declared_field_refuses_a_value_it_cannot_hold_and_names_a_dtype_that_can(cache_dir: Path) -> None:
+    fields = {"0": Field((None,), "uint8"), "1": Field((), "int64")}
+    ds = CachedDataset(Tokens(N), cache_dir / "c.mmc", key="u8", fields=fields, max_bytes=BUDGET)
+    with pytest.raises(ValueError, match=r"dataset\[\d+\].*field '0': the value \d+ cannot be stored as uint8") as info:
+        ds.__getitems__(list(range(8)))
+    suggested = re.search(r"such as (\w+)", str(info.value))
+    assert suggested is not None, str(info.value)
+    assert not ds.path.exists()
+    fields["0"] = Field((None,), suggested[1])
+    wide = CachedDataset(Tokens(N), ds.path, key="u8", fields=fields, max_bytes=BUDGET)
+    assert all(torch.equal(ids.long(), tokens(i)[0]) for i, (ids, _) in enumerate(wide.__getitems__(list(range(N)))))
+
+
+def test_the_suggested_declaration_works_with_the_dtypes_that_made_it(cache_dir: Path) -> None:
+    ds = CachedDataset(Tokens(N), cache_dir / "c.mmc", key="t", dtypes={"0": "int32"})
+    with pytest.raises(ValueError, match="fixed shape") as info:
+        ds.__getitems__(list(range(8)))
+    message = str(info.value)
+    assert 'fields={"0": Field((None,), "int32"), "1": Field((), "int64")}' in message, message
+    fields = eval(message[message.index("fields={") + 7 : message.index(", max_bytes")], {"Field": Field})
+    for dtypes in ({"0": "int32"}, None):  # pasted next to the dtypes= that was there, or instead of it
+        pasted = CachedDataset(Tokens(N), ds.path, key="t", fields=fields, dtypes=dtypes, max_bytes=BUDGET)
+        read = pasted.__getitems__(list(range(N)))
+        assert all(ids.dtype == torch.int32 for ids, _ in read)
+        assert all(torch.equal(ids.long(), tokens(i)[0]) for i, (ids, _) in enumerate(read))
 
 
 def test_a_later_sample_that_does_not_fit_fields_is_named(cache_dir: Path) -> None:
@@ -579,6 +628,15 @@ def test_pad_collate_pads_one_dimensional_leaves_and_gives_lengths() -> None:
     data, lengths = pad_collate([torch.tensor([1.5]), torch.tensor([2.5, 3.5])])  # default padding 0
     assert torch.equal(data, torch.tensor([[1.5, 0.0], [2.5, 3.5]]))
     assert torch.equal(lengths, torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_pad_collate_pads_the_unsigned_dtypes_torch_has_few_kernels_for(dtype: torch.dtype) -> None:
+    rows = [torch.tensor([65535, 1, 2], dtype=torch.int64).to(dtype), torch.tensor([7], dtype=torch.int64).to(dtype)]
+    padded = pad_collate([(row,) for row in rows], pad="0", padding_value=9)[0]
+    assert padded.data.dtype == dtype
+    assert padded.data.long().tolist() == [[65535, 1, 2], [7, 9, 9]]
+    assert padded.lengths.tolist() == [3, 1]
 
 
 def test_pad_collate_pads_every_dimension_and_keeps_the_dtype() -> None:

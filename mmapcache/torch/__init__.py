@@ -25,8 +25,11 @@ sample                 field names     note
 The same names declare the schema with ``fields=`` when samples vary in
 shape: ``(tokens, label)`` with ``fields={"0": Field((None,), "int64"),
 "1": Field((), "int64")}``. A variable leaf comes back as a tensor of its own
-shape; :func:`pad_collate` makes batches of them (a :class:`Padded` tensor
-plus lengths).
+shape; ``ds.loader(ragged=...)`` batches them as a :class:`Padded` tensor plus
+lengths, a nested tensor, a :class:`Packed` ``(values, cu_seqlens,
+max_seqlen)`` or a list, from one gather per batch; for a DataLoader of your
+own, :func:`collate` is ``default_collate`` without a second copy of a warm
+batch, and :func:`pad_collate` pads samples.
 
 Where things live
 -----------------
@@ -36,7 +39,8 @@ handle, counters, read and miss paths) · ``_schema.py`` (fields inferred,
 declared, described) · ``_checks.py`` (right file, stale content,
 determinism, in-place transforms) · ``_leaves.py`` (what a leaf is, and the one
 rule for whether it fits a field) · ``_columns.py`` (batches as per-field
-columns) · ``_loader.py`` (``loader()``) · ``_collate.py`` (``pad_collate``,
+columns) · ``_loader.py`` (``loader()``) · ``_ragged.py`` (``ragged=``: variable
+fields in a batch, ``Packed``) · ``_collate.py`` (``pad_collate``,
 ``Padded``) · ``_fill.py`` (``fill()``) · ``_stream.py`` (:class:`CachedStream`, over the
 core's ``mmapcache._stream``). :class:`NodeShardSampler` is
 :mod:`mmapcache._sampler`'s.
@@ -45,15 +49,17 @@ core's ``mmapcache._stream``). :class:`NodeShardSampler` is
 from __future__ import annotations
 
 from .._sampler import NodeShardSampler
-from ._collate import Padded, pad_collate
+from ._collate import Padded, collate, pad_collate
 from ._dataset import CachedDataset
+from ._ragged import Packed
 from ._schema import infer_fields
 from ._stream import CachedStream
 
-__all__ = ["CachedDataset", "CachedStream", "NodeShardSampler", "Padded", "pad_collate"]
+__all__ = ["CachedDataset", "CachedStream", "NodeShardSampler", "Packed", "Padded", "collate", "pad_collate"]
 
 # Pickles name the public module, whatever file the class lives in.
 CachedDataset.__module__ = __name__
 CachedStream.__module__ = __name__
 Padded.__module__ = __name__
+Packed.__module__ = __name__
 _ = infer_fields  # mmapcache.torch.infer_fields, as in 0.3.0

@@ -23,7 +23,7 @@ from .._errors import CacheError, SchemaMismatchError, StaleCacheError
 from .._field import Field
 from ..cache import Cache
 from ._leaves import misfit
-from ._schema import check_declared_sample, describe, sample_fields
+from ._schema import Schema, check_declared_sample, describe, sample_fields
 from ._settings import Settings
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "check_file",
     "check_sample",
     "check_stale",
+    "check_stale_rows",
     "file_identity",
     "some_ready",
 ]
@@ -226,6 +227,19 @@ def check_stale(cached: Any, fresh: Any, index: int, settings: Settings) -> None
         field=field,
         differences={"content": (index, field)},
     )
+
+
+def check_stale_rows(
+    schema: Schema, read: dict[str, Any], hits: Any, indices: list[int], fresh: list[Any], settings: Settings
+) -> None:
+    """:func:`check_stale` for each row a read found (``hits``) against the fresh sample of its dataset index."""
+    for row, (index, sample) in enumerate(zip(indices, fresh, strict=True)):
+        if hits[row]:
+            values = [
+                read[name][row] if schema.variable[k] else read[name][row, ...] for k, name in enumerate(schema.names)
+            ]
+            cached = schema.build([[schema.to_tensor(value, k)] for k, value in enumerate(values)])[0]
+            check_stale(cached, sample, index, settings)
 
 
 def check_deterministic(first: Any, again: Any, index: int, settings: Settings) -> None:

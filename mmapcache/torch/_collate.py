@@ -1,17 +1,24 @@
-"""Collating: the batch ``default_collate`` makes, from columns (:func:`collate_tree`) or padded (:func:`pad_collate`).
+"""Collating: the batch ``default_collate`` makes, from columns (:func:`collate_tree`), without a second copy
+(:func:`collate`) or padded (:func:`pad_collate`).
 
 Importing mmapcache changes nothing in torch's collation: ``default_collate``
 and its ``default_collate_fn_map`` stay torch's own. ``loader()`` needs no
 collate of its own (its dataset returns finished batches, :func:`as_is`
-passes them through); :func:`pad_collate` is a ``collate_fn`` for samples with
-variable-shape leaves, which pads them into a :class:`Padded` batch.
+passes them through). For a ``DataLoader(ds)`` of one's own, :func:`collate`
+is ``default_collate`` with one entry of its ``collate_fn_map`` (the
+extension point torch documents) replaced, for that call only: a column of
+tensors that are the consecutive rows of one batch ``__getitems__`` gathered
+(:func:`adopt`) is returned as those rows instead of being stacked into a
+copy. :func:`pad_collate` is a ``collate_fn`` for samples with variable-shape
+leaves, which pads them into a :class:`Padded` batch.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Collection, Mapping, MutableMapping, MutableSequence, Sequence
+import weakref
+from collections.abc import Callable, Collection, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -21,7 +28,7 @@ import torch.utils.data
 from .._structure import Step, name_of
 from ._columns import shared_empty
 
-__all__ = ["Padded", "as_is", "collate_tree", "pad_collate"]
+__all__ = ["Padded", "Padder", "adopt", "as_is", "collate", "collate_tree", "pad_collate", "pad_tensors"]
 
 
 def collate_tree(tree: Any, tensors: Sequence[torch.Tensor]) -> Any:
@@ -38,6 +45,72 @@ def collate_tree(tree: Any, tensors: Sequence[torch.Tensor]) -> Any:
     if kind == "dict":
         return {key: collate_tree(child, tensors) for key, child in zip(keys, children, strict=True)}
     return [collate_tree(child, tensors) for child in children]
+
+
+# Batch tensors whose rows __getitems__ handed out as samples, by id (weakly: a batch lives as long as its rows).
+_ADOPTED: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def adopt(tensor: torch.Tensor) -> None:
+    """Let :func:`collate` return rows of ``tensor`` (a fresh batch nobody else holds) instead of stacking them."""
+    root = tensor if tensor._base is None else tensor._base
+    key = id(root)
+    _ADOPTED[key] = weakref.ref(root, functools.partial(_forget, key))
+
+
+def _forget(key: int, ref: weakref.ref[torch.Tensor]) -> None:
+    if _ADOPTED.get(key) is ref:  # not a newer tensor that got the same id
+        del _ADOPTED[key]
+
+
+def _rows_of_one_batch(column: Sequence[Any]) -> torch.Tensor | None:
+    """The adopted batch whose consecutive rows are exactly ``column``, in order, as one tensor; else None."""
+    first = column[0]
+    base: torch.Tensor | None = first._base
+    if base is None:
+        return None
+    ref = _ADOPTED.get(id(base))
+    if ref is None or ref() is not base or not first.is_contiguous():
+        return None
+    step = first.numel() * first.element_size()
+    start = first.data_ptr()
+    if not step:
+        return None
+    for k, row in enumerate(column):
+        if type(row) is not torch.Tensor or row._base is not base or row.data_ptr() != start + k * step:
+            return None
+        if row.shape != first.shape or row.dtype != first.dtype or not row.is_contiguous():
+            return None
+    offset, remainder = divmod(start - base.data_ptr(), step)
+    rows = base.view(first.dtype) if base.dtype != first.dtype else base  # a bits view: bfloat16 in uint16
+    if remainder or offset < 0 or offset + len(column) > rows.shape[0] or rows.shape[1:] != first.shape:
+        return None
+    return rows.narrow(0, offset, len(column))
+
+
+def collate(batch: Any) -> Any:
+    """``default_collate``, without copying a warm batch of a :class:`CachedDataset` a second time.
+
+    ``DataLoader(ds, collate_fn=collate)``: ``ds.__getitems__`` gathers a
+    batch of hits into one tensor per field (in a worker, in shared memory)
+    and hands out its rows as the samples; ``default_collate`` would stack
+    those rows into a copy, ``collate`` returns the rows as the batch. Every
+    other tensor, and everything else, is collated as ``default_collate``
+    does (with torch's ``default_collate_fn_map`` as it is when called). The
+    batch then shares memory with the samples ``__getitems__`` returned (not
+    with the cache): keep the batch *or* the samples if you modify either in
+    place. ``ds.loader()`` needs no collate: it gathers each batch once.
+    """
+    from torch.utils.data._utils.collate import collate as collate_with
+    from torch.utils.data._utils.collate import default_collate_fn_map
+
+    stack = default_collate_fn_map[torch.Tensor]
+
+    def tensors(column: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
+        rows = _rows_of_one_batch(column)
+        return rows if rows is not None else stack(column, collate_fn_map=collate_fn_map)
+
+    return collate_with(batch, collate_fn_map={**default_collate_fn_map, torch.Tensor: tensors})
 
 
 def as_is(batch: Any) -> Any:
@@ -93,11 +166,15 @@ def pad_collate(batch: Sequence[Any], *, pad: str | Collection[str] | None = Non
                 f"tensor leaves are {leaves} (named as in mmapcache.torch: '0' for a tuple's first element, "
                 "'key' for a dict's, '.' for a bare leaf)"
             )
-    return _Padder(names, padding_value).collate(list(batch), [])
+    return Padder(names, functools.partial(_padded, padding_value=padding_value)).collate(list(batch), [])
+
+
+def _padded(column: list[torch.Tensor], name: str, *, padding_value: float) -> Padded:
+    return pad_tensors(column, padding_value, name)
 
 
 def _tensor_leaves(value: Any, path: list[Step], names: list[str]) -> None:
-    """The names of the leaves of one sample that :class:`_Padder` treats as tensors, in its order."""
+    """The names of the leaves of one sample that :class:`Padder` treats as tensors, in its order."""
     if isinstance(value, torch.Tensor) or (isinstance(value, np.ndarray) and value.dtype.kind in "biufc"):
         names.append(name_of(path))
     elif isinstance(value, Mapping):
@@ -109,11 +186,15 @@ def _tensor_leaves(value: Any, path: list[Step], names: list[str]) -> None:
             _tensor_leaves(item, [*path, (kind, k)], names)
 
 
-class _Padder:
-    """One ``pad_collate`` call: ``default_collate``'s walk over the structure, knowing each leaf's name."""
+class Padder:
+    """One ``pad_collate`` call: ``default_collate``'s walk over the structure, knowing each leaf's name.
 
-    def __init__(self, names: frozenset[str] | None, padding_value: float) -> None:
-        self.names, self.padding_value = names, padding_value
+    The tensors of a leaf in ``names`` (or, with ``names=None``, of any leaf
+    whose shapes differ in the batch) become ``leaf(tensors, name)``.
+    """
+
+    def __init__(self, names: frozenset[str] | None, leaf: Callable[[list[torch.Tensor], str], Any]) -> None:
+        self.names, self.leaf = names, leaf
 
     def collate(self, column: list[Any], path: list[Step]) -> Any:
         from torch.utils.data._utils.collate import default_collate_fn_map
@@ -166,10 +247,15 @@ class _Padder:
         padding = name in self.names if self.names is not None else any(t.shape != first for t in column)
         if not padding:
             return default_collate_fn_map[torch.Tensor](column, collate_fn_map=default_collate_fn_map)
-        return _pad(column, self.padding_value, name)
+        return self.leaf(column, name)
 
 
-def _pad(column: list[torch.Tensor], padding_value: float, name: str) -> Padded:
+# Same-size signed dtypes, whose kernels torch has where the unsigned ones lack them (index_put).
+_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def pad_tensors(column: list[torch.Tensor], padding_value: float, name: str) -> Padded:
+    """The tensors of one leaf (``name``, for errors) padded into a :class:`Padded` (in a worker, in shared memory)."""
     ndim = column[0].ndim
     if ndim == 0:
         raise ValueError(f"leaf {name!r} holds 0-d tensors (scalars): there is nothing to pad")
@@ -189,7 +275,8 @@ def _pad(column: list[torch.Tensor], padding_value: float, name: str) -> Padded:
     if ndim == 1:
         # Sequences: many short rows. One masked copy of them all costs half the per-row loop.
         filled = torch.arange(longest[0], device=data.device) < lengths.to(data.device)  # (batch, longest)
-        data[filled] = torch.cat(column).to(dtype)
+        bits = _SIGNED.get(dtype, dtype)  # torch has no masked assignment for uint16/32/64: move their bits
+        data.view(bits)[filled] = torch.cat(column).to(dtype).view(bits)
         return Padded(data, lengths[:, 0])
     for row, tensor in zip(data, column, strict=True):
         row[tuple(slice(0, size) for size in tensor.shape)] = tensor

@@ -20,10 +20,10 @@ import torch
 import torch.utils.data
 
 from .._gather import empty_aligned
-from ._leaves import LeafShapeError, convert_leaf, fit, variable_column, write_column
+from ._leaves import LeafShapeError, converted, fit, variable_column, write_column
 from ._schema import Schema, describe
 
-__all__ = ["ShapeVariesError", "columns", "new_batch", "rows", "set_row", "shared_empty"]
+__all__ = ["ShapeVariesError", "columns", "new_batch", "shared_empty"]
 
 
 class ShapeVariesError(ValueError):
@@ -40,8 +40,9 @@ def columns(
     """The batch ``put_many`` stores: per field, the rows stacked (fixed) or a list of arrays (variable).
 
     ``indices`` are the dataset indices of ``raw`` (for errors). Each leaf is converted to the
-    storage dtype ``dtypes=`` chose, checked against its field by :func:`~._leaves.fit`, then
-    copied once: into its row of a fixed field's batch array, or into its own array.
+    storage dtype ``fields=`` or ``dtypes=`` chose (exactly, or an error), checked against its
+    field by :func:`~._leaves.fit`, then copied once: into its row of a fixed field's batch
+    array, or into its own array.
     ``declared``: the fields are ``fields=``'s (else the first sample's: a leaf of another shape
     raises :class:`ShapeVariesError`). TypeError/ValueError naming the sample and the field otherwise.
     """
@@ -52,9 +53,9 @@ def columns(
         try:
             leaves = schema.flatten(sample)
             for column, leaf, (name, field) in zip(out, leaves, fields, strict=True):
-                if dtypes is not None and name in dtypes:
+                if declared or (dtypes is not None and name in dtypes):
                     try:
-                        leaf = convert_leaf(leaf, field, name)
+                        leaf = converted(leaf, field, name)
                     except (TypeError, ValueError) as error:
                         raise _ConversionError(type(error), f"dataset[{index}]: {error}") from None
                 column.append(fit(leaf, field, name))
@@ -111,14 +112,3 @@ def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     storage: torch.UntypedStorage = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
     strides = torch.empty(shape, device="meta").stride()
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape, strides)
-
-
-def rows(column: Any) -> Any:
-    """A gathered column (a batch tensor, or a list for a variable field) as one leaf per sample."""
-    return column.unbind(0) if isinstance(column, torch.Tensor) else column
-
-
-def set_row(out: list[Any], row: int, leaves: Sequence[Any]) -> None:
-    """Put one sample's leaves into ``row`` of gathered columns."""
-    for column, leaf in zip(out, leaves, strict=True):
-        column[row] = leaf

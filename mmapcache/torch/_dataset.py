@@ -21,6 +21,7 @@ from ._checks import Verdict
 from ._collate import as_is
 from ._fill import fill
 from ._loader import Batched, Loader
+from ._ragged import check_ragged
 from ._session import Session
 from ._settings import Settings
 
@@ -249,24 +250,41 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         sampler: torch.utils.data.Sampler[Any] | Iterable[Any] | None = None,
         num_workers: int = 0,
         drop_last: bool = False,
+        ragged: str = "pad",
+        padding_value: float = 0,
         stateful: bool = False,
         **dataloader_kwargs: Any,
     ) -> torch.utils.data.DataLoader[Any]:
-        """A DataLoader over this dataset that reads each batch of hits with one copy.
+        """A DataLoader over this dataset that reads each batch of hits with one gather per field.
 
-        It yields exactly what ``DataLoader(ds, batch_size, shuffle,
-        sampler=sampler, num_workers=num_workers, drop_last=drop_last,
-        **dataloader_kwargs)`` with the default collate yields — the same
-        structure, dtypes and values — but a batch of cached samples is
-        gathered field by field straight into the tensors the training loop
-        receives (inside workers, into shared memory, so the hand-off to the
-        main process copies nothing). Misses are loaded from ``dataset`` and
-        stored as usual. With a ``transform`` (it runs per sample) or a
-        ``collate_fn`` of yours, batches are built from samples as
-        ``DataLoader(ds)`` builds them. Any other DataLoader argument
-        (``pin_memory``, ``persistent_workers``, ``prefetch_factor``,
-        ``multiprocessing_context``, ...) passes through, and samplers —
-        ``DistributedSampler`` included — work as with ``DataLoader(ds)``.
+        Its batches have the structure, dtypes and values ``DataLoader(ds,
+        batch_size, shuffle, sampler=sampler, num_workers=num_workers,
+        drop_last=drop_last, **dataloader_kwargs)`` with the default collate
+        gives, but a batch of cached samples is gathered field by field
+        straight into the tensors the training loop receives (with workers,
+        the workers load and store the misses and the main process gathers
+        from the file: one copy, no shared-memory hand-off). Misses are loaded
+        from ``dataset`` and stored as usual. With a ``transform`` (it runs per
+        sample) batches are collated from samples.
+
+        ``ragged`` says how a variable-shape field appears in a batch (its
+        batch is gathered once, as one :class:`~mmapcache.Jagged`):
+
+        * ``"pad"`` (default): a :class:`Padded` ``(data, lengths)``, as
+          :func:`pad_collate` makes it, padded with ``padding_value``;
+        * ``"nested"``: a jagged-layout nested tensor viewing the gathered values;
+        * ``"packed"``: a :class:`Packed` ``(values, cu_seqlens, max_seqlen)``,
+          the samples end to end (what varlen attention kernels take);
+        * ``"list"``: a list of one tensor per sample, each its own shape.
+
+        ``"nested"`` and ``"packed"`` need fields that vary in their first
+        dimension only. Text fields are lists of ``str``/``bytes`` (as
+        ``default_collate`` makes them). A ``collate_fn`` of yours overrides
+        all this: it receives the samples, as ``DataLoader(ds)``'s does.
+        Any other DataLoader argument (``pin_memory``, ``persistent_workers``,
+        ``prefetch_factor``, ``multiprocessing_context``, ...) passes
+        through, and samplers — ``DistributedSampler`` included — work as with
+        ``DataLoader(ds)``.
 
         ``stateful=True`` returns torchdata's ``StatefulDataLoader`` instead
         (``pip install torchdata``; it then also takes ``snapshot_every_n_steps``):
@@ -276,6 +294,9 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         still filling. Shuffle with a seeded ``generator=`` or a
         ``NodeShardSampler`` so that a resumed job draws the same order.
         """
+        ragged = check_ragged(ragged)
+        if isinstance(padding_value, bool) or not isinstance(padding_value, (int, float)):
+            raise TypeError(f"padding_value must be a number, not {type(padding_value).__name__}")
         if not isinstance(stateful, bool):
             raise TypeError(f"stateful must be True or False, not {stateful!r}")
         collate_fn = dataloader_kwargs.pop("collate_fn", None)
@@ -293,7 +314,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         else:
             kind = Loader
         return kind(
-            _batched(self, collated),
+            _batched(self, collated, ragged, padding_value),
             batch_size=batch_size,
             shuffle=shuffle,
             sampler=sampler,
@@ -371,6 +392,8 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         return f"CachedDataset({type(self.dataset).__name__}, {str(self.path)!r}, key={self.key!r})"
 
 
-def _batched(dataset: CachedDataset, collated: bool) -> Batched:
+def _batched(dataset: CachedDataset, collated: bool, ragged: str = "pad", padding_value: float = 0) -> Batched:
     """The view of ``dataset`` that ``loader()`` gives DataLoader (also how it unpickles in a worker)."""
-    return Batched(dataset, dataset._session, collated=collated, remake=_batched)
+    return Batched(
+        dataset, dataset._session, collated=collated, ragged=ragged, padding_value=padding_value, remake=_batched
+    )

@@ -5,7 +5,10 @@ bytes (:func:`is_leaf`). :func:`leaf_field` is the field a first sample's leaf
 makes; :func:`fit` is the only place that decides whether a leaf fits a field
 (tensors and arrays keep its dtype exactly and fit its shape; Python scalars
 and text follow the core's casting rules, :func:`mmapcache._values.coerce_value`);
-:func:`misfit` asks it for a whole sample without raising. :func:`write_column`
+:func:`misfit` asks it for a whole sample without raising. A field whose dtype
+the user chose (``fields=``, ``dtypes=``) first converts a leaf of another
+numeric dtype with :func:`convert_leaf`, which refuses any conversion that
+changes a value (:func:`converted`). :func:`write_column`
 and :func:`variable_column` then copy the fitted leaves of a batch once into
 storage arrays.
 """
@@ -30,6 +33,7 @@ __all__ = [
     "as_text",
     "check_declared",
     "convert_leaf",
+    "converted",
     "fit",
     "is_leaf",
     "leaf_field",
@@ -131,10 +135,41 @@ def convert_leaf(leaf: Any, field: Field, name: str) -> Any:
         value = tensor.reshape(-1)[first].item()
         raise ValueError(
             f"field {name!r}: the value {value!r} cannot be stored as {str(target).removeprefix('torch.')} "
-            f"without changing it (it would read back as {converted.reshape(-1)[first].item()!r}); dtypes= may "
-            "only choose a dtype that holds every value exactly — choose a wider one, or convert before the cache"
+            f"without changing it (it would read back as {converted.reshape(-1)[first].item()!r}); the field's "
+            f"dtype (fields= or dtypes=) must hold every value exactly — {_wider(tensor)}, or convert before the cache"
         )
     return converted
+
+
+def _wider(tensor: torch.Tensor) -> str:
+    """What to declare instead of a dtype that cannot hold ``tensor``'s values: the narrowest that can."""
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool or not tensor.numel():
+        return f"choose {str(tensor.dtype).removeprefix('torch.')} (the values' own dtype)"
+    numbers = _integers(tensor)  # numpy: torch has no min/max for uint16/32/64
+    low, high = int(numbers.min()), int(numbers.max())
+    kinds = ("uint8", "uint16", "uint32", "uint64") if low >= 0 else ("int8", "int16", "int32", "int64")
+    holds = next((k for k in kinds if np.iinfo(k).min <= low and high <= np.iinfo(k).max), None)
+    if holds is None:  # below 0 and above int64's range
+        return f"no integer dtype holds {low}..{high}"
+    return f"choose a dtype that holds {low}..{high}, such as {holds}"
+
+
+def converted(leaf: Any, field: Field, name: str) -> Any:
+    """``leaf`` in ``field``'s dtype, for a field whose dtype the user chose (``fields=``, ``dtypes=``).
+
+    A tensor or numeric array of another dtype goes through :func:`convert_leaf`
+    (exactly, or an error naming the value); anything else is returned as is
+    for :func:`fit` to judge.
+    """
+    if field.text is not None:
+        return leaf
+    if isinstance(leaf, torch.Tensor):
+        same = leaf.dtype == torch_dtype(field)
+    elif isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in "biufc":
+        same = field.torch_dtype is None and leaf.dtype.newbyteorder("=") == field.dtype.newbyteorder("=")
+    else:
+        return leaf
+    return leaf if same else convert_leaf(leaf, field, name)
 
 
 def _unrepresented(tensor: torch.Tensor, converted: torch.Tensor) -> np.ndarray[Any, np.dtype[np.bool_]]:
@@ -213,15 +248,19 @@ def check_declared(field: Field, name: str) -> None:
         raise TypeError(f"field {name!r}: dtype {field.dtype_name} has no torch equivalent; supported: {SUPPORTED}")
 
 
-def fit(leaf: Any, field: Field, name: str) -> Any:
+def fit(leaf: Any, field: Field, name: str, *, convert: bool = False) -> Any:
     """``leaf`` checked against ``field``: ready for :func:`write_column` / :func:`variable_column`.
 
     Tensors and arrays must keep the field's dtype exactly — a silent cast
     would change the data — and fit its shape (a ``None`` dimension takes any
-    size; a mismatch raises :class:`LeafShapeError`). Text and Python scalars
-    follow the core's casting rules (:func:`mmapcache._values.coerce_value`).
-    TypeError/ValueError naming the field otherwise.
+    size; a mismatch raises :class:`LeafShapeError`). ``convert`` (the user
+    chose the field's dtype) first converts them when no value changes
+    (:func:`converted`). Text and Python scalars follow the core's casting
+    rules (:func:`mmapcache._values.coerce_value`). TypeError/ValueError
+    naming the field otherwise.
     """
+    if convert:
+        leaf = converted(leaf, field, name)
     if field.text is not None:
         text = as_text(leaf)
         return coerce_value(leaf if text is None else text, field, name)
@@ -230,10 +269,11 @@ def fit(leaf: Any, field: Field, name: str) -> Any:
     return coerce_value(leaf, field, name)
 
 
-def misfit(sample: Any, fields: Mapping[str, Field]) -> tuple[type[Exception], str] | None:
+def misfit(sample: Any, fields: Mapping[str, Field], *, convert: bool = False) -> tuple[type[Exception], str] | None:
     """Why ``sample`` does not fit ``fields`` (an error type and a message naming the field), or None.
 
-    The names of its leaves must be the fields' (in any order), and each leaf must :func:`fit` its field.
+    The names of its leaves must be the fields' (in any order), and each leaf must :func:`fit` its
+    field (``convert``: after an exact conversion to the field's dtype, for ``fields=``).
     """
     try:
         leaves = name_leaves(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
@@ -253,7 +293,7 @@ def misfit(sample: Any, fields: Mapping[str, Field]) -> tuple[type[Exception], s
         )
     for name, leaf in leaves.items():
         try:
-            fit(leaf, fields[name], name)
+            fit(leaf, fields[name], name, convert=convert)
         except LeafShapeError as error:
             return ValueError, str(error)
         except (TypeError, ValueError) as error:

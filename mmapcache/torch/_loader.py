@@ -18,14 +18,16 @@ shared-memory segment to create and fault in per batch — and there the
 :class:`Loader`'s iterator gathers the batch from the file into fresh tensors:
 still one copy from the file to the batch.
 
-Variable-shape fields take no part in this: each sample's leaf is its own
-tensor, and a batch of them is collated by torch (which stacks them when their
-shapes agree, and raises when they do not, as without the cache) or by
-:func:`~._collate.pad_collate`.
+A variable-shape field is gathered the same way, once per batch, into one
+:class:`~mmapcache.Jagged`, which becomes the batch ``ragged=`` asks for
+(:mod:`._ragged`: padded, nested, packed or a list), with no object made per
+sample but for ``"list"``. Batches built from samples (with a ``transform``, or
+indices the file does not cache) collate their variable leaves the same way.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -33,7 +35,9 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from ._collate import collate_tree
+from .._jagged import Jagged
+from ._collate import Padded, Padder, collate_tree
+from ._ragged import Packed, jagged_batch, tensors_batch
 from ._session import Session
 
 __all__ = ["Batched", "Loader", "WorkerBatch"]
@@ -75,12 +79,20 @@ class Batched(torch.utils.data.Dataset[Any]):
     """
 
     def __init__(
-        self, dataset: Any, session: Session, *, collated: bool, remake: Callable[[Any, bool], Batched]
+        self,
+        dataset: Any,
+        session: Session,
+        *,
+        collated: bool,
+        ragged: str = "pad",
+        padding_value: float = 0,
+        remake: Callable[[Any, bool, str, float], Batched],
     ) -> None:
         self.dataset, self.session, self.collated, self.remake = dataset, session, collated, remake
+        self.ragged, self.padding_value = ragged, padding_value
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (self.remake, (self.dataset, self.collated))
+        return (self.remake, (self.dataset, self.collated, self.ragged, self.padding_value))
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -99,14 +111,27 @@ class Batched(torch.utils.data.Dataset[Any]):
         """The batch ``default_collate(dataset.__getitems__(indices))`` is, with one copy for the hits."""
         session = self.session
         if self.dataset.transform is not None or len(indices) == 0:
-            return torch.utils.data.default_collate(self.dataset.__getitems__(indices))
+            return self._collate_samples(self.dataset.__getitems__(indices))
         idx = session.settings.positions(session.settings.indices(indices))
         if idx is None:  # some are not among cached_indices
-            return torch.utils.data.default_collate(self.dataset.__getitems__(indices))
+            return self._collate_samples(self.dataset.__getitems__(indices))
         cache = session.opened()
         if cache is None:  # nobody created the file yet: this batch creates it
-            return torch.utils.data.default_collate(session.load(idx.tolist()))
+            return self._collate_samples(session.load(idx.tolist()))
         return self._collate(session.gather(cache, idx))
+
+    def _collate_samples(self, samples: list[Any]) -> Any:
+        """``default_collate``, but the leaves named as the variable fields are batched as ``ragged`` asks."""
+        schema = self.session.schema
+        if schema is None or not schema.ragged or not samples:
+            return torch.utils.data.default_collate(samples)
+        names = frozenset(
+            name
+            for name, variable, text in zip(schema.names, schema.variable, schema.texts, strict=True)
+            if variable and text is None
+        )
+        leaf = functools.partial(tensors_batch, ragged=self.ragged, padding_value=self.padding_value)
+        return Padder(names, leaf).collate(samples, [])
 
     def gather(self, batch: WorkerBatch) -> Any:
         """In the main process: the batch a worker's :class:`WorkerBatch` stands for, gathered from the file."""
@@ -119,9 +144,12 @@ class Batched(torch.utils.data.Dataset[Any]):
         schema = self.session.schema
         assert schema is not None
         if schema.ragged:
-            # As default_collate does with the samples' tensors: stacked when their shapes agree, else its error.
-            collate = torch.utils.data.default_collate
-            columns = [collate(c) if variable else c for c, variable in zip(columns, schema.variable, strict=True)]
+            columns = [
+                jagged_batch(column, self.ragged, schema.dtypes[k], self.padding_value, name)
+                if isinstance(column, Jagged)
+                else column
+                for k, (name, column) in enumerate(zip(schema.names, columns, strict=True))
+            ]
         return collate_tree(schema.tree, columns)
 
     def in_worker(self, indices: Sequence[int]) -> Any:
@@ -131,10 +159,8 @@ class Batched(torch.utils.data.Dataset[Any]):
             return self.batch(indices)
         idx = session.settings.positions(session.settings.indices(indices))
         cache = session.opened()
-        if idx is None or cache is None or (session.schema is not None and session.schema.ragged):
-            # Indices outside cached_indices, or nobody created the file yet (this batch creates
-            # it), or variable fields — collated by torch, which may refuse shapes that differ:
-            # the batch is made here, and so is any error, as DataLoader(ds) makes them.
+        if idx is None or cache is None:
+            # Indices outside cached_indices, or nobody created the file yet (this batch creates it).
             return self.batch(indices)
         ready = cache.contains_many(idx)
         cache.count(hits=int(np.count_nonzero(ready)))  # the main process gathers without counting
@@ -204,11 +230,13 @@ class _Gathering:
 
 
 def _pinned(batch: Any) -> Any:
-    """A gathered batch (dicts and lists of tensors) in pinned memory, as DataLoader's ``pin_memory`` makes it."""
+    """A gathered batch (dicts, lists and Padded/Packed of tensors) in pinned memory, as ``pin_memory`` makes it."""
     if isinstance(batch, torch.Tensor):
         return batch.pin_memory()
     if isinstance(batch, dict):
         return {key: _pinned(value) for key, value in batch.items()}
     if isinstance(batch, list):
         return [_pinned(value) for value in batch]
+    if isinstance(batch, (Padded, Packed)):
+        return type(batch)(*(_pinned(value) for value in batch))
     return batch

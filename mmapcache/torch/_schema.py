@@ -12,17 +12,31 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .._errors import SchemaMismatchError
 from .._field import Field, FieldsLike, normalize_fields
+from .._jagged import Jagged
 from .._structure import Structure, name_leaves
 from .._tensors import torch_dtype
 from .._variable import text_value
-from ._leaves import SUPPORTED, check_declared, is_leaf, leaf_field, leaf_hint, leaf_shape, misfit
+from ._leaves import (
+    SUPPORTED,
+    check_declared,
+    fit,
+    is_leaf,
+    leaf_field,
+    leaf_hint,
+    leaf_shape,
+    misfit,
+    variable_column,
+)
+
+if TYPE_CHECKING:
+    from ._columns import ShapeVariesError
 
 __all__ = [
     "Schema",
@@ -34,6 +48,8 @@ __all__ = [
     "infer_fields",
     "sample_fields",
     "storage_dtypes",
+    "varying_shapes",
+    "with_dtypes",
 ]
 
 
@@ -90,6 +106,35 @@ class Schema:
             return leaves
         return self.structure.flatten(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
 
+    def rows(self, columns: list[Any]) -> list[Any]:
+        """Gathered columns (a batch tensor, a :class:`~mmapcache.Jagged` or a list per field) as leaves per sample."""
+        return [
+            column.unbind(0)
+            if isinstance(column, torch.Tensor)
+            else [None if a is None else self.to_tensor(a, k) for a in column]
+            if isinstance(column, Jagged)
+            else column
+            for k, column in enumerate(columns)
+        ]
+
+    def with_rows(self, columns: list[Any], found: Mapping[int, list[Any]]) -> list[Any]:
+        """Gathered columns with the leaves of the rows in ``found`` (samples loaded, not read) put in.
+
+        A :class:`~mmapcache.Jagged` is rebuilt with them (each leaf converted exactly to the storage dtype).
+        """
+        out = []
+        for k, (column, (name, field)) in enumerate(zip(columns, self.fields.items(), strict=True)):
+            if isinstance(column, Jagged):
+                arrays: list[Any] = list(column)
+                for row, leaves in found.items():
+                    arrays[row] = variable_column([fit(leaves[k], field, name, convert=True)], field)[0]
+                column = Jagged.from_arrays(arrays, dtype=field.dtype, tail=column.tail, ndim=column.shapes.shape[1])
+            else:
+                for row, leaves in found.items():
+                    column[row] = leaves[k]
+            out.append(column)
+        return out
+
     def samples(self, columns: list[Any]) -> list[Any]:
         """Samples, as a read returns them, from storage columns (an array per fixed field, a list per variable one)."""
         return self.build(
@@ -134,24 +179,32 @@ def storage_dtypes(dtypes: Mapping[str, Any]) -> dict[str, Any]:
     return dict(dtypes)
 
 
-def sample_fields(sample: Any, index: int, dtypes: Mapping[str, Any] | None) -> dict[str, Field]:
-    """``sample``'s own fields, with the storage dtypes ``dtypes=`` sets."""
-    fields = infer_fields(sample)
-    for name, dtype in (dtypes or {}).items():
-        if name not in fields:
+def with_dtypes(fields: dict[str, Field], dtypes: Mapping[str, Any], *, where: str) -> dict[str, Field]:
+    """``fields`` with the storage dtypes ``dtypes=`` sets, each named field keeping its shape.
+
+    ``where`` names what ``fields`` came from (``"fields="``, ``"dataset[0]"``), for the errors.
+    """
+    out = dict(fields)
+    for name, dtype in dtypes.items():
+        if name not in out:
             raise ValueError(
-                f"dtypes= names the field {name!r}, but dataset[{index}] has the fields {list(fields)} "
+                f"dtypes= names the field {name!r}, but {where} has the fields {list(out)} "
                 "(named by their place in the sample: see mmapcache.torch)"
             )
-        if fields[name].text is not None:
-            raise TypeError(f"dtypes= gives field {name!r} a dtype, but it holds {fields[name].text} values")
-        fields[name] = Field(fields[name].shape, dtype)
-    return fields
+        if out[name].text is not None:
+            raise TypeError(f"dtypes= gives field {name!r} a dtype, but it holds {out[name].text} values")
+        out[name] = Field(out[name].shape, dtype)
+    return out
+
+
+def sample_fields(sample: Any, index: int, dtypes: Mapping[str, Any] | None) -> dict[str, Field]:
+    """``sample``'s own fields, with the storage dtypes ``dtypes=`` sets."""
+    return with_dtypes(infer_fields(sample), dtypes or {}, where=f"dataset[{index}]")
 
 
 def check_declared_sample(sample: Any, index: int, fields: Mapping[str, Field]) -> None:
     """TypeError/ValueError naming the field unless ``sample`` fits ``fields=``."""
-    problem = misfit(sample, fields)
+    problem = misfit(sample, fields, convert=True)
     if problem is not None:
         kind, message = problem
         raise kind(f"dataset[{index}] does not fit fields=: {message}")
@@ -189,3 +242,30 @@ def declaration(schema: Schema, samples: list[Any]) -> str:
         for name, field in schema.fields.items()
     ]
     return "{" + ", ".join(entries) + "}"
+
+
+def varying_shapes(schema: Schema, varies: ShapeVariesError, raw: list[Any], path: Path, refuted: str | None) -> str:
+    """The message for a sample whose shape differs from the first one's, when ``fields=`` was not given.
+
+    ``refuted``: what became of the file made with fixed shapes (``None``: nothing was created).
+    """
+    index, error = varies.index, varies.error
+    name, shape, field = error.name, error.shape, error.field
+    if refuted is None:  # nothing was created: the schema is the first sample's of this batch
+        where, exists = f"the first sample's is {field.shape}", ""
+    else:
+        where = f"the cache's field has the fixed shape {field.shape}"
+        exists = f" The cache at {path} was made with fixed shapes: {refuted}"
+    if len(shape) != len(field.shape):
+        return (
+            f"dataset[{index}]: field {name!r} has shape {shape}, but {where}: a field has a fixed number of "
+            "dimensions; only their sizes may vary (declared as None with fields=). Reshape or pad before the "
+            f"cache, or move that part into transform.{exists}"
+        )
+    return (
+        f"dataset[{index}]: field {name!r} has shape {shape}, but {where}: without fields=, every field keeps "
+        "the fixed shape of the first sample. To cache samples whose shapes vary, declare the fields with None "
+        "for each dimension that varies, and a max_bytes= budget for the values: "
+        f"CachedDataset(..., fields={declaration(schema, raw)}, max_bytes=...), with Field from mmapcache. "
+        f"Or pad, crop or resize before the cache.{exists}"
+    )

@@ -17,13 +17,12 @@ inherited over ``fork`` takes its parent's :class:`~._checks.Verdict`.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,10 +30,6 @@ import torch
 from .._errors import CacheInUseError, SchemaMismatchError, StaleCacheError
 from .._field import Field
 from .._file import remove
-from .._format import slot_nbytes
-from .._heap import place
-from .._paths import free_bytes
-from .._sizes import format_bytes
 from .._slots import STRONGLY_ORDERED
 from ..cache import Cache
 from ._checks import (
@@ -42,13 +37,15 @@ from ._checks import (
     check_deterministic,
     check_file,
     check_sample,
-    check_stale,
+    check_stale_rows,
     file_identity,
     some_ready,
 )
-from ._columns import ShapeVariesError, columns, new_batch, rows, set_row
-from ._schema import Schema, declaration, first_fields
+from ._collate import adopt
+from ._columns import ShapeVariesError, columns, new_batch
+from ._schema import Schema, first_fields, varying_shapes
 from ._settings import Settings, not_map_style
+from ._sizing import size_variable
 
 __all__ = ["Session"]
 
@@ -169,7 +166,7 @@ class Session:
     def _create(self, fields: dict[str, Field], text_bytes: int | None = None) -> Cache:
         """Open the file, creating it with ``fields`` if it is missing.
 
-        ``text_bytes``: room for text values when ``max_bytes`` was not given (see :meth:`_size_variable`).
+        ``text_bytes``: room for text values when ``max_bytes`` was not given (see :func:`._sizing.size_variable`).
         """
         settings = self.settings
         with self.lock:
@@ -231,14 +228,7 @@ class Session:
         assert schema is not None
         fresh = schema.samples(self._columns(schema, indices, raw))
         read, hits = cache.read_many(np.asarray(positions, np.intp), count=False)
-        for row, (index, sample) in enumerate(zip(indices, fresh, strict=True)):
-            if hits[row]:
-                values = [
-                    read[name][row] if schema.variable[k] else read[name][row, ...]
-                    for k, name in enumerate(schema.names)
-                ]
-                cached = schema.build([[schema.to_tensor(value, k)] for k, value in enumerate(values)])[0]
-                check_stale(cached, sample, index, self.settings)
+        check_stale_rows(schema, read, hits, indices, fresh, self.settings)
 
     def _check_sample(self, sample: Any, index: int) -> None:
         assert self.cache is not None
@@ -316,7 +306,11 @@ class Session:
         schema = self.schema
         assert schema is not None
         if self.views is None or fresh:
-            return schema.build([rows(column) for column in self.gather(cache, idx)])
+            gathered = self.gather(cache, idx)
+            for column in gathered:
+                if isinstance(column, torch.Tensor):
+                    adopt(column)  # collate() may return its rows as the batch, without stacking a copy
+            return schema.build(schema.rows(gathered))
         return self._read_views(cache, idx)
 
     def uncached(self, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
@@ -358,8 +352,9 @@ class Session:
         """One column per field holding the samples at file positions ``idx``: hits read, misses loaded.
 
         A fixed field's column is one fresh batch tensor (in a DataLoader worker, in shared
-        memory); a variable field's is a list of fresh tensors, one per sample, each of its own
-        shape. ``given_rows``/``leaves``: samples a worker already loaded and could not store;
+        memory); a numeric variable field's is one :class:`~mmapcache.Jagged` of storage values,
+        gathered at once (no object per sample); a text field's a list of ``str``/``bytes``.
+        ``given_rows``/``leaves``: samples a worker already loaded and could not store;
         ``counted``: the reads were counted in the file already (by that worker). Misses are
         loaded through :meth:`load` (which counts them).
         """
@@ -372,24 +367,27 @@ class Session:
             [schema.dtypes[schema.names.index(name)] for name in schema.fixed],
         )
         out = dict(zip(schema.fixed, arrays, strict=True))
-        read, hits = cache.read_many(idx, out=out, count=False)  # variable fields: a sequence per field
+        read, hits = cache.read_many(idx, out=out, count=False)  # variable fields: Jagged, texts: lists
         found = int(np.count_nonzero(hits))
         self.hits += found
         if not counted:
             cache.count(hits=found)
         batch = iter(tensors)
         gathered: list[Any] = [
-            [None if a is None else schema.to_tensor(a, k) for a in read[name]] if schema.variable[k] else next(batch)
+            (read[name] if schema.texts[k] is None else list(read[name])) if schema.variable[k] else next(batch)
             for k, name in enumerate(schema.names)
         ]
+        loaded: dict[int, list[Any]] = {}
         for row, given in zip(given_rows, leaves, strict=True):
             if not hits[row]:
-                set_row(gathered, row, given)
+                loaded[row] = given
                 hits[row] = True
         if not hits.all():
             missing = np.flatnonzero(~hits)
             for row, sample in zip(missing.tolist(), self.load(idx[missing].tolist()), strict=True):
-                set_row(gathered, row, schema.flatten(sample))
+                loaded[row] = schema.flatten(sample)
+        if loaded:
+            gathered = schema.with_rows(gathered, loaded)
         return gathered
 
     def _read_views(self, cache: Cache, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
@@ -518,7 +516,7 @@ class Session:
             stored = self._columns(schema, indices, raw)
             if first_miss:
                 self._check_deterministic(indices[0], raw[0])
-            sized = self._size_variable(schema, positions, stored)
+            sized = size_variable(self.settings, schema, positions, stored, fetch=self.fetch, columns_of=self._columns)
             cache = self._create(fields, None if sized is None else sized.budget)
             assert self.schema is not None
             if self.schema.names != schema.names:  # another process created it, its fields in another order
@@ -540,72 +538,6 @@ class Session:
         written = cache.put_many(positions, dict(zip(schema.names, stored, strict=True)))
         self.written += int(np.count_nonzero(written))
         return schema.samples(stored)
-
-    def _size_variable(self, schema: Schema, positions: list[int], stored: list[Any]) -> _Sized | None:
-        """The byte budget of a new file with variable fields and no ``max_bytes``, from a spread sample.
-
-        ``SIZING_SAMPLES`` positions spread evenly over the file (the middles of as
-        many equal parts; the first batch's rows among them are not loaded again)
-        are loaded, checked and measured: the budget is the
-        fixed parts of every slot, plus ``SIZING_HEADROOM`` times the mean bytes of
-        a sample's variable values times the slots, plus 1 MiB (writers claim the
-        region in extents). It is capped by the file system's free space (a warning
-        says so, and what to do). The loaded samples are returned, to be stored.
-        """
-        settings = self.settings
-        if settings.max_bytes is not None or not schema.ragged:
-            return None
-        slots = settings.length if settings.capacity is None else min(settings.capacity, settings.length)
-        drawn = min(slots, SIZING_SAMPLES)
-        spread = sorted({int((j + 0.5) * slots / drawn) for j in range(drawn)})  # the middles of equal parts
-        extra = sorted(set(spread) - set(positions))
-        loaded = self.fetch(extra) if extra else []  # loads the user pays once, at creation (stored below)
-        # A sample that does not fit the fields is left out: it raises when it is read, as it would have.
-        fitting = [(p, sample) for p, sample in zip(extra, loaded, strict=True) if self._fits(schema, p, sample)]
-        extra = [p for p, _ in fitting]
-        indices, raw = self.settings.sources(extra), [sample for _, sample in fitting]
-        columns = self._columns(schema, indices, raw) if extra else [[] for _ in schema.names]
-        variable = [k for k, v in enumerate(schema.variable) if v]
-        # The mean over the spread sample only: the first batch (often the dataset's first samples) is
-        # no sample of the dataset; those of its rows that are in the spread sample count.
-        rows = {position: row for row, position in enumerate(positions)}
-        mine = [rows[p] for p in spread if p in rows] if extra else list(range(len(positions)))
-        values = [place(value.nbytes) for k in variable for value in columns[k]]
-        values += [place(stored[k][row].nbytes) for k in variable for row in mine]
-        measured = len(extra) + len(mine)
-        mean = sum(values) / max(measured, 1)
-        fixed = slots * slot_nbytes(schema.fields)
-        budget = fixed + math.ceil(SIZING_HEADROOM * mean * slots) + 2**20
-        free = free_bytes(settings.path.parent)
-        if free is not None and budget > free * 0.9:
-            capped = int(free * 0.9)
-            names = [schema.names[k] for k in variable]
-            log.warning(
-                "%s: the values of the variable fields %s take %s a sample on average (%d samples drawn), "
-                "so caching all %d samples needs about %s, but %s has only %s free: the cache is made with "
-                "%s, and samples whose values find no room are read from the dataset every time (see "
-                "stats()['variable_free'] and `mmapcache info`). Give max_bytes= to choose the size, or set "
-                "MMAPCACHE_DIR to a larger file system",
-                settings.path,
-                names,
-                format_bytes(int(mean)),
-                measured,
-                slots,
-                format_bytes(budget),
-                settings.path.parent,
-                format_bytes(free),
-                format_bytes(capped),
-            )
-            budget = capped
-        return _Sized(budget, extra, columns, indices, raw)
-
-    def _fits(self, schema: Schema, position: int, sample: Any) -> bool:
-        """Whether the sample at file position ``position`` can be stored with ``schema``."""
-        try:
-            columns(schema, self.settings.sources([position]), [sample], self.settings.dtypes, declared=True)
-        except (TypeError, ValueError):
-            return False
-        return True
 
     def _columns(self, schema: Schema, indices: list[int], raw: list[Any]) -> list[Any]:
         """:func:`~._columns.columns`, with the advice (and the refuted file) for shapes that vary."""
@@ -633,27 +565,8 @@ class Session:
         return "it was removed, so the next try starts afresh."
 
     def _varying_shapes(self, schema: Schema, varies: ShapeVariesError, raw: list[Any]) -> str:
-        """The message for a sample whose shape differs from the first one's, when ``fields=`` was not given."""
-        index, error = varies.index, varies.error
-        name, shape, field = error.name, error.shape, error.field
-        if self.cache is None:  # nothing was created: the schema is the first sample's of this batch
-            where, exists = f"the first sample's is {field.shape}", ""
-        else:
-            where = f"the cache's field has the fixed shape {field.shape}"
-            exists = f" The cache at {self.settings.path} was made with fixed shapes: {self._refute()}"
-        if len(shape) != len(field.shape):
-            return (
-                f"dataset[{index}]: field {name!r} has shape {shape}, but {where}: a field has a fixed number of "
-                "dimensions; only their sizes may vary (declared as None with fields=). Reshape or pad before the "
-                f"cache, or move that part into transform.{exists}"
-            )
-        return (
-            f"dataset[{index}]: field {name!r} has shape {shape}, but {where}: without fields=, every field keeps "
-            "the fixed shape of the first sample. To cache samples whose shapes vary, declare the fields with None "
-            "for each dimension that varies, and a max_bytes= budget for the values: "
-            f"CachedDataset(..., fields={declaration(schema, raw)}, max_bytes=...), with Field from mmapcache. "
-            f"Or pad, crop or resize before the cache.{exists}"
-        )
+        """The message for a sample whose shape differs from the first one's (the file, if any, refuted)."""
+        return varying_shapes(schema, varies, raw, self.settings.path, None if self.cache is None else self._refute())
 
 
 def _written(cache: Cache) -> int:
@@ -667,17 +580,3 @@ class _VariesError(Exception):
     def __init__(self, error: ShapeVariesError, raw: list[Any]) -> None:
         super().__init__(str(error))
         self.error, self.raw = error, raw
-
-
-SIZING_SAMPLES = 64  # samples a new file with variable fields and no max_bytes is sized from
-SIZING_HEADROOM = 1.25  # room for the variable values: this many times the sample's mean
-
-
-class _Sized(NamedTuple):
-    """A budget sized from a spread sample, and the samples loaded for it (stored once the file exists)."""
-
-    budget: int
-    positions: list[int]
-    columns: list[Any]
-    indices: list[int]
-    raw: list[Any]

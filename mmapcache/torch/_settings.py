@@ -23,7 +23,7 @@ from .._field import Field, FieldsLike
 from .._format import indices_digest
 from .._names import SUFFIX
 from .._paths import default_dir
-from ._schema import declared_fields, storage_dtypes
+from ._schema import declared_fields, storage_dtypes, with_dtypes
 
 __all__ = ["Settings", "default_path"]
 
@@ -75,8 +75,9 @@ class Settings:
         variable = declared is not None and any(field.variable for field in declared.values())
         if capacity is not None and max_bytes is not None and not variable:
             raise ValueError("give capacity= or max_bytes=, not both")
-        if dtypes is not None and fields is not None:
-            raise ValueError("give dtypes= or fields=, not both: fields= declares every field's dtype already")
+        storage = None if dtypes is None else storage_dtypes(dtypes)
+        if declared is not None and storage is not None:
+            declared = with_dtypes(declared, storage, where="fields=")
         if isinstance(check, bool) or not isinstance(check, int) or check < 0:
             raise ValueError(f"check must be a number of samples (0 disables the check), not {check!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
@@ -95,7 +96,7 @@ class Settings:
             verify=bool(verify),
             fields=declared,
             cached_indices=shard,
-            dtypes=None if dtypes is None else storage_dtypes(dtypes),
+            dtypes=storage,
             check=check,
             timeout=float(timeout),
         )
@@ -139,14 +140,24 @@ class Settings:
         """``indices`` validated like ``ds[i]`` (negative ones count from the end), as one array."""
         given = np.asarray(indices)
         n = len(self.dataset)
-        if given.ndim != 1 or given.dtype.kind not in "iu" or (given.size and int(given.max()) >= n):
-            return np.fromiter((self.index(i) for i in indices), np.intp, len(indices))
-        idx = given.astype(np.intp)
-        if idx.size and int(idx.min()) < 0:
+        if given.ndim != 1 or given.dtype.kind not in "iu":
+            return self._one_by_one(indices)
+        idx = given.astype(np.intp, copy=False)
+        if not idx.size:
+            return idx
+        # A sampler's batch is a list of ints: the builtins find its extremes in a third of numpy's time.
+        lo, hi = (min(indices), max(indices)) if type(indices) is list else (idx.min(), idx.max())
+        if hi >= n:
+            return self._one_by_one(indices)
+        if lo < 0:
             idx = np.where(idx < 0, idx + n, idx)
             if int(idx.min()) < 0:
-                return np.fromiter((self.index(i) for i in indices), np.intp, len(indices))
+                return self._one_by_one(indices)
         return idx
+
+    def _one_by_one(self, indices: Any) -> np.ndarray[Any, np.dtype[np.intp]]:
+        """``indices`` checked one at a time: the error names the first bad one, as ``ds[i]`` would."""
+        return np.fromiter((self.index(i) for i in indices), np.intp, len(indices))
 
 
 def not_map_style(dataset: Any) -> str:

@@ -1,0 +1,419 @@
+/* The compiled gather of a variable field: one call reads a batch's descriptors, checks each value's
+ * bounds and copies the values back to back into one buffer (mmapcache/_gather.py describes the numpy
+ * fallback, which gives the same result; tests/test_cgather.py holds the two against each other).
+ * `pad` then copies such a batch's rows into a padded array, one memcpy + one fill a row (Jagged.to_padded
+ * falls back to a numpy masked assignment, which tests/test_cgather.py holds it against).
+ *
+ * Safety: a descriptor comes from a file that other processes write, and may be damaged. Each one is
+ * read once, into memory of our own, and only those copies are checked and used: a row is copied only
+ * when its offset and byte count lie within the region (overflow-checked), so no descriptor makes this
+ * code read outside the mapping. A slot index outside the table is a caller's bug: IndexError.
+ *
+ * The copy runs without the GIL when it moves enough bytes to be worth it (DataLoader threads overlap);
+ * the buffers stay valid because this call holds a buffer export of each (the mapping cannot be
+ * unmapped under it: mmapcache lets the last reference unmap).
+ *
+ * No numpy C API: buffers come through the buffer protocol, the output from a Python callable.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <endian.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_DIMS 32
+#define FREE_GIL_FROM (64 * 1024) /* bytes: below this, a GIL round trip costs more than it frees */
+/* Rows are read in random order: ask for the first bytes of the value this many rows ahead (pass 2), so
+ * that their cache misses overlap with the copies instead of queueing (measured: 8 or 16, the best). */
+#define AHEAD 8
+#define DESCRIPTORS_AHEAD 16 /* pass 1 */
+
+enum { ROW_OK = 0, ROW_MISSING = 1, ROW_BAD = 2 };
+
+
+
+static int
+get_buffer(PyObject *obj, Py_buffer *view, int flags, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, flags | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Format(PyExc_TypeError, "_cgather: %s must be a C-contiguous%s buffer", what,
+                     flags & PyBUF_WRITABLE ? " writable" : "");
+        return -1;
+    }
+    return 0;
+}
+
+/* An int64 array (numpy int64/intp) of exactly `count` items, or count < 0 for any length. */
+static int
+get_int64s(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t count, const char *what)
+{
+    if (get_buffer(obj, view, PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0), what) < 0)
+        return -1;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    if (view->itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l") && strcmp(f, "n"))) {
+        PyErr_Format(PyExc_TypeError, "_cgather: %s must hold int64, got format %s", what, view->format);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    if (count >= 0 && view->len != count * 8) {
+        PyErr_Format(PyExc_ValueError, "_cgather: %s must hold %zd items, got %zd", what, count, view->len / 8);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(gather_doc,
+"gather(region, table, width, indices, rows, dims, unit, offsets, shapes, alloc) -> (values, bad)\n\n"
+"The values of slots ``indices`` of a variable field, back to back in one buffer.\n\n"
+"region: the variable region (bytes); table: the field's descriptors, ``width`` bytes each (uint64 LE\n"
+"offset into the region, then one uint32 LE per dimension); rows: None (every position) or int64\n"
+"positions of ``indices`` to read (the others are missing); dims: the field's shape, -1 where it\n"
+"varies; unit: bytes of one unit (the fixed tail after the last varying dimension, times the\n"
+"itemsize). Fills ``offsets`` (int64, len(indices) + 1, in units) and ``shapes`` (None, or int64\n"
+"len(indices) x len(dims): each row's shape; a missing or bad row's head is 0, its tail the field's).\n"
+"Calls ``alloc((total units, *tail))`` for a writable buffer of at least total units x unit bytes (the\n"
+"values array), copies into it\n"
+"and returns it with the list of positions whose descriptor is impossible (a dimension that differs\n"
+"from a fixed one, or a value that does not lie within the region).");
+
+static PyObject *
+gather(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 10) {
+        PyErr_Format(PyExc_TypeError, "gather takes 10 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *result = NULL, *out = NULL, *bad = NULL;
+    Py_buffer region = {0}, table = {0}, indices = {0}, rows = {0}, offsets = {0}, shapes = {0}, dest = {0};
+    uint64_t *starts = NULL, *units = NULL, *raw = NULL;
+    unsigned char *status = NULL;
+
+    Py_ssize_t width = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t unit = PyLong_AsSsize_t(args[6]);
+    if ((width == -1 || unit == -1) && PyErr_Occurred())
+        return NULL;
+    PyObject *dims = args[5];
+    if (!PyTuple_Check(dims) || PyTuple_GET_SIZE(dims) < 1 || PyTuple_GET_SIZE(dims) > MAX_DIMS) {
+        PyErr_SetString(PyExc_TypeError, "gather: dims must be a tuple of 1 to 32 ints");
+        return NULL;
+    }
+    int ndim = (int)PyTuple_GET_SIZE(dims), head = 0;
+    long long fixed[MAX_DIMS];
+    for (int a = 0; a < ndim; a++) {
+        fixed[a] = PyLong_AsLongLong(PyTuple_GET_ITEM(dims, a));
+        if (fixed[a] == -1 && PyErr_Occurred())
+            return NULL;
+        if (fixed[a] < -1) {
+            PyErr_SetString(PyExc_ValueError, "gather: a dimension must be -1 (varies) or >= 0");
+            return NULL;
+        }
+        if (fixed[a] == -1)
+            head = a + 1;
+    }
+    if (head == 0 || unit < 0 || width < 8 + 4 * (Py_ssize_t)ndim || width % 8) {
+        PyErr_SetString(PyExc_ValueError, "gather: no varying dimension, a negative unit, or descriptors too narrow (or not whole words)");
+        return NULL;
+    }
+    /* A unit of 0 bytes (a tail with a 0 in it) still counts units: at most one per byte of the region. */
+    uint64_t per_unit = unit ? (uint64_t)unit : 1;
+
+    if (get_buffer(args[0], &region, PyBUF_SIMPLE, "region") < 0)
+        goto done;
+    if (get_buffer(args[1], &table, PyBUF_SIMPLE, "table") < 0)
+        goto done;
+    if (get_int64s(args[3], &indices, 0, -1, "indices") < 0)
+        goto done;
+    Py_ssize_t count = indices.len / 8;
+    if (args[4] != Py_None && get_int64s(args[4], &rows, 0, -1, "rows") < 0)
+        goto done;
+    if (get_int64s(args[7], &offsets, 1, count + 1, "offsets") < 0)
+        goto done;
+    if (args[8] != Py_None && get_int64s(args[8], &shapes, 1, count * ndim, "shapes") < 0)
+        goto done;
+
+    starts = PyMem_Malloc((size_t)(count ? count : 1) * sizeof(uint64_t));
+    units = PyMem_Malloc((size_t)(count ? count : 1) * sizeof(uint64_t));
+    status = PyMem_Malloc((size_t)(count ? count : 1));
+    raw = PyMem_Malloc((size_t)(count ? count : 1) * (size_t)width);
+    if (!starts || !units || !status || !raw) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (rows.obj) {
+        memset(status, ROW_MISSING, (size_t)count);
+        const int64_t *wanted = rows.buf;
+        for (Py_ssize_t r = 0; r < rows.len / 8; r++) {
+            if (wanted[r] < 0 || wanted[r] >= count) {
+                PyErr_Format(PyExc_IndexError, "gather: row %lld is not a position in a batch of %zd",
+                             (long long)wanted[r], count);
+                goto done;
+            }
+            status[wanted[r]] = ROW_OK;
+        }
+    } else {
+        memset(status, ROW_OK, (size_t)count);
+    }
+
+    /* Pass 1: the descriptors copied into our own memory by a loop short enough that the CPU has many of
+     * their cache misses in flight at once (a longer loop body, decoding as it goes, took 5x as long on
+     * cold rows), then checked there: only these copies are used from now on. */
+    const int64_t *idx = indices.buf;
+    const unsigned char *base = table.buf;
+    const uint64_t size = (uint64_t)region.len, slots = (uint64_t)(table.len / width);
+    const size_t words = (size_t)width / 8;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        if (status[k] == ROW_OK && (idx[k] < 0 || (uint64_t)idx[k] >= slots)) {
+            PyErr_Format(PyExc_IndexError, "gather: slot %lld is outside a table of %llu", (long long)idx[k],
+                         (unsigned long long)slots);
+            goto done;
+        }
+    }
+    for (Py_ssize_t k = 0; k < count; k++) {
+        if (status[k] != ROW_OK)
+            continue;
+        const unsigned char *from = base + (size_t)idx[k] * (size_t)width;
+        uint64_t *to = raw + (size_t)k * words;
+        if (k + DESCRIPTORS_AHEAD < count && status[k + DESCRIPTORS_AHEAD] == ROW_OK)
+            __builtin_prefetch(base + (size_t)idx[k + DESCRIPTORS_AHEAD] * (size_t)width);
+        for (size_t w = 0; w < words; w++)
+            memcpy(to + w, from + 8 * w, 8);
+    }
+    int64_t *offs = offsets.buf, *shape_out = shapes.obj ? shapes.buf : NULL;
+    uint64_t total_units = 0, total_bytes = 0;
+    Py_ssize_t nbad = 0;
+    offs[0] = 0;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        uint32_t d[MAX_DIMS];
+        uint64_t n = 0, start = 0;
+        if (status[k] == ROW_OK) {
+            const unsigned char *desc = (const unsigned char *)(raw + (size_t)k * words);
+            uint64_t raw_start;
+            memcpy(&raw_start, desc, 8);
+            memcpy(d, desc + 8, 4 * (size_t)ndim);
+            start = le64toh(raw_start);
+            n = 1;
+            int ok = 1;
+            for (int a = 0; a < ndim; a++) {
+                d[a] = le32toh(d[a]);
+                if (fixed[a] >= 0 && (uint64_t)d[a] != (uint64_t)fixed[a])
+                    ok = 0;
+                if (a < head && __builtin_mul_overflow(n, (uint64_t)d[a], &n))
+                    ok = 0;
+            }
+            uint64_t extent;
+            if (!ok || __builtin_mul_overflow(n, per_unit, &extent) || start > size || extent > size - start
+                || total_units + n < total_units || total_units + n > (uint64_t)INT64_MAX) {
+                status[k] = ROW_BAD;
+                nbad++;
+                n = 0;
+            }
+        }
+        starts[k] = start;
+        units[k] = n;
+        total_units += n;
+        total_bytes += n * (uint64_t)unit; /* within the region, so no overflow: a sum of <= count regions */
+        offs[k + 1] = (int64_t)total_units;
+        if (shape_out) {
+            int64_t *s = shape_out + k * ndim;
+            for (int a = 0; a < ndim; a++)
+                s[a] = status[k] == ROW_OK ? (int64_t)d[a] : (a < head ? 0 : fixed[a]);
+        }
+    }
+
+    bad = PyList_New(nbad);
+    if (!bad)
+        goto done;
+    for (Py_ssize_t k = 0, j = 0; j < nbad; k++) {
+        if (status[k] == ROW_BAD) {
+            PyObject *position = PyLong_FromSsize_t(k);
+            if (!position)
+                goto done;
+            PyList_SET_ITEM(bad, j++, position);
+        }
+    }
+
+    /* Pass 2: one memcpy per row, into the caller's buffer. */
+    PyObject *shape = PyTuple_New(1 + ndim - head);
+    if (!shape)
+        goto done;
+    for (int a = 0; a <= ndim - head; a++) {
+        PyObject *d = a ? PyLong_FromLongLong(fixed[head + a - 1]) : PyLong_FromUnsignedLongLong(total_units);
+        if (!d) {
+            Py_DECREF(shape);
+            goto done;
+        }
+        PyTuple_SET_ITEM(shape, a, d);
+    }
+    out = PyObject_CallOneArg(args[9], shape);
+    Py_DECREF(shape);
+    if (!out)
+        goto done;
+    if (get_buffer(out, &dest, PyBUF_WRITABLE, "what alloc returned") < 0)
+        goto done;
+    if ((uint64_t)dest.len < total_bytes) {
+        PyErr_Format(PyExc_ValueError, "gather: alloc gave %zd bytes for %llu", dest.len,
+                     (unsigned long long)total_bytes);
+        goto done;
+    }
+    {
+        const char *src = region.buf;
+        char *to = dest.buf;
+        PyThreadState *saved = total_bytes >= FREE_GIL_FROM ? PyEval_SaveThread() : NULL;
+        for (Py_ssize_t k = 0; k < count; k++) {
+            size_t nbytes = (size_t)(units[k] * (uint64_t)unit);
+            if (k + AHEAD < count && units[k + AHEAD]) {
+                __builtin_prefetch(src + starts[k + AHEAD]);
+                __builtin_prefetch(src + starts[k + AHEAD] + 64);
+            }
+            if (nbytes) {
+                memcpy(to, src + starts[k], nbytes);
+                to += nbytes;
+            }
+        }
+        if (saved)
+            PyEval_RestoreThread(saved);
+    }
+    result = PyTuple_Pack(2, out, bad);
+
+done:
+    PyMem_Free(starts);
+    PyMem_Free(units);
+    PyMem_Free(status);
+    PyMem_Free(raw);
+    if (dest.obj)
+        PyBuffer_Release(&dest);
+    if (shapes.obj)
+        PyBuffer_Release(&shapes);
+    if (offsets.obj)
+        PyBuffer_Release(&offsets);
+    if (rows.obj)
+        PyBuffer_Release(&rows);
+    if (indices.obj)
+        PyBuffer_Release(&indices);
+    if (table.obj)
+        PyBuffer_Release(&table);
+    if (region.obj)
+        PyBuffer_Release(&region);
+    Py_XDECREF(out);
+    Py_XDECREF(bad);
+    return result;
+}
+
+PyDoc_STRVAR(pad_doc,
+"pad(values, offsets, fill, out) -> None\n\n"
+"Rows of a batch padded into one array: row k (units offsets[k] to offsets[k + 1] of ``values``) is\n"
+"copied to the start of row k of ``out``, and the rest of that row is filled with ``fill``.\n\n"
+"values: the rows back to back (bytes); offsets: int64, len(rows) + 1, nondecreasing, from >= 0, in\n"
+"units; fill: the bytes of one unit of padding (its length is the unit: the fixed tail times the\n"
+"itemsize); out: writable, len(rows) rows of (longest x unit) bytes each, longest >= every row's length.");
+
+static PyObject *
+pad(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "pad takes 4 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_buffer values = {0}, offsets = {0}, fill = {0}, out = {0};
+    if (get_buffer(args[0], &values, PyBUF_SIMPLE, "values") < 0)
+        goto done;
+    if (get_int64s(args[1], &offsets, 0, -1, "offsets") < 0)
+        goto done;
+    if (get_buffer(args[2], &fill, PyBUF_SIMPLE, "fill") < 0)
+        goto done;
+    if (get_buffer(args[3], &out, PyBUF_WRITABLE, "out") < 0)
+        goto done;
+    Py_ssize_t count = offsets.len / 8 - 1;
+    if (count < 0) {
+        PyErr_SetString(PyExc_ValueError, "pad: offsets must hold len(rows) + 1 items");
+        goto done;
+    }
+    const int64_t *offs = offsets.buf;
+    const uint64_t unit = (uint64_t)fill.len;
+    uint64_t row_bytes = 0;
+    if (count && unit) {
+        if ((uint64_t)out.len % ((uint64_t)count * unit)) {
+            PyErr_Format(PyExc_ValueError, "pad: out holds %zd bytes, not a whole number of rows of %zd units of %llu bytes",
+                         out.len, count, (unsigned long long)unit);
+            goto done;
+        }
+        row_bytes = (uint64_t)out.len / (uint64_t)count;
+    }
+    /* Every offset checked before anything is copied: no row reads outside values or writes past its row. */
+    if (offs[0] < 0) {
+        PyErr_SetString(PyExc_ValueError, "pad: offsets must start at 0 or more");
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < count; k++) {
+        uint64_t nbytes;
+        if (offs[k + 1] < offs[k] || __builtin_mul_overflow((uint64_t)(offs[k + 1] - offs[k]), unit, &nbytes)
+            || nbytes > row_bytes) {
+            PyErr_Format(PyExc_ValueError, "pad: row %zd (units %lld to %lld) does not fit a padded row of %llu bytes",
+                         k, (long long)offs[k], (long long)offs[k + 1], (unsigned long long)row_bytes);
+            goto done;
+        }
+    }
+    if (unit && (uint64_t)offs[count] > (uint64_t)values.len / unit) {
+        PyErr_Format(PyExc_ValueError, "pad: offsets end at unit %lld, past the %zd bytes of values",
+                     (long long)offs[count], values.len);
+        goto done;
+    }
+    if (count && unit) {
+        const char *src = values.buf, *pattern = fill.buf;
+        char *to = out.buf;
+        int zeros = 1;
+        for (uint64_t b = 0; b < unit; b++)
+            zeros &= pattern[b] == 0;
+        PyThreadState *saved = (uint64_t)out.len >= FREE_GIL_FROM ? PyEval_SaveThread() : NULL;
+        for (Py_ssize_t k = 0; k < count; k++, to += row_bytes) {
+            uint64_t nbytes = (uint64_t)(offs[k + 1] - offs[k]) * unit;
+            memcpy(to, src + (uint64_t)offs[k] * unit, nbytes);
+            if (zeros)
+                memset(to + nbytes, 0, row_bytes - nbytes);
+            else if (unit == 1)
+                memset(to + nbytes, pattern[0], row_bytes - nbytes);
+            else
+                for (uint64_t at = nbytes; at < row_bytes; at += unit)
+                    memcpy(to + at, pattern, unit);
+        }
+        if (saved)
+            PyEval_RestoreThread(saved);
+    }
+    result = Py_NewRef(Py_None);
+
+done:
+    if (out.obj)
+        PyBuffer_Release(&out);
+    if (fill.obj)
+        PyBuffer_Release(&fill);
+    if (offsets.obj)
+        PyBuffer_Release(&offsets);
+    if (values.obj)
+        PyBuffer_Release(&values);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, gather_doc},
+    {"pad", (PyCFunction)(void (*)(void))pad, METH_FASTCALL, pad_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_cgather",
+    .m_doc = "The compiled gather of a variable field, and its padding (see _cgather.c).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit__cgather(void)
+{
+    return PyModule_Create(&module);
+}

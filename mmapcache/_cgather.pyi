@@ -1,0 +1,18 @@
+# The compiled gather (_cgather.c): optional, built by setup.py when a C compiler is there.
+from collections.abc import Callable
+from typing import Any
+
+def gather(
+    region: Any,
+    table: Any,
+    width: int,
+    indices: Any,
+    rows: Any,
+    dims: tuple[int, ...],
+    unit: int,
+    offsets: Any,
+    shapes: Any,
+    alloc: Callable[[tuple[int, ...]], Any],
+    /,
+) -> tuple[Any, list[int]]: ...
+def pad(values: Any, offsets: Any, fill: Any, out: Any, /) -> None: ...

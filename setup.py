@@ -1,0 +1,19 @@
+"""Build hook for the optional compiled gather (everything else is in pyproject.toml).
+
+``mmapcache._cgather`` copies a batch of a variable-shape field in one C call. It is
+optional: without a C compiler the build goes on without it and mmapcache reads
+through its numpy fallback (``mmapcache.accelerated`` says which one is in use).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "mmapcache._cgather",
+            sources=["mmapcache/_cgather.c"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra"],
+            optional=True,
+        )
+    ]
+)
