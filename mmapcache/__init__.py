@@ -20,13 +20,13 @@ from ._errors import (
     UnsafeCacheFileError,
 )
 from ._field import Field
-from ._file import in_use, remove
 from ._flight import Claims
 from ._gather import accelerated
 from ._heap import VariableRegion
 from ._inspect import CacheInfo, info, list_caches
 from ._jagged import Jagged
 from ._paths import default_dir
+from ._removal import in_use, remove
 from ._resize import Resized, resize
 from ._version import __version__
 from .cache import Cache, Problem

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import CacheError, CacheFormatError, CacheInUseError, CacheTimeoutError
-from ._file import _check_removable, _open_fd, creation_lock, remove
+from ._file import creation_lock
 from ._inspect import CacheInfo, directory_of, entries, error_message, list_caches
 from ._locks import flock_holders, try_lock_exclusive
 from ._names import (
@@ -42,8 +42,10 @@ from ._names import (
     lock_stem,
 )
 from ._paths import check_file_stat
+from ._removal import check_removable, remove
 from ._sizes import parse_duration
 from ._times import iso_time
+from ._validation import open_fd
 
 __all__ = ["DEFAULT_GC_AGE", "GcReport", "Kept", "Removed", "gc", "is_lock_name", "orphan_lock", "remove_orphan_lock"]
 
@@ -305,11 +307,11 @@ def _not_removable(item: CacheInfo) -> str | None:
     if item.status != "corrupt":
         return f"{item.status}: {item.error}"
     try:
-        fd = _open_fd(item.path, readonly=True)
+        fd = open_fd(item.path, readonly=True)
     except OSError as error:
         return error_message(error)
     try:
-        _check_removable(fd, item.path, os.fstat(fd))
+        check_removable(fd, item.path, os.fstat(fd))
     except (CacheError, OSError) as error:
         return error_message(error)
     finally:

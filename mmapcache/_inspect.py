@@ -29,7 +29,6 @@ import numpy as np
 
 from ._counters import REFUTED, Usage, read_flags, read_usage
 from ._errors import CacheError, CacheFormatError, UnsafeCacheFileError
-from ._file import _open_fd, read_header
 from ._format import COUNTER_RECORD_SIZE, Header, Layout, descriptor_nbytes
 from ._heap import VariableRegion
 from ._locks import SlotLocks, flock_holders, try_lock_exclusive
@@ -38,6 +37,7 @@ from ._paths import check_file_stat, default_dir, filesystem_type, free_bytes
 from ._slots import READY, WRITING
 from ._stream import StreamStatus, read_stream_status
 from ._times import iso_time
+from ._validation import open_fd, read_header
 from ._variable import value_bytes
 
 __all__ = ["CacheInfo", "FieldInfo", "directory_of", "entries", "error_message", "info", "list_caches"]
@@ -231,7 +231,7 @@ def info(path: str | os.PathLike[str]) -> CacheInfo:
 def _inspect(path: Path, location: _Location) -> tuple[CacheInfo, Exception | None]:
     """A :class:`CacheInfo` for ``path``, and the error that kept the header from being read."""
     try:
-        fd = _open_fd(path, readonly=True)
+        fd = open_fd(path, readonly=True)
     except OSError as error:
         return _broken(path, location, error), error
     try:

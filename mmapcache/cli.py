@@ -27,11 +27,11 @@ from typing import Any
 from ._collect import DEFAULT_GC_AGE, gc, is_lock_name, orphan_lock, remove_orphan_lock
 from ._disk_usage import disk_usage
 from ._errors import CacheError, CacheFormatError
-from ._file import remove
 from ._gather import accelerated
 from ._inspect import error_message, info, list_caches
 from ._names import LOCK_SUFFIX, SUFFIX, TEMP_MARK
 from ._paths import default_dir
+from ._removal import remove
 from ._reports import format_df, format_gc, format_info, format_ls, format_problems
 from ._resize import resize
 from ._sizes import format_bytes, parse_duration

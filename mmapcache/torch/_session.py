@@ -29,7 +29,7 @@ import torch
 
 from .._errors import CacheInUseError, SchemaMismatchError, StaleCacheError
 from .._field import Field
-from .._file import remove
+from .._removal import remove
 from .._slots import STRONGLY_ORDERED
 from ..cache import Cache
 from ._checks import (
