@@ -58,14 +58,8 @@ from ._errors import (
     UnsafeCacheFileError,
 )
 from ._field import Field
-from ._format import (
-    Header,
-    Layout,
-    compute_layout,
-    indices_digest,
-    new_header,
-    pack_header,
-)
+from ._format import Header, Layout, compute_layout, indices_digest
+from ._header import new_header, pack_header
 from ._locks import lock_shared
 from ._names import is_temp_name_of, lock_path_for, new_temp_path
 from ._paths import (

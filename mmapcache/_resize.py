@@ -37,7 +37,8 @@ import numpy as np
 from ._boot import boot_page
 from ._errors import CacheSpaceError
 from ._file import check_space, creation_lock, fsync_dir, preallocate, write_all
-from ._format import Header, Layout, compute_layout, descriptor_nbytes, new_header, pack_header
+from ._format import Header, Layout, compute_layout, descriptor_nbytes
+from ._header import new_header, pack_header
 from ._heap import extent_size_for, place
 from ._names import new_temp_path
 from ._paths import filesystem_type, is_memory_filesystem

@@ -28,14 +28,8 @@ from ._errors import (
     SchemaMismatchError,
 )
 from ._field import Field
-from ._format import (
-    PREFIX_SIZE,
-    Header,
-    Layout,
-    compute_layout,
-    unpack_header,
-    unpack_prefix,
-)
+from ._format import Header, Layout, compute_layout
+from ._header import PREFIX_SIZE, unpack_header, unpack_prefix
 from ._names import name_max
 from ._paths import (
     check_file_stat,
