@@ -1,4 +1,4 @@
-"""Creating, opening, validating and removing cache files on disk.
+"""Opening a cache file or creating it: the creation lock, temp + fallocate + link, free space.
 
 Creation is race-safe: under a ``filelock`` on ``<stem>.lock`` (below) the creator
 builds the whole file under a temporary name in the same directory
@@ -9,14 +9,12 @@ links it to its final name, which never replaces an existing file. Nobody ever
 sees a half-made file, and a file others may have mapped is never truncated
 or rewritten.
 
-Opening validates in a fixed order and raises one precise error each time:
-safety (symlink, not a regular file, owner, mode — from ``lstat`` before
-anything is opened, so a socket, FIFO, device or another user's file gets the
-same :class:`UnsafeCacheFileError` whatever the mode), size >= header, magic,
-version, header checksum, expectations (fields/length/key), file size against
-the layout. A creator validates the sizes (key, fields, whole header) before
-it creates anything, and reads back what it wrote with the same reader before
-linking it into place, so it never publishes a file nobody can open.
+Opening validates in a fixed order (``_validation.py``: ``open_fd``,
+``read_header``) and raises one precise error each time. A creator validates
+the sizes (key, fields, whole header) before it creates anything, and reads
+back what it wrote with the same reader before linking it into place, so it
+never publishes a file nobody can open. Removing a file, and the exclusive use
+that removing and clearing share, live in ``_removal.py``.
 
 Side-file names (the creation lock, temp files) come from :mod:`mmapcache._names`.
 
@@ -34,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import logging
 import math
@@ -55,31 +52,18 @@ from ._boot import boot_page
 from ._errors import (
     CacheError,
     CacheFormatError,
-    CacheInUseError,
     CacheSpaceError,
     CacheTimeoutError,
     SchemaMismatchError,
     UnsafeCacheFileError,
 )
 from ._field import Field
-from ._format import (
-    MAGIC,
-    PREFIX_SIZE,
-    Header,
-    Layout,
-    compute_layout,
-    indices_digest,
-    new_header,
-    pack_header,
-    unpack_header,
-    unpack_prefix,
-)
-from ._holders import held_by
-from ._locks import flock_holders, lock_exclusive_soon, lock_shared, try_lock_exclusive
-from ._names import SUFFIX, is_temp_name_of, lock_path_for, name_max, new_temp_path
+from ._format import Header, Layout, compute_layout, indices_digest
+from ._header import new_header, pack_header
+from ._locks import lock_shared
+from ._names import is_temp_name_of, lock_path_for, new_temp_path
 from ._paths import (
     check_file_stat,
-    check_kind,
     file_kind,
     filesystem_type,
     free_bytes,
@@ -87,31 +71,25 @@ from ._paths import (
     is_network_filesystem,
     statvfs_near,
 )
+from ._validation import Expected, explained, name_too_long, open_fd, read_header
 
 __all__ = [
-    "Expected",
     "LockStatus",
+    "NewFile",
     "OpenedFile",
-    "in_use",
+    "check_space",
+    "creation_lock",
+    "fsync_dir",
     "open_or_create",
-    "read_header",
+    "preallocate",
     "read_lock_status",
-    "remove",
+    "remove_leftovers",
+    "write_all",
 ]
 
 log = logging.getLogger("mmapcache")
 
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-@dataclass(frozen=True)
-class Expected:
-    """What the caller said the file must hold (``None``: not checked)."""
-
-    fields: dict[str, Field] | None = None
-    length: int | None = None
-    key: str | None = None
-    indices_digest: str | None = None  # the dataset index table's digest ("": the file must have none)
 
 
 @dataclass(frozen=True)
@@ -176,13 +154,13 @@ def open_or_create(
                 stream=new.stream,
             )
             planned = header, compute_layout(header)
-            _check_space(path, planned[1].file_size)
+            check_space(path, planned[1].file_size)
         try:
             with _creating(path, planned[1].file_size):
                 _make_private_dirs(path.parent)
                 with creation_lock(path, timeout):
                     if not os.path.lexists(path):
-                        _remove_leftovers(path)
+                        remove_leftovers(path)
                         _create(path, *planned, new.dataset_indices)
                         created_now = True
         except FileNotFoundError:
@@ -221,7 +199,7 @@ class _ReplacedError(Exception):
 
 
 def _open_existing(path: Path, expected: Expected, *, readonly: bool, timeout: float) -> tuple[int, Header, Layout]:
-    fd = _open_fd(path, readonly=readonly, check_owner=True)
+    fd = open_fd(path, readonly=readonly, check_owner=True)
     try:
         st = os.fstat(fd)
         check_file_stat(str(path), st)
@@ -238,101 +216,6 @@ def _open_existing(path: Path, expected: Expected, *, readonly: bool, timeout: f
     except BaseException:
         os.close(fd)
         raise
-
-
-def _open_fd(path: Path, *, readonly: bool, check_owner: bool = False) -> int:
-    """Open the regular file at ``path`` without following a symlink or touching anything else.
-
-    The type (and with ``check_owner``, the owner and mode) is checked with
-    ``lstat`` *before* opening, so every mode gets the same answer for a
-    socket, a FIFO, a device or another user's file; ``fstat`` after opening
-    catches a name swapped in between.
-    """
-    try:
-        before = os.lstat(path)
-    except OSError as error:
-        if error.errno == errno.EACCES:
-            raise PermissionError(
-                errno.EACCES,
-                f"cannot look up {path}: permission denied on one of its directories "
-                f"({path.parent}); use a path you can reach",
-                str(path),
-            ) from None
-        raise _explained(error, path) from None
-    check_kind(path, before)
-    if check_owner:
-        check_file_stat(str(path), before)
-    # O_NONBLOCK: a FIFO swapped in after the lstat must fail the check below, not hang.
-    flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-    try:
-        fd = os.open(path, flags)
-    except OSError as error:
-        if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EACCES):
-            # Replaced since the lstat (a symlink, a directory, a socket...), or another user's now.
-            with suppress(FileNotFoundError):
-                now = os.lstat(path)
-                check_kind(path, now)
-                if check_owner:
-                    check_file_stat(str(path), now)
-        if error.errno == errno.EACCES and not readonly:
-            raise PermissionError(
-                errno.EACCES,
-                f"cannot open {path} for writing (permission denied, mode "
-                f"{stat.S_IMODE(before.st_mode):o}); pass readonly=True to only read it",
-                str(path),
-            ) from None
-        if error.errno == errno.EROFS:
-            raise OSError(
-                errno.EROFS,
-                f"cannot open {path} for writing: it is on a read-only file system. Pass "
-                "readonly=True to read the cache, or keep caches you fill in a writable directory "
-                "(MMAPCACHE_DIR or another path)",
-                str(path),
-            ) from None
-        raise _explained(error, path) from None
-    try:
-        after = os.fstat(fd)
-        if not os.path.samestat(before, after):
-            check_kind(path, after)
-            if check_owner:
-                check_file_stat(str(path), after)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _explained(error: OSError, path: Path) -> OSError:
-    """``error`` with a message that says what to do, for the errnos users meet."""
-    if error.errno == errno.ENAMETOOLONG:
-        return OSError(errno.ENAMETOOLONG, _name_too_long(path), str(path))
-    if error.errno == errno.ENOTDIR:
-        parent = next((p for p in reversed(path.parents) if p.exists() and not p.is_dir()), path.parent)
-        return NotADirectoryError(
-            errno.ENOTDIR, f"cannot use {path}: {parent} is not a directory; use another path", str(path)
-        )
-    if error.errno == errno.EMFILE:
-        return OSError(
-            errno.EMFILE,
-            f"cannot open {path}: this process has too many open files (each open cache holds a "
-            "descriptor); close caches and files you no longer use, or raise the limit (`ulimit -n`)",
-            str(path),
-        )
-    return error
-
-
-def _name_too_long(path: Path) -> str:
-    name = os.fsencode(path.name)
-    limit = name_max(path.parent)
-    if len(name) > limit:
-        return (
-            f"the file name {path.name[:40]!r}... is {len(name)} bytes, longer than the {limit} bytes "
-            f"the file system at {path.parent} accepts; use a shorter name (for instance a hash of it)"
-        )
-    return (
-        f"the path {str(path)[:60]!r}... is {len(os.fsencode(str(path)))} bytes, longer than the "
-        "system accepts (PATH_MAX); use a shorter path"
-    )
 
 
 @contextmanager
@@ -362,82 +245,8 @@ def _creating(path: Path, needed: int) -> Iterator[None]:
                 str(path),
             ) from None
         if error.errno == errno.ENAMETOOLONG:
-            raise OSError(errno.ENAMETOOLONG, _name_too_long(path), str(path)) from None
-        raise _explained(error, path) from None
-
-
-def read_header(fd: int, path: str, expected: Expected = Expected()) -> tuple[Header, Layout]:
-    """Validate the file behind ``fd`` in the documented order; return its header and layout."""
-    size = os.fstat(fd).st_size
-    header_size, _ = unpack_prefix(os.pread(fd, PREFIX_SIZE, 0), path=path, file_size=size)
-    header = unpack_header(os.pread(fd, header_size, 0), path=path)
-    _check_expected(header, expected, path)
-    layout = compute_layout(header)
-    if size != layout.file_size:
-        what = "truncated" if size < layout.file_size else "longer than its layout"
-        raise CacheFormatError(
-            f"{path} is {what}: it holds {size} bytes but its header describes "
-            f"{layout.file_size}; remove it (`mmapcache rm {path}`) to rebuild the cache",
-            path=path,
-        )
-    return header, layout
-
-
-def _check_expected(header: Header, expected: Expected, path: str) -> None:
-    differences: dict[str, tuple[Any, Any]] = {}
-    if expected.fields is not None and expected.fields != header.fields:
-        differences["fields"] = (expected.fields, header.fields)
-    if expected.length is not None and expected.length != header.length:
-        differences["length"] = (expected.length, header.length)
-    if expected.key is not None and expected.key != header.key:
-        differences["key"] = (expected.key, header.key)
-    if expected.indices_digest is not None and expected.indices_digest != header.indices_digest:
-        differences["dataset_indices"] = (expected.indices_digest, header.indices_digest)
-    if not differences:
-        return
-    lines = []
-    for name, (want, found) in differences.items():
-        if name == "fields":
-            lines.extend(_field_differences(want, found))
-        elif name == "dataset_indices":
-            lines.append(
-                f"dataset indices: {_index_set(want)} was asked for, the file caches {_index_set(found)} (another "
-                "node's shard, or a job with another node count: each shard is a cache of its own)"
-            )
-        else:
-            lines.append(f"{name}: expected {_short(want)}, found {_short(found)}")
-    raise SchemaMismatchError(
-        f"the cache at {path} holds different data than requested:\n  "
-        + "\n  ".join(lines)
-        + f"\nUse another key or path for the new data, or remove the old cache "
-        f"(`mmapcache rm {path}`) if it is stale.",
-        path=path,
-        differences=differences,
-    )
-
-
-def _index_set(digest: str) -> str:
-    return f"the index set with digest {digest}" if digest else "the whole dataset (no index table)"
-
-
-def _short(value: Any, limit: int = 200) -> str:
-    """``repr(value)``, shortened for a message (a key may be megabytes long)."""
-    text = repr(value)
-    if len(text) <= limit:
-        return text
-    return f"{text[: limit // 2]}...{text[-limit // 4 :]} ({len(text)} characters)"
-
-
-def _field_differences(want: dict[str, Field], found: dict[str, Field]) -> list[str]:
-    lines = []
-    for name in want.keys() | found.keys():
-        if name not in found:
-            lines.append(f"field {name!r}: expected {want[name]!r}, the file has no such field")
-        elif name not in want:
-            lines.append(f"field {name!r}: not expected, the file has {found[name]!r}")
-        elif want[name] != found[name]:
-            lines.append(f"field {name!r}: expected {want[name]!r}, found {found[name]!r}")
-    return sorted(lines)
+            raise OSError(errno.ENAMETOOLONG, name_too_long(path), str(path)) from None
+        raise explained(error, path) from None
 
 
 def _refresh_mtime(fd: int) -> None:
@@ -594,7 +403,7 @@ def _check_lock_file(lock_path: Path) -> None:
         )
 
 
-def _remove_leftovers(path: Path) -> None:
+def remove_leftovers(path: Path) -> None:
     """Delete temp files of creators that died mid-way (only lock holders make them)."""
     try:
         names = [n for n in os.listdir(path.parent) if is_temp_name_of(n, path)]
@@ -615,23 +424,23 @@ def _create(
     path: Path, header: Header, layout: Layout, dataset_indices: np.ndarray[Any, np.dtype[np.uint64]] | None = None
 ) -> None:
     _warn_if_network(path)
-    _check_space(path, layout.file_size)
+    check_space(path, layout.file_size)
     temp = new_temp_path(path)
     try:
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as error:
         raise _no_room(error, path, layout.file_size) from None
     try:
-        _preallocate(fd, layout.file_size, path)
+        preallocate(fd, layout.file_size, path)
         data = pack_header(header)
         if os.pwrite(fd, data, 0) != len(data):
             raise OSError(errno.EIO, f"short write of the header of {temp}")
         if dataset_indices is not None:
-            _write_all(fd, np.ascontiguousarray(dataset_indices, dtype="<u8").tobytes(), layout.indices_offset, temp)
+            write_all(fd, np.ascontiguousarray(dataset_indices, dtype="<u8").tobytes(), layout.indices_offset, temp)
         if layout.boot_offset:
-            _write_all(fd, boot_page(), layout.boot_offset, temp)
+            write_all(fd, boot_page(), layout.boot_offset, temp)
         if layout.stream_offset:  # the stream page starts with the fill boot id, as a boot page does
-            _write_all(fd, boot_page(), layout.stream_offset, temp)
+            write_all(fd, boot_page(), layout.stream_offset, temp)
         os.fsync(fd)
         _check_written(fd, path, header)
         try:
@@ -644,11 +453,11 @@ def _create(
     finally:
         os.close(fd)
         os.unlink(temp)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     log.info("created %s (%d bytes, capacity %d of %d)", path, layout.file_size, header.capacity, header.length)
 
 
-def _write_all(fd: int, data: bytes, offset: int, path: Path) -> None:
+def write_all(fd: int, data: bytes, offset: int, path: Path) -> None:
     view = memoryview(data)
     while view:
         written = os.pwrite(fd, view, offset)
@@ -675,7 +484,7 @@ def _check_written(fd: int, path: Path, header: Header) -> None:
         ) from error
 
 
-def _check_space(path: Path, needed: int) -> None:
+def check_space(path: Path, needed: int) -> None:
     free = _free_bytes(path)
     if free is not None and needed > free:
         raise _space_error(path, needed, free)
@@ -710,7 +519,7 @@ def _space_error(path: Path, needed: int, free: int | None, *, inodes: bool = Fa
     return CacheSpaceError(what, path=path, needed=needed, free=free)
 
 
-def _preallocate(fd: int, size: int, path: Path) -> None:
+def preallocate(fd: int, size: int, path: Path) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
         return
@@ -745,7 +554,7 @@ def _free_inodes(path: Path) -> int | None:
     return st.f_favail if st is not None and st.f_files else None
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
@@ -771,119 +580,4 @@ def _warn_if_network(path: Path) -> None:
             "cache. Prefer /dev/shm or a local disk (MMAPCACHE_DIR)",
             RuntimeWarning,
             stacklevel=4,
-        )
-
-
-def in_use(path: str | os.PathLike[str]) -> bool:
-    """Whether any process (this one included) has the cache at ``path`` open.
-
-    Raises ``FileNotFoundError`` when there is no such file.
-    """
-    fd = _open_fd(Path(path), readonly=True)
-    try:
-        return not try_lock_exclusive(fd)
-    finally:
-        os.close(fd)
-
-
-def remove(
-    path: str | os.PathLike[str], *, force: bool = False, timeout: float = 60.0, same_as: os.stat_result | None = None
-) -> None:
-    """Delete the cache file at ``path`` and its side files.
-
-    Refuses with :class:`CacheInUseError` while any process (this one
-    included) has the cache open. ``force=True`` deletes it anyway: processes
-    that have it mapped keep reading their now-nameless copy (the memory is
-    freed when the last of them closes it), and new openers get a new file —
-    so they no longer share. Refuses files that are not mmapcache files.
-    ``same_as``: delete only that file (``os.stat`` of it); if ``path`` now
-    names another one, ``FileNotFoundError`` and nothing is deleted.
-    """
-    target = Path(path)
-    fd = _open_fd(target, readonly=True)
-    try:
-        st = os.fstat(fd)
-        if same_as is not None and not os.path.samestat(st, same_as):
-            raise FileNotFoundError(errno.ENOENT, f"{target} was replaced already", str(target))
-        if not os.path.samestat(st, os.stat(target, follow_symlinks=False)):
-            raise FileNotFoundError(errno.ENOENT, f"{target} was replaced while removing it", str(target))
-        if st.st_uid != os.geteuid():
-            check_file_stat(str(target), st)  # the same answer as opening it: another user's file
-        _check_removable(fd, target, st)
-        with _removing(target), exclusive_use(target, fd, holds_shared=False, timeout=timeout) as pids:
-            if pids is not None:
-                if not force:
-                    raise CacheInUseError(
-                        f"{target} is in use{held_by(pids)}, or pass force=True / --force to delete it anyway",
-                        path=target,
-                        pids=pids,
-                    )
-                log.warning("removing %s although processes %s have it open", target, pids)
-            if os.path.samestat(st, os.stat(target, follow_symlinks=False)):
-                os.unlink(target)
-            _remove_leftovers(target)
-            # Deleting the lock file while holding it is safe: a waiter that
-            # then acquires the unlinked inode sees st_nlink == 0 and retries.
-            with suppress(FileNotFoundError):
-                os.unlink(lock_path_for(target))
-    finally:
-        os.close(fd)
-    _fsync_dir(target.parent)
-
-
-@contextmanager
-def exclusive_use(path: Path, fd: int, *, holds_shared: bool, timeout: float) -> Iterator[list[int] | None]:
-    """Use the cache at ``path`` alone (to remove or clear it): ``None``, or the pids that have it open.
-
-    Takes the creation lock, then the exclusive ``flock`` on ``fd`` (waiting
-    up to ``timeout`` for handles that are closing). Both ``remove`` and
-    ``clear`` go through here, so that one never finds the cache unused while
-    the other switches locks: switching between a shared and the exclusive
-    flock is not atomic in the kernel, and only the creation lock, taken
-    first by both, closes that gap. When another process holds the file, the
-    body gets its pids (this process's included: a caller that holds its own
-    shared lock leaves itself out) and decides (refuse, or ``force``). A
-    descriptor that held the shared lock (``holds_shared``) gets it back.
-    """
-    with creation_lock(path, timeout):
-        alone = lock_exclusive_soon(fd, holds_shared=holds_shared, path=str(path), timeout=timeout)
-        try:
-            yield None if alone else flock_holders(os.fstat(fd))
-        finally:
-            if alone and holds_shared:
-                fcntl.flock(fd, fcntl.LOCK_SH)
-
-
-@contextmanager
-def _removing(path: Path) -> Iterator[None]:
-    """Turn the errors of deleting ``path`` and its side files into ones that say what to do."""
-    try:
-        yield
-    except CacheError:
-        raise
-    except OSError as error:
-        if error.errno == errno.EROFS:
-            raise OSError(
-                errno.EROFS,
-                f"cannot remove {path}: it is on a read-only file system; remount it read-write first",
-                str(path),
-            ) from None
-        if error.errno in (errno.EACCES, errno.EPERM):
-            raise PermissionError(
-                error.errno,
-                f"cannot remove {path}: no permission to delete files in {path.parent} "
-                f"({error.strerror}: {error.filename})",
-                str(path),
-            ) from None
-        raise
-
-
-def _check_removable(fd: int, path: Path, st: os.stat_result) -> None:
-    if not stat.S_ISREG(st.st_mode):
-        raise UnsafeCacheFileError(f"{path} is not a regular file; refusing to remove it", path=path)
-    head = os.pread(fd, len(MAGIC), 0)
-    if head != MAGIC and not (path.name.endswith(SUFFIX) and st.st_size < len(MAGIC)):
-        raise CacheFormatError(
-            f"{path} is not an mmapcache file (it starts with {head!r}); refusing to delete it",
-            path=path,
         )

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._handle import Handle, closed_error
 from ._indices import index_array
 from ._jagged import Jagged, rows_like
 from ._slots import READY, SlotTable
@@ -54,7 +55,7 @@ from ._values import coerce_batch
 from ._variable import text_value
 
 if TYPE_CHECKING:
-    from ._handle import Handle
+    from ._field import Field
     from ._mapping import Mapped
     from .cache import Cache
 
@@ -65,6 +66,7 @@ __all__ = [
     "READY_NOW",
     "TIMED_OUT",
     "WAIT_TIMEOUT",
+    "Bound",
     "Claims",
     "Flight",
     "as_batch",
@@ -230,6 +232,62 @@ class Flight:
         return max(1, min(left, int(CHUNK_SECONDS / mean) if mean > 0 else left))
 
 
+class Bound:
+    """A handle's :class:`Flight` bound to its mapping: the holds, waits and stores single flight makes.
+
+    ``Cache`` makes one per call that holds or waits, so that the functions
+    below reach the file only through it (and the cache only through its
+    public methods). ``writable`` is false for a readonly cache: it holds and
+    stores nothing.
+    """
+
+    __slots__ = ("board", "capacity", "fields", "flight", "handle", "mapped", "writable")
+
+    def __init__(
+        self,
+        flight: Flight,
+        handle: Handle,
+        mapped: Mapped,
+        fields: dict[str, Field],
+        *,
+        capacity: int,
+        writable: bool,
+    ) -> None:
+        self.flight, self.handle, self.mapped, self.fields = flight, handle, mapped, fields
+        self.board, self.capacity, self.writable = handle.board, capacity, writable
+
+    def _live(self) -> Mapped:
+        if self.handle.fd < 0:
+            raise closed_error(self.handle.path)
+        return self.mapped
+
+    def can_hold(self) -> bool:
+        return self.writable and self.handle.refused is None
+
+    def hold(self, index: int) -> bool:
+        return self.flight.hold(self.handle, self._live().slots, index)
+
+    def wait_one(self, index: int, deadline: float) -> int:
+        return self.flight.wait(self.handle, self._live().slots, index, deadline)
+
+    def put_claimed(self, idx: np.ndarray[Any, Any], batch: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        return self.put_coerced(idx, coerce_batch(batch, self.fields, len(idx)))
+
+    def put_coerced(
+        self, idx: np.ndarray[Any, Any], arrays: list[Any], *, held: bool = True
+    ) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        """Store coerced rows at ``idx``: slots this thread holds (let go of each), or free ones (``held=False``)."""
+        stored = store(self.flight, self.handle, self._live(), idx, arrays, capacity=self.capacity, held=held)
+        self.board.add(written=int(np.count_nonzero(stored)))
+        return stored
+
+    def release(self, indices: list[int]) -> None:
+        if self.handle.fd < 0:  # closed: the descriptor took every lock with it
+            self.flight.forget(indices)
+            return
+        self.flight.let_go(self.handle, self.mapped.slots, indices)
+
+
 class Claims:
     """Slots this thread holds to load their samples: store them with :meth:`put_many`, or let them go.
 
@@ -243,11 +301,10 @@ class Claims:
     (the parent still holds them).
     """
 
-    __slots__ = ("_cache", "_flight", "_pid", "_thread", "held", "indices")
+    __slots__ = ("_bound", "_pid", "_thread", "held", "indices")
 
-    def __init__(self, cache: Cache, flight: Flight, indices: Sequence[int], held: Sequence[int] = ()) -> None:
-        self._cache = cache
-        self._flight = flight
+    def __init__(self, bound: Bound, indices: Sequence[int], held: Sequence[int] = ()) -> None:
+        self._bound = bound
         self._pid = os.getpid()
         self._thread = threading.get_ident()
         #: The slots held (each once, in the order asked for): load these, then :meth:`put_many` them.
@@ -259,7 +316,8 @@ class Claims:
         return len(self.indices)
 
     def __repr__(self) -> str:
-        return f"<Claims of {len(self.indices)} slots of {str(self._cache.path)!r}, {len(self.held)} held elsewhere>"
+        path = str(self._bound.handle.path)
+        return f"<Claims of {len(self.indices)} slots of {path!r}, {len(self.held)} held elsewhere>"
 
     def put_many(self, indices: Any, batch: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """Store row ``k`` of ``batch`` at ``indices[k]`` (slots held here), publish each and let it go.
@@ -271,24 +329,24 @@ class Claims:
         """
         self._check_owner()
         idx = np.asarray(indices, np.intp).reshape(-1)
-        strangers = [i for i in idx.tolist() if not self._flight.held_by_me(i)]
+        strangers = [i for i in idx.tolist() if not self._bound.flight.held_by_me(i)]
         if strangers:
             raise ValueError(
                 f"indices {strangers[:10]} are not held by these claims (held: {self.indices[:10].tolist()}"
                 f"{', ...' if len(self.indices) > 10 else ''}): store only the slots you claimed"
             )
-        return self._cache._put_claimed(idx, batch)
+        return self._bound.put_claimed(idx, batch)
 
     def release(self) -> None:
         """Let go of every slot not stored yet (idempotent); nothing is stored. A no-op in a forked child."""
         if self._pid != os.getpid() or self._thread != threading.get_ident():
             return
-        self._cache._release_claims(self.indices.tolist())
+        self._bound.release(self.indices.tolist())
 
     def _check_owner(self) -> None:
         if self._pid != os.getpid():
             raise RuntimeError(
-                f"these claims on {self._cache.path} were taken by process {self._pid}; a forked child cannot "
+                f"these claims on {self._bound.handle.path} were taken by process {self._pid}; a forked child cannot "
                 "store through them (the parent still holds the slots). Claim again in the child "
                 "(cache.claim_many) or use cache.get_or_load_many"
             )
@@ -323,7 +381,7 @@ def as_batch(result: Any, names: Sequence[str], count: int) -> Mapping[str, Any]
 
 def get_or_load_many(
     cache: Cache,
-    flight: Flight,
+    bound: Bound,
     indices: Any,
     load: Callable[[list[int]], Any],
     *,
@@ -339,15 +397,16 @@ def get_or_load_many(
     if hits.all():
         cache.count(hits=len(idx))
         return batch, loaded
-    run = _Run(cache, flight, idx, batch, loaded, load)
+    flight = bound.flight
+    run = _Run(cache, bound, idx, batch, loaded, load)
     for row in np.flatnonzero(~hits).tolist():
         run.rows.setdefault(int(idx[row]), []).append(row)
     todo = list(run.rows)  # in the caller's order: concurrent callers in one order share the work
     ready: list[int] = []  # cached by another process since the first read: read them at the end
     held: list[int] = []  # being loaded elsewhere
     here: list[int] = []  # loaded here without holding (not cacheable, or nothing can be held)
-    can_hold = cache._can_hold()
-    states, capacity = cache._live().slots.state_bytes, cache.capacity
+    can_hold = bound.can_hold()
+    states, capacity = bound.mapped.slots.state_bytes, cache.capacity
     holding: list[int] = []
     for i in todo:
         if i >= capacity or not can_hold:
@@ -390,13 +449,14 @@ class _Run:
     def __init__(
         self,
         cache: Cache,
-        flight: Flight,
+        bound: Bound,
         idx: np.ndarray[Any, Any],
         batch: dict[str, Any],
         loaded: np.ndarray[Any, Any],
         load: Callable[[list[int]], Any],
     ) -> None:
-        self.cache, self.flight, self.idx, self.loaded, self.load = cache, flight, idx, loaded, load
+        self.cache, self.bound, self.idx, self.loaded, self.load = cache, bound, idx, loaded, load
+        self.flight = bound.flight
         self.rows: dict[int, list[int]] = {}
         self.fields = cache.fields
         # A read-only Jagged batch becomes a list of rows while rows are filled in (see finished).
@@ -413,24 +473,24 @@ class _Run:
         }
 
     def hold(self, index: int) -> bool:
-        return self.cache._hold(index)
+        return self.bound.hold(index)
 
     def wait(self, index: int, deadline: float) -> int:
-        return self.cache._wait_one(index, deadline)
+        return self.bound.wait_one(index, deadline)
 
     def load_held(self, indices: list[int]) -> None:
         """Load slots this thread holds, store and let go of each; on error let go of them all."""
-        claims = Claims(self.cache, self.flight, indices)
+        claims = Claims(self.bound, indices)
         with claims:
             arrays = self._load(indices)
-            self.cache._put_coerced(claims.indices, arrays)
+            self.bound.put_coerced(claims.indices, arrays)
         self._place(indices, arrays)
 
     def load_free(self, indices: list[int]) -> None:
         """Load slots without holding them; store those still free (a live holder keeps its own)."""
         arrays = self._load(indices)
-        if self.cache._can_hold():
-            self.cache._put_coerced(np.asarray(indices, np.intp), arrays, held=False)
+        if self.bound.can_hold():
+            self.bound.put_coerced(np.asarray(indices, np.intp), arrays, held=False)
         self._place(indices, arrays)
 
     def read(self, indices: list[int]) -> list[int]:
@@ -486,8 +546,9 @@ def check_flight(load: Any, timeout: Any, wait: Any, chunk: Any) -> float:
     return seconds
 
 
-def claim(cache: Cache, flight: Flight, handle: Handle, slots: SlotTable, idx: np.ndarray[Any, Any]) -> Claims:
+def claim(bound: Bound, idx: np.ndarray[Any, Any]) -> Claims:
     """:meth:`Cache.claim_many <mmapcache.Cache.claim_many>` of cacheable ``idx``: hold what is free."""
+    flight, handle, slots = bound.flight, bound.handle, bound.mapped.slots
     states = slots.state_bytes
     mine, held = [], []
     for i in dict.fromkeys(idx.tolist()):
@@ -497,21 +558,20 @@ def claim(cache: Cache, flight: Flight, handle: Handle, slots: SlotTable, idx: n
             mine.append(i)
         elif states[i] != READY:
             held.append(i)
-    return Claims(cache, flight, mine, held)
+    return Claims(bound, mine, held)
 
 
-def wait_for(
-    cache: Cache, flight: Flight, handle: Handle, slots: SlotTable, idx: np.ndarray[Any, Any], timeout: float
-) -> Claims:
+def wait_for(bound: Bound, idx: np.ndarray[Any, Any], timeout: float) -> Claims:
     """:meth:`Cache.wait_for <mmapcache.Cache.wait_for>` of cacheable ``idx``."""
+    flight, handle, slots = bound.flight, bound.handle, bound.mapped.slots
     states = slots.state_bytes
     todo = list(dict.fromkeys(idx.tolist()))
     deadline = time.monotonic() + timeout
     for k, i in enumerate(todo):
         if flight.wait(handle, slots, i, deadline) == HELD_HERE:
             rest = [j for j in todo[k + 1 :] if states[j] != READY]
-            return Claims(cache, flight, [i], rest)
-    return Claims(cache, flight, [], [i for i in todo if states[i] != READY])
+            return Claims(bound, [i], rest)
+    return Claims(bound, [], [i for i in todo if states[i] != READY])
 
 
 def store(

@@ -12,12 +12,13 @@ from pathlib import Path
 
 from ._boot import current_boot_id, sync_slots
 from ._errors import CacheError, CacheInUseError
-from ._file import exclusive_use, read_header
 from ._format import Header, indices_digest
 from ._handle import Handle
 from ._holders import held_by
 from ._mapping import Mapped
+from ._removal import exclusive_use
 from ._slots import EMPTY
+from ._validation import read_header
 from ._verify import Problem, region_problems, slot_problems
 
 __all__ = ["clear", "sync", "verify"]

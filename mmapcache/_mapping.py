@@ -29,13 +29,14 @@ import numpy as np
 
 from ._boot import BootPage
 from ._checksum import checksum
-from ._cold import readahead_for
+from ._cold import prefetch_later, readahead_for
 from ._format import Header, Layout
 from ._handle import Handle
+from ._heap import VariableRegion
 from ._jagged import Jagged, rows_like
 from ._partitions import StreamRegion
 from ._slots import EMPTY, READY, SlotTable
-from ._variable import NO_ROWS, VariableColumn, text_value, texts
+from ._variable import NO_ROWS, VariableColumn, check_dimensions, text_value, texts
 from ._verify import failed_rows, intact, intact_parts
 
 __all__ = ["Mapped"]
@@ -127,6 +128,46 @@ class Mapped:
                 return None
             parts.extend(found)
         return parts
+
+    def prefetch(self, idx: np.ndarray[Any, Any], capacity: int, length: int, *, background: bool) -> None:
+        """``Cache.prefetch``: ask for the READY slots among ``idx`` to be read in (a file on a disk only)."""
+        if self.readahead is None or not len(idx):
+            return
+        ready = idx[self.slots.ready_mask(idx, capacity, length)]
+        if len(ready) and background:
+            prefetch_later(self.readahead, ready)
+        elif len(ready):
+            self.readahead.before_read(ready)
+
+    # -- storing: put and put_many ------------------------------------------------
+
+    def store(self, handle: Handle, index: int, arrays: list[Any]) -> bool:
+        """Store one coerced sample at slot ``index`` under ``handle``'s write lock; False if it is taken."""
+        if self.variables:
+            self.check_dimensions(arrays)
+        with handle.write_lock:
+            handle.check_usable(writing=True)
+            return self.fill(index, arrays, None) if not self.variables else self.fill_variable(index, arrays, None)
+
+    def store_rows(
+        self, handle: Handle, idx: np.ndarray[Any, Any], arrays: list[Any], todo: np.ndarray[Any, Any]
+    ) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        """Store rows ``todo`` of a coerced batch at ``idx[row]`` under one write lock; which rows were stored."""
+        stored = np.zeros(len(idx), dtype=bool)
+        if self.variables:
+            self.check_dimensions(arrays)
+        with handle.write_lock:
+            handle.check_usable(writing=True)
+            fill = self.fill if not self.variables else self.fill_variable
+            for row in todo.tolist():
+                stored[row] = fill(int(idx[row]), arrays, row)
+        return stored
+
+    def check_dimensions(self, arrays: list[Any]) -> None:
+        """Variable values must fit their descriptors: checked before any slot is claimed."""
+        for entry, values in zip(self.order, arrays, strict=True):
+            if len(entry) == 2:
+                check_dimensions(entry[0], values)
 
     # -- filling one slot -----------------------------------------------------
 
@@ -268,6 +309,13 @@ class Mapped:
         return merged, failed
 
     # -- the variable region --------------------------------------------------
+
+    def variable_region(self) -> VariableRegion | None:
+        """How full the variable region is (``None`` without variable fields): ``Cache.variable_region``."""
+        if self.heap is None:
+            return None
+        heap = self.heap
+        return VariableRegion(heap.size, int(heap.claimed[0]), self.region_use()[0], int(heap.refused[0]))
 
     def region_use(self) -> tuple[int, int]:
         """``(used, end)``: bytes of the variable region that READY slots' values hold, and where the last ends.

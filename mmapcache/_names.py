@@ -38,7 +38,9 @@ __all__ = [
     "TEMP_MARK",
     "is_cache_name",
     "is_temp_name_of",
+    "leftover_stem",
     "lock_path_for",
+    "lock_stem",
     "name_max",
     "new_temp_path",
     "side_stem",
@@ -121,3 +123,17 @@ def _is_temp_tail(tail: str) -> bool:
 def is_cache_name(name: str) -> bool:
     """Whether ``name`` is named like a cache (``*.mmc``, not hidden)."""
     return name.endswith(SUFFIX) and not name.startswith(".")
+
+
+def leftover_stem(path: Path) -> str | None:
+    """The side-file stem of the cache whose creator made the temp file ``path``, if it is one."""
+    stem = temp_stem(path.name, path.parent)
+    return stem if stem is not None and is_cache_name(stem) else None
+
+
+def lock_stem(path: Path) -> str | None:
+    """The side-file stem of the cache whose creation lock ``path`` is, if it is one (``<stem>.lock``)."""
+    stem = path.name.removesuffix(LOCK_SUFFIX)
+    if stem == path.name or not is_cache_name(stem) or lock_path_for(path.with_name(stem)) != path:
+        return None
+    return stem

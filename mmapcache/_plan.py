@@ -2,7 +2,7 @@
 
 ``plan`` turns what the caller gave (fields, length, key, capacity or a byte
 budget, a shard's dataset indices) into what an existing file must hold
-(:class:`~mmapcache._file.Expected`) and, when creating is allowed, what a
+(:class:`~mmapcache._validation.Expected`) and, when creating is allowed, what a
 new file gets (:class:`~mmapcache._file.NewFile`): its slots, its variable
 region, its creation metadata. Malformed arguments raise at once; a budget
 that cannot be met is kept (``Plan.unplannable``) and raised only if the
@@ -21,11 +21,12 @@ from typing import Any
 import numpy as np
 
 from ._field import Field, FieldsLike, normalize_fields
-from ._file import Expected, NewFile
+from ._file import NewFile
 from ._format import MAX_FILE_SIZE, indices_digest, max_slots, slot_nbytes
 from ._heap import extent_size_for
 from ._sizes import parse_bytes
 from ._times import iso_time
+from ._validation import Expected
 
 __all__ = ["Plan", "check_count", "creation_info", "index_table", "plan", "plan_capacity", "plan_variable"]
 

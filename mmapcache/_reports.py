@@ -1,7 +1,7 @@
 """What the ``mmapcache`` command prints: the tables and reports of ``ls``, ``info``, ``verify``, ``gc`` and ``df``.
 
 Pure functions, strings in and strings out: each formats what a library call
-returned (``mmapcache._admin``, ``Cache.verify``); ``cli.py`` prints it.
+returned (``_inspect``, ``_collect``, ``_disk_usage``, ``Cache.verify``); ``cli.py`` prints it.
 """
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._admin import CacheInfo, DiskUsage, GcReport
+from ._collect import GcReport
+from ._disk_usage import DiskUsage
 from ._holders import spelled_pids
+from ._inspect import CacheInfo
 from ._sizes import format_age, format_bytes
 from ._stream import describe as describe_stream
 from ._times import iso_time

@@ -36,8 +36,9 @@ import numpy as np
 
 from ._boot import boot_page
 from ._errors import CacheSpaceError
-from ._file import _check_space, _fsync_dir, _preallocate, _write_all, creation_lock
-from ._format import Header, Layout, compute_layout, descriptor_nbytes, new_header, pack_header
+from ._file import check_space, creation_lock, fsync_dir, preallocate, write_all
+from ._format import Header, Layout, compute_layout, descriptor_nbytes
+from ._header import new_header, pack_header
 from ._heap import extent_size_for, place
 from ._names import new_temp_path
 from ._paths import filesystem_type, is_memory_filesystem
@@ -108,7 +109,7 @@ def resize(path: str | os.PathLike[str], *, max_bytes: int | str, timeout: float
             new = _plan(header, layout, budget, max_bytes, plan_capacity, plan_variable, target)
             new_layout = compute_layout(new)
             try:
-                _check_space(target, new_layout.file_size)
+                check_space(target, new_layout.file_size)
             except CacheSpaceError as error:
                 raise CacheSpaceError(
                     f"cannot resize {target} to {format_bytes(new_layout.file_size)}: the new file is built next "
@@ -181,12 +182,12 @@ def _build(target: Path, old: Any, header: Header, layout: Layout) -> tuple[int,
     temp = new_temp_path(target)
     fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        _preallocate(fd, layout.file_size, target)
-        _write_all(fd, pack_header(header), 0, temp)
+        preallocate(fd, layout.file_size, target)
+        write_all(fd, pack_header(header), 0, temp)
         if mapped.indices is not None:
-            _write_all(fd, np.ascontiguousarray(mapped.indices, "<u8").tobytes(), layout.indices_offset, temp)
+            write_all(fd, np.ascontiguousarray(mapped.indices, "<u8").tobytes(), layout.indices_offset, temp)
         if layout.boot_offset:
-            _write_all(fd, boot_page(), layout.boot_offset, temp)
+            write_all(fd, boot_page(), layout.boot_offset, temp)
         with mmap.mmap(fd, layout.file_size) as mm:
             kept, dropped = _copy(mapped, header, layout, mm)
             _carry_counters(old, layout, mm)
@@ -198,7 +199,7 @@ def _build(target: Path, old: Any, header: Header, layout: Layout) -> tuple[int,
         raise
     finally:
         os.close(fd)
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     return kept, dropped
 
 

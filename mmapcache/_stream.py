@@ -26,14 +26,16 @@ import numpy as np
 from ._boot import current_boot_id
 from ._errors import CacheError, CacheInUseError, SchemaMismatchError, StaleCacheError
 from ._field import Field
-from ._file import Expected, NewFile, open_or_create, remove
+from ._file import NewFile, open_or_create
 from ._format import ELEMENT_RECORD_SIZE, MAX_PARTITIONS, Header, Layout, slot_nbytes
 from ._heap import extent_size_for
 from ._holders import held_by
 from ._partitions import ENDED, FULL, PartitionState, StreamRegion, read_region
 from ._plan import creation_info
 from ._populate import populate
+from ._removal import remove
 from ._sizes import parse_bytes
+from ._validation import Expected
 from .cache import Cache, attach_opened
 
 __all__ = [

@@ -27,9 +27,9 @@ from hypothesis.control import current_build_context
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ._errors import CacheInUseError
-from ._file import remove
 from ._names import CHECK_OWNER, CHECK_PREFIX
 from ._paths import default_dir
+from ._removal import remove
 from ._testing_worker import Process, StepError, Zygote, wait_until
 
 __all__ = ["OutOfTime", "Run", "Summary", "machine_class"]

@@ -6,8 +6,6 @@ import functools
 import inspect
 import logging
 import os
-import threading
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -16,24 +14,22 @@ from typing import Any, Concatenate, ParamSpec
 import numpy as np
 
 from . import _maintenance as maintenance
-from ._boot import check_boot
-from ._cold import prefetch_later
 from ._counters import REFUTED, Counts, Usage
 from ._errors import CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike
-from ._file import LockStatus, OpenedFile, creation_lock, open_or_create
-from ._flight import WAIT_TIMEOUT, Claims, Flight, check_flight, check_timeout, claim, get_or_load_many, store, wait_for
+from ._file import OpenedFile, open_or_create
+from ._flight import Bound
 from ._format import Header, Layout
 from ._gather import empty_aligned, gather
-from ._handle import Handle, closed_error
+from ._handle import closed_error
 from ._heap import VariableRegion
 from ._indices import as_given, check_index, check_out, index_array
 from ._mapping import Mapped
-from ._paths import filesystem_type, is_memory_filesystem
+from ._opening import attach
 from ._plan import plan
+from ._single_flight import SingleFlight
 from ._slots import READY, STRONGLY_ORDERED
 from ._values import coerce_batch, coerce_sample
-from ._variable import check_dimensions
 from ._verify import Problem
 
 __all__ = ["Cache", "Problem"]
@@ -57,7 +53,7 @@ def _parameters_of(init: Callable[Concatenate[Any, _P], None]) -> Callable[[Call
     return decorate
 
 
-class Cache:
+class Cache(SingleFlight):
     """A dataset cache in one memory-mapped file, shared by every process that opens it.
 
     ``Cache(...)`` and ``Cache.open(...)`` are the same: open the file at
@@ -135,19 +131,8 @@ class Cache:
 
     def _attach(self, path: Path, opened: OpenedFile, *, readonly: bool, verify: bool, timeout: float) -> None:
         header, layout = opened.header, opened.layout
-        try:
-            handle = Handle(path, opened.fd, layout, readonly=readonly)
-        except BaseException:
-            os.close(opened.fd)
-            raise
-        try:
-            mapped = Mapped(handle, header, layout)
-            _check_after_reboot(path, mapped, readonly=readonly, timeout=timeout)
-            if mapped.boot is None:
-                _warn_if_on_a_disk(path, header.version, os.fstat(opened.fd))
-        except BaseException:
-            handle.close()  # a failed open leaks no descriptor and no in-use lock
-            raise
+        reopen = functools.partial(_reopen_writable, path, timeout)
+        handle, mapped = attach(path, opened, readonly=readonly, timeout=timeout, reopen=reopen)
         self._path = path
         self._readonly = readonly
         self._user_verify = verify
@@ -411,14 +396,7 @@ class Cache:
         done). Bad indices raise as in :meth:`get_many`.
         """
         mapped = self._live()
-        idx = index_array(indices, self._length)
-        if mapped.readahead is None or not len(idx):
-            return
-        ready = idx[mapped.slots.ready_mask(idx, self._capacity, self._length)]
-        if len(ready) and background:
-            prefetch_later(mapped.readahead, ready)
-        elif len(ready):
-            mapped.readahead.before_read(ready)
+        mapped.prefetch(index_array(indices, self._length), self._capacity, self._length, background=background)
 
     def contains_many(self, indices: Any) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """Which of ``indices`` are cached, as a bool array (from the state bytes; see ``verify``)."""
@@ -456,13 +434,7 @@ class Cache:
             raise self._readonly_error("put")
         if i >= self._capacity or mapped.states[i] == READY:
             return False
-        arrays = coerce_sample(sample, self._fields)
-        if mapped.variables:
-            self._check_dimensions(arrays)
-        handle = self._handle
-        with handle.write_lock:
-            handle.check_usable(writing=True)
-            stored = mapped.fill(i, arrays, None) if not mapped.variables else mapped.fill_variable(i, arrays, None)
+        stored = mapped.store(self._handle, i, coerce_sample(sample, self._fields))
         if stored:
             self._board.add(written=1)
         return stored
@@ -473,159 +445,25 @@ class Cache:
         if self._readonly:
             raise self._readonly_error("put_many")
         idx = index_array(indices, self._length)
-        stored = np.zeros(len(idx), dtype=bool)
         todo = np.flatnonzero((idx < self._capacity) & ~mapped.slots.ready_mask(idx, self._capacity, self._length))
         if not len(todo):
-            return stored
-        arrays = coerce_batch(batch, self._fields, len(idx))
-        if mapped.variables:
-            self._check_dimensions(arrays)
-        handle = self._handle
-        with handle.write_lock:
-            handle.check_usable(writing=True)
-            fill = mapped.fill if not mapped.variables else mapped.fill_variable
-            for row in todo.tolist():
-                stored[row] = fill(int(idx[row]), arrays, row)
+            return np.zeros(len(idx), dtype=bool)
+        stored = mapped.store_rows(self._handle, idx, coerce_batch(batch, self._fields, len(idx)), todo)
         self._board.add(written=int(np.count_nonzero(stored)))
         return stored
 
-    def _check_dimensions(self, arrays: list[Any]) -> None:
-        """Variable values must fit their descriptors: checked before any slot is claimed."""
-        for (name, field), values in zip(self._fields.items(), arrays, strict=True):
-            if field.variable:
-                check_dimensions(name, values)
-
-    # -- single flight: one load per sample per node (see _flight.py) --------------
-
-    def get_or_load_many(
-        self,
-        indices: Any,
-        load: Callable[[list[int]], Any],
-        *,
-        out: dict[str, np.ndarray[Any, Any]] | None = None,
-        timeout: float = WAIT_TIMEOUT,
-        wait: bool | None = None,
-        chunk: int | None = None,
-    ) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]]]:
-        """The samples at ``indices``, each missing one loaded by ``load`` once per node: ``(batch, loaded)``.
-
-        ``batch`` is what :meth:`read_many` returns, every row filled;
-        ``loaded[k]`` says whether row ``k`` was loaded by this call (else it
-        came from the cache). ``load(indices)`` gets a list of cache indices
-        and returns their samples: a batch as :meth:`put_many` takes it, or a
-        list of samples ``{field: value}`` in the same order. What it returns
-        is stored, and returned as a read would return it.
-
-        A missing slot is held (the kernel lock a fill takes) before it is
-        loaded and let go as soon as it is stored, a few slots at a time
-        (``chunk``: by default about 10 ms of loading). A slot that another
-        process — or another thread — is loading is waited for rather than
-        loaded again, once this call holds nothing: up to ``timeout`` seconds
-        in all (default 10), after which the call loads what is left itself.
-        If that holder dies or its ``load`` raises, the waiter loads the slot.
-        ``wait=None`` waits only when it pays: not when this handle's mean
-        load time (:attr:`mean_load_time`) is under half a millisecond per
-        sample; ``wait=False`` never waits, ``wait=True`` always does.
-
-        An exception from ``load`` lets go of the slots it held and
-        propagates. A readonly cache loads every miss itself and stores
-        nothing. Usage counts a row read from the cache (waited for or not)
-        as a hit and a row loaded here as a miss.
-        """
-        timeout = check_flight(load, timeout, wait, chunk)
-        return get_or_load_many(self, self._flight(), indices, load, out=out, timeout=timeout, wait=wait, chunk=chunk)
-
-    def get_or_load(
-        self, index: int, load: Callable[[int], Any], *, timeout: float = WAIT_TIMEOUT, wait: bool | None = None
-    ) -> dict[str, Any]:
-        """The sample at ``index``: from the cache, or ``load(index)`` once per node (see :meth:`get_or_load_many`)."""
-        i = check_index(index, self._length)
-        if load is None or not callable(load):
-            raise TypeError(f"load must be a function of an index, not {type(load).__name__}")
-        batch, _ = self.get_or_load_many([i], lambda idx: [load(idx[0])], timeout=timeout, wait=wait, chunk=1)
-        return {name: values[0, ...] if isinstance(values, np.ndarray) else values[0] for name, values in batch.items()}
-
-    def claim_many(self, indices: Any) -> Claims:
-        """Hold, without waiting, every slot among ``indices`` that is cacheable, not cached and free.
-
-        Returns :class:`Claims` (a context manager): its ``indices`` are the
-        slots now held by this thread — load them and store them with
-        ``claims.put_many``; leaving the ``with`` block lets go of the rest.
-        Its ``held`` are the slots another process or thread is loading: wait
-        for them with :meth:`wait_for`, once you hold nothing.
-        """
+    def _bound(self, writing: str | None) -> Bound:
+        """This handle's flight bound to its mapping (``writing``: the verb a readonly handle refuses)."""
         mapped = self._live()
-        if self._readonly:
-            raise self._readonly_error("claim_many")
-        idx = index_array(indices, self._length)
-        return claim(self, self._flight(), self._handle, mapped.slots, idx[idx < self._capacity])
-
-    def wait_for(self, indices: Any, *, timeout: float = WAIT_TIMEOUT) -> Claims:
-        """Wait until every one of ``indices`` is cached, or until one of them is left to this thread.
-
-        Returns :class:`Claims` holding one slot when its holder gave it up
-        unstored (it died, or its load raised): load and store it, then wait
-        for the rest. Otherwise the claims hold nothing, and their ``held``
-        lists the slots still being loaded elsewhere after ``timeout`` seconds
-        (load those yourself: storing them is refused while their holder
-        lives). Waits only while this thread holds no slot (else
-        ``RuntimeError``): waiting while holding could deadlock.
-        """
-        mapped = self._live()
-        if self._readonly:
-            raise self._readonly_error("wait_for")
-        timeout = check_timeout(timeout)
-        idx = index_array(indices, self._length)
-        return wait_for(self, self._flight(), self._handle, mapped.slots, idx[idx < self._capacity], timeout)
-
-    @property
-    def mean_load_time(self) -> float | None:
-        """Seconds per sample that :meth:`get_or_load_many`'s loads took through this handle (``None``: none yet)."""
-        return self._flight().mean_load_time()
-
-    def _flight(self) -> Flight:
-        flight: Flight | None = self.__dict__.get("_flight_state")
-        if flight is None:
-            with _FLIGHT_LOCK:
-                flight = self.__dict__.setdefault("_flight_state", Flight())
-        return flight
-
-    def _can_hold(self) -> bool:
-        return not self._readonly and self._handle.refused is None
-
-    def _hold(self, index: int) -> bool:
-        return self._flight().hold(self._handle, self._live().slots, index)
-
-    def _wait_one(self, index: int, deadline: float) -> int:
-        return self._flight().wait(self._handle, self._live().slots, index, deadline)
-
-    def _put_claimed(self, idx: np.ndarray[Any, Any], batch: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
-        return self._put_coerced(idx, coerce_batch(batch, self._fields, len(idx)))
-
-    def _put_coerced(
-        self, idx: np.ndarray[Any, Any], arrays: list[Any], *, held: bool = True
-    ) -> np.ndarray[Any, np.dtype[np.bool_]]:
-        """Store coerced rows at ``idx``: slots this thread holds (let go of each), or free ones (``held=False``)."""
-        flight = self._flight()
-        stored = store(flight, self._handle, self._live(), idx, arrays, capacity=self._capacity, held=held)
-        self._board.add(written=int(np.count_nonzero(stored)))
-        return stored
-
-    def _release_claims(self, indices: list[int]) -> None:
-        mapped = self._mapped
-        if mapped is None:  # closed: the descriptor took every lock with it
-            self._flight().forget(indices)
-            return
-        self._flight().let_go(self._handle, mapped.slots, indices)
+        if writing is not None and self._readonly:
+            raise self._readonly_error(writing)
+        flight, writable = self._flight(), not self._readonly
+        return Bound(flight, self._handle, mapped, self._fields, capacity=self._capacity, writable=writable)
 
     @property
     def variable_region(self) -> VariableRegion | None:
         """How full the variable region is (``None`` without variable fields); see :class:`VariableRegion`."""
-        mapped = self._live()
-        if mapped.heap is None:
-            return None
-        heap = mapped.heap
-        return VariableRegion(heap.size, int(heap.claimed[0]), mapped.region_use()[0], int(heap.refused[0]))
+        return self._live().variable_region()
 
     def clear(self) -> None:
         """Mark every slot empty. Refuses with :class:`CacheInUseError` while any other handle is open."""
@@ -714,65 +552,16 @@ class Cache:
         )
 
 
-_FLIGHT_LOCK = threading.Lock()
-
-
-def _check_after_reboot(path: Path, mapped: Mapped, *, readonly: bool, timeout: float) -> None:
-    """Before a file on a disk is used in a boot other than its last: check what a crash may have torn."""
-    if mapped.boot is None or mapped.boot.current():
-        return
-    if not readonly:
-        lock = functools.partial(creation_lock, path, timeout)
-        status = LockStatus(path, f"checks {path} after a reboot", "slots")
-        try:
-            check_boot(
-                mapped.boot,
-                mapped.slots,
-                mapped.parts,
-                lock=lock,
-                readahead=mapped.readahead,
-                reconcile=mapped.cover_values,
-                progress=status.publish,
-            )
-        finally:
-            status.clear()
-        return
-    try:  # resetting torn slots takes write access: a writable handle checks, then we read
-        Cache(path, timeout=timeout).close()
-    except OSError as error:
-        raise ReadonlyCacheError(
-            f"{path} was last written before a reboot, and the slots that were not synced must be checked "
-            f"against their checksums before they are read, which needs write access ({error}); open it once "
-            "without readonly=True (or run `mmapcache verify --fix PATH`) as a user who may write it",
-            path=path,
-        ) from None
-
-
-_warned_without_boot: set[tuple[int, int]] = set()
-
-
-def _warn_if_on_a_disk(path: Path, version: int, st: os.stat_result) -> None:
-    """Warn (once per file and process) about a file made in memory and used from a disk: no reboot check."""
-    kind = filesystem_type(path.parent)
-    if is_memory_filesystem(kind) or (st.st_dev, st.st_ino) in _warned_without_boot:
-        return
-    _warned_without_boot.add((st.st_dev, st.st_ino))
-    warnings.warn(
-        f"{path} is on a disk ({kind or 'unknown file system'}) but was made on a memory file system (format "
-        f"version {version}, without the boot page of version 5): after a crash or power loss mmapcache cannot "
-        "tell which of its slots reached the disk, and may serve samples whose bytes did not. Make it on the "
-        f"disk instead: remove it (`mmapcache rm {path}`) and let the next run create and fill it there",
-        RuntimeWarning,
-        stacklevel=4,
-    )
-
-
 def attach_opened(path: Path, opened: OpenedFile, *, timeout: float) -> Cache:
     """A writable cache over a file :func:`open_or_create` opened: for files ``Cache()`` does not create (streams)."""
     cache = Cache.__new__(Cache)
     cache._closed = True
     cache._attach(path, opened, readonly=False, verify=False, timeout=timeout)
     return cache
+
+
+def _reopen_writable(path: Path, timeout: float) -> None:
+    Cache(path, timeout=timeout).close()
 
 
 def _reopen_cache(path: str, readonly: bool, verify: bool, timeout: float) -> Cache:

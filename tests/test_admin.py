@@ -22,10 +22,11 @@ from test_file import mounted_tmpfs
 
 import mmapcache
 from mmapcache import Cache, CacheFormatError, CacheInUseError, CacheSpaceError, Field, UnsafeCacheFileError
-from mmapcache._admin import SMALL_TMPFS, DiskUsage, _warnings, memory_limit, orphan_lock, remove_orphan_lock
-from mmapcache._file import read_header
+from mmapcache._collect import orphan_lock, remove_orphan_lock
+from mmapcache._disk_usage import SMALL_TMPFS, DiskUsage, disk_warnings, memory_limit
 from mmapcache._format import version_for
 from mmapcache._slots import WRITING
+from mmapcache._validation import read_header
 
 
 def digest(path: Path) -> tuple[str, float]:
@@ -570,11 +571,11 @@ def usage_of(**changes: object) -> DiskUsage:
 
 
 def test_no_warnings_for_a_roomy_shm() -> None:
-    assert _warnings(usage_of()) == []
+    assert disk_warnings(usage_of()) == []
 
 
 def test_warns_about_dockers_64mb_shm() -> None:
-    (warning,) = _warnings(usage_of(total=64 * 10**6, free=64 * 10**6))
+    (warning,) = disk_warnings(usage_of(total=64 * 10**6, free=64 * 10**6))
     assert "/dev/shm is only 61.0 MiB" in warning
     assert "Docker" in warning
     assert "--shm-size" in warning
@@ -583,12 +584,12 @@ def test_warns_about_dockers_64mb_shm() -> None:
 
 
 def test_warns_when_nearly_full_network_or_charged() -> None:
-    (full,) = _warnings(usage_of(free=2**30))
+    (full,) = disk_warnings(usage_of(free=2**30))
     assert "nearly full" in full
     assert "mmapcache gc" in full
-    (network,) = _warnings(usage_of(directory=Path("/nfs/caches"), filesystem="nfs4"))
+    (network,) = disk_warnings(usage_of(directory=Path("/nfs/caches"), filesystem="nfs4"))
     assert "nfs4" in network
-    (charged,) = _warnings(usage_of(memory_limit=8 * 2**30))
+    (charged,) = disk_warnings(usage_of(memory_limit=8 * 2**30))
     assert "memory cgroup" in charged
     assert "8.0 GiB" in charged
 

@@ -20,7 +20,7 @@ from _caches import DAY, Holder, age, make_cache
 import mmapcache
 import mmapcache.cli
 from mmapcache import Cache, Field
-from mmapcache._file import read_header
+from mmapcache._validation import read_header
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = shutil.which("mmapcache")

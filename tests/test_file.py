@@ -295,13 +295,13 @@ def test_fallocate_failure_raises_space_error(tiny_tmpfs: Path) -> None:
     # The free-space pre-check can race with other writers; posix_fallocate
     # itself must then fail cleanly with ENOSPC (never a sparse file that
     # SIGBUSes later).
-    from mmapcache._file import _preallocate
+    from mmapcache._file import preallocate
 
     path = tiny_tmpfs / "raced.mmc"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with pytest.raises(CacheSpaceError, match=r"needs 2\.0 MiB"):
-            _preallocate(fd, 2 * 2**20, path)
+            preallocate(fd, 2 * 2**20, path)
     finally:
         os.close(fd)
         path.unlink()

@@ -10,7 +10,8 @@ import pytest
 
 import mmapcache._file
 from mmapcache import Cache, CacheFormatError, Field
-from mmapcache._format import ALIGNMENT, MAX_HEADER_SIZE, PREFIX_SIZE, Header, new_header, pack_header
+from mmapcache._format import ALIGNMENT, MAX_HEADER_SIZE, Header
+from mmapcache._header import PREFIX_SIZE, new_header, pack_header
 
 FIELDS = {"x": Field((4,), "uint8")}
 

@@ -12,18 +12,8 @@ import pytest
 import xxhash
 
 from mmapcache import Cache, CacheFormatError, Field
-from mmapcache._format import (
-    ALIGNMENT,
-    MAGIC,
-    PREFIX_SIZE,
-    RECORD_SIZE,
-    Header,
-    align,
-    compute_layout,
-    new_header,
-    pack_header,
-    unpack_header,
-)
+from mmapcache._format import ALIGNMENT, MAGIC, RECORD_SIZE, Header, align, compute_layout
+from mmapcache._header import PREFIX_SIZE, new_header, pack_header, unpack_header
 
 FIELDS = {
     "image": Field((3, 5, 7), "uint8"),

@@ -14,7 +14,8 @@ import torch
 from torch_helpers import Recorded, accesses, as_collated, check_batch, same
 
 from mmapcache import Cache, SchemaMismatchError, info
-from mmapcache._format import INDEX_ITEMSIZE, unpack_header
+from mmapcache._format import INDEX_ITEMSIZE
+from mmapcache._header import unpack_header
 from mmapcache.torch import CachedDataset, NodeShardSampler
 
 FIELDS = {"x": ((3,), "float32")}

@@ -29,7 +29,7 @@ import torch
 
 from .._errors import CacheInUseError, SchemaMismatchError, StaleCacheError
 from .._field import Field
-from .._file import remove
+from .._removal import remove
 from .._slots import STRONGLY_ORDERED
 from ..cache import Cache
 from ._checks import (
@@ -43,6 +43,7 @@ from ._checks import (
 )
 from ._collate import adopt
 from ._columns import ShapeVariesError, columns, new_batch
+from ._opening import open_existing
 from ._schema import Schema, first_fields, varying_shapes
 from ._settings import Settings, not_map_style
 from ._sizing import size_variable
@@ -117,7 +118,7 @@ class Session:
         with self.lock:
             if self.cache is not None:
                 return self.cache
-            cache = self._open_file()
+            cache = open_existing(self.settings)
             if cache is None:
                 return None
             check_file(cache, self.settings)
@@ -127,41 +128,6 @@ class Session:
             self._check_content(cache)
             self.fresh = identity
         return self.cache
-
-    def _open_file(self) -> Cache | None:
-        """The existing file, or None: missing, or refuted (removed here, to be created anew)."""
-        settings = self.settings
-        if settings.length == 0:
-            return None  # an empty shard has no file
-        while True:
-            try:
-                named = os.stat(settings.path, follow_symlinks=False)
-                cache = Cache.open(
-                    settings.path,
-                    length=settings.length,
-                    key=settings.key,
-                    verify=settings.verify,
-                    dataset_indices=settings.cached_indices,
-                    timeout=settings.timeout,
-                )
-            except FileNotFoundError:
-                return None
-            if not cache.refuted:
-                return cache
-            # A first try created it from a sample whose shapes the rest of the dataset does not share: it
-            # is never used again, so it is replaced even while processes of that try still hold it (they
-            # keep their nameless copy). mmapcache never links a removed file again, so the name held the
-            # opened file if it names the same one before and after the open; only that one is removed —
-            # another process may have replaced it already.
-            cache.close()
-            try:
-                if not os.path.samestat(named, os.stat(settings.path, follow_symlinks=False)):
-                    continue
-                remove(settings.path, force=True, timeout=settings.timeout, same_as=named)
-            except FileNotFoundError:
-                continue  # replaced or removed meanwhile: open what the name holds now
-            log.warning("removed %s: its fields were found not to fit the dataset; creating it anew", settings.path)
-            return None
 
     def _create(self, fields: dict[str, Field], text_bytes: int | None = None) -> Cache:
         """Open the file, creating it with ``fields`` if it is missing.
