@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, default_collate
 from torch_helpers import TOKEN_FIELDS, Tokens, same, tokens
 
 from mmapcache import Field, Jagged
-from mmapcache.torch import CachedDataset, Packed, Padded, pad_collate
+from mmapcache.torch import CachedDataset, Packed, Padded, pad_collate, ragged_collate
 from mmapcache.torch._loader import Batched, WorkerBatch
 from mmapcache.torch._ragged import jagged_batch
 
@@ -259,3 +259,53 @@ def test_to_nested_refuses_what_a_nested_tensor_cannot_hold() -> None:
         warnings.simplefilter("error")
         copy = frozen.to_nested()
     assert copy.values().data_ptr() != frozen.values.ctypes.data, "a read-only array is copied, never written"
+
+
+# -- ragged_collate: the same batch types for a plain DataLoader over samples ------------------------
+
+
+def _token_samples(lengths: list[int]) -> list[dict[str, Any]]:
+    return [{"tokens": torch.arange(n, dtype=torch.int32) + 100 * k, "label": k} for k, n in enumerate(lengths)]
+
+
+def test_ragged_collate_packs_the_samples_values_with_cu_seqlens() -> None:
+    batch = ragged_collate("packed", leaves="tokens")(_token_samples([3, 0, 5]))
+    packed = batch["tokens"]
+    assert isinstance(packed, Packed)
+    assert torch.equal(packed.values, torch.cat([t["tokens"] for t in _token_samples([3, 0, 5])]))
+    assert packed.cu_seqlens.tolist() == [0, 3, 3, 8]
+    assert packed.cu_seqlens.dtype == torch.int32
+    assert packed.max_seqlen == 5
+    assert batch["label"].tolist() == [0, 1, 2]
+
+
+def test_ragged_collate_gives_each_batch_type_with_the_values_of_the_samples() -> None:
+    samples = _token_samples([2, 4, 1])
+    padded = ragged_collate("pad", leaves="tokens", padding_value=-1)(samples)["tokens"]
+    assert isinstance(padded, Padded)
+    assert padded.lengths.tolist() == [2, 4, 1]
+    assert padded.data[2].tolist() == [200, -1, -1, -1]
+    nested = ragged_collate("nested", leaves="tokens")(samples)["tokens"]
+    assert nested.is_nested
+    assert [row.tolist() for row in nested.unbind()] == [s["tokens"].tolist() for s in samples]
+    listed = ragged_collate("list", leaves="tokens")(samples)["tokens"]
+    assert [row.tolist() for row in listed] == [s["tokens"].tolist() for s in samples]
+
+
+def test_ragged_collate_refuses_what_it_cannot_batch_and_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="'pad', 'nested', 'packed', 'list'"):
+        ragged_collate("ragged")
+    with pytest.raises(ValueError, match=r"leaves names \['text'\], which are not tensor leaves"):
+        ragged_collate("packed", leaves="text")(_token_samples([1, 2]))
+    with pytest.raises(TypeError, match="padding_value must be a number"):
+        ragged_collate("pad", padding_value="0")  # type: ignore[arg-type]
+    grids = [{"g": torch.zeros(2, 3)}, {"g": torch.zeros(2, 4)}]
+    with pytest.raises(ValueError, match="vary in the first dimension only"):
+        ragged_collate("packed", leaves="g")(grids)
+    assert ragged_collate("pad", leaves="g")(grids)["g"].data.shape == (2, 2, 4)
+
+
+def test_ragged_collate_pickles_for_spawned_workers() -> None:
+    again = pickle.loads(pickle.dumps(ragged_collate("packed", leaves=["tokens"], padding_value=3)))
+    assert (again.ragged, again.leaves, again.padding_value) == ("packed", ("tokens",), 3)
+    assert again(_token_samples([1, 2]))["tokens"].cu_seqlens.tolist() == [0, 1, 3]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from mmapcache import Cache, Field
 from mmapcache._stream import stream_status
-from mmapcache.torch import CachedStream, Padded, pad_collate
+from mmapcache.torch import CachedStream, Packed, Padded, pad_collate, ragged_collate
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -379,3 +380,24 @@ def test_a_webdataset_pipeline_with_a_length_is_refused_by_cached_dataset_with_w
     pipeline = wds.WebDataset([shard], shardshuffle=False).decode().to_tuple("txt", "cls").with_length(1)
     with pytest.raises(TypeError, match="CachedStream"):
         CachedDataset(pipeline, tmp_path / "w.mmc", key="k")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_token_sequences_through_ragged_collate_give_exact_packed_batches_in_every_epoch(
+    tmp_path: Path, workers: int
+) -> None:
+    ds = CachedStream(Numbers(60), tmp_path / "s.mmc", key="k", fields=FIELDS, max_bytes="1MiB")
+    loader = DataLoader(ds, batch_size=8, num_workers=workers, collate_fn=ragged_collate("packed", leaves="tokens"))
+    for epoch in range(2):  # the first fills the cache, the second reads it
+        ds.set_epoch(epoch)
+        labels = []
+        for batch in loader:
+            packed = batch["tokens"]
+            assert isinstance(packed, Packed)
+            expected = [numbered(label)["tokens"] for label in batch["label"].tolist()]
+            assert torch.equal(packed.values, torch.cat(expected))
+            assert packed.cu_seqlens.tolist() == [0, *itertools.accumulate(len(t) for t in expected)]
+            assert packed.max_seqlen == max(len(t) for t in expected)
+            labels += batch["label"].tolist()
+        assert sorted(labels) == list(range(60))
+    assert ds.stats()["complete"]

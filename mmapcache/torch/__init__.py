@@ -51,11 +51,20 @@ from __future__ import annotations
 from .._sampler import NodeShardSampler
 from ._collate import Padded, collate, pad_collate
 from ._dataset import CachedDataset
-from ._ragged import Packed
+from ._ragged import Packed, ragged_collate
 from ._schema import infer_fields
 from ._stream import CachedStream
 
-__all__ = ["CachedDataset", "CachedStream", "NodeShardSampler", "Packed", "Padded", "collate", "pad_collate"]
+__all__ = [
+    "CachedDataset",
+    "CachedStream",
+    "NodeShardSampler",
+    "Packed",
+    "Padded",
+    "collate",
+    "pad_collate",
+    "ragged_collate",
+]
 
 # Pickles name the public module, whatever file the class lives in.
 CachedDataset.__module__ = __name__

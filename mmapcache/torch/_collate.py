@@ -28,7 +28,17 @@ import torch.utils.data
 from .._structure import Step, name_of
 from ._columns import shared_empty
 
-__all__ = ["Padded", "Padder", "adopt", "as_is", "collate", "collate_tree", "pad_collate", "pad_tensors"]
+__all__ = [
+    "Padded",
+    "Padder",
+    "adopt",
+    "as_is",
+    "collate",
+    "collate_tree",
+    "leaf_names",
+    "pad_collate",
+    "pad_tensors",
+]
 
 
 def collate_tree(tree: Any, tensors: Sequence[torch.Tensor]) -> Any:
@@ -148,25 +158,26 @@ def pad_collate(batch: Sequence[Any], *, pad: str | Collection[str] | None = Non
     """
     if len(batch) == 0:
         raise ValueError("pad_collate needs at least one sample")
-    names: frozenset[str] | None
-    if pad is None:
-        names = None
-    elif isinstance(pad, str):
-        names = frozenset([pad])
-    else:
-        names = frozenset(pad)
-        if not all(isinstance(name, str) for name in names):
-            raise TypeError(f"pad names leaves by their field names (strings), got {sorted(map(repr, names))}")
-    if names is not None:
-        leaves: list[str] = []
-        _tensor_leaves(batch[0], [], leaves)
-        if not names <= set(leaves):
-            raise ValueError(
-                f"pad names {sorted(names - set(leaves))}, which are not tensor leaves of the samples; their "
-                f"tensor leaves are {leaves} (named as in mmapcache.torch: '0' for a tuple's first element, "
-                "'key' for a dict's, '.' for a bare leaf)"
-            )
+    names = leaf_names(batch[0], pad, "pad")
     return Padder(names, functools.partial(_padded, padding_value=padding_value)).collate(list(batch), [])
+
+
+def leaf_names(sample: Any, given: str | Collection[str] | None, argument: str) -> frozenset[str] | None:
+    """The leaves ``given`` names (``argument``, for errors), checked against the tensor leaves of ``sample``."""
+    if given is None:
+        return None
+    names = frozenset([given]) if isinstance(given, str) else frozenset(given)
+    if not all(isinstance(name, str) for name in names):
+        raise TypeError(f"{argument} names leaves by their field names (strings), got {sorted(map(repr, names))}")
+    leaves: list[str] = []
+    _tensor_leaves(sample, [], leaves)
+    if not names <= set(leaves):
+        raise ValueError(
+            f"{argument} names {sorted(names - set(leaves))}, which are not tensor leaves of the samples; their "
+            f"tensor leaves are {leaves} (named as in mmapcache.torch: '0' for a tuple's first element, "
+            "'key' for a dict's, '.' for a bare leaf)"
+        )
+    return names
 
 
 def _padded(column: list[torch.Tensor], name: str, *, padding_value: float) -> Padded:

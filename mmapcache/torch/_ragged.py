@@ -19,7 +19,7 @@ Text fields are lists of ``str``/``bytes`` whatever the choice (as
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -27,9 +27,9 @@ import torch
 
 from .._jagged import Jagged
 from .._tensors import nested
-from ._collate import Padded, pad_tensors
+from ._collate import Padded, Padder, leaf_names, pad_tensors
 
-__all__ = ["RAGGED", "Packed", "check_ragged", "jagged_batch", "tensors_batch"]
+__all__ = ["RAGGED", "Packed", "check_ragged", "jagged_batch", "ragged_collate", "tensors_batch"]
 
 RAGGED = ("pad", "nested", "packed", "list")
 
@@ -119,3 +119,41 @@ def _one_ragged_dimension(jagged: Jagged, ragged: str, name: str) -> None:
 def _tensor(array: np.ndarray[Any, Any], dtype: torch.dtype | None) -> torch.Tensor:
     tensor = torch.from_numpy(array)
     return tensor if dtype is None or dtype == tensor.dtype else tensor.view(dtype)
+
+
+class ragged_collate:  # noqa: N801 - used as a function: DataLoader(..., collate_fn=ragged_collate("packed"))
+    """A ``collate_fn`` that batches variable leaves of samples as ``ds.loader(ragged=...)`` batches variable fields.
+
+    For a plain ``DataLoader`` over per-sample data — a :class:`CachedStream`,
+    or any dataset — where ``ds.loader()`` is not the loader:
+    ``DataLoader(stream, batch_size=32, collate_fn=ragged_collate("packed"))``.
+    ``ragged`` is one of ``"pad"``, ``"nested"``, ``"packed"``, ``"list"``
+    (see :mod:`mmapcache.torch`); ``leaves`` names the leaves to batch that way
+    by their field names (``"tokens"``, ``"0"``, ``"."``), every other leaf is
+    collated by ``default_collate``; ``leaves=None`` takes every tensor leaf
+    whose shapes differ *in this batch* (name them for a structure that never
+    changes). Each call copies every sample's values once into the batch.
+    Pickles (spawned DataLoader workers receive it).
+    """
+
+    def __init__(
+        self, ragged: str = "pad", *, leaves: str | Collection[str] | None = None, padding_value: float = 0
+    ) -> None:
+        self.ragged = check_ragged(ragged)
+        if isinstance(padding_value, bool) or not isinstance(padding_value, (int, float)):
+            raise TypeError(f"padding_value must be a number, not {type(padding_value).__name__}")
+        if leaves is not None and not isinstance(leaves, str):
+            leaves = tuple(leaves)
+        self.leaves, self.padding_value = leaves, padding_value
+
+    def __call__(self, batch: Sequence[Any]) -> Any:
+        if len(batch) == 0:
+            raise ValueError("ragged_collate needs at least one sample")
+        names = leaf_names(batch[0], self.leaves, "leaves")
+        return Padder(names, self._leaf).collate(list(batch), [])
+
+    def _leaf(self, column: list[torch.Tensor], name: str) -> Any:
+        return tensors_batch(column, name, ragged=self.ragged, padding_value=self.padding_value)
+
+    def __repr__(self) -> str:
+        return f"ragged_collate({self.ragged!r}, leaves={self.leaves!r}, padding_value={self.padding_value!r})"
