@@ -14,7 +14,9 @@ NOT, SHOULD and MAY are used as in RFC 2119.
 | 3 | variable-shape fields: per-slot descriptors, and the variable region after the data | mmapcache 0.2 and later |
 | 4 | the dataset index table: the file caches a chosen set of a dataset's indices (one node's shard) | mmapcache 0.3 and later |
 | 5 | the boot page and each slot's synced byte: a file on a disk checks what a crash may have torn | mmapcache 0.3 and later |
-| 8 | the stream region: the file caches a stream, filled once, partition by partition, in arrival order | mmapcache 0.3 and later |
+| 8 | the stream region: the file caches a stream, filled once, partition by partition, in arrival order | mmapcache 0.4 and later |
+
+Versions 6 and 7 are not assigned: a reader rejects them like any version it does not know.
 
 A writer writes the lowest version that holds its schema (8 for the cache
 of a stream; else 5 when the file lives on a disk, that is on any file system but a memory one such as tmpfs;
