@@ -488,10 +488,14 @@ Cache(sys.argv[1]).close()
 """
 
 WAITER = """
-import json, logging, os, sys, time
+import json, logging, os, pathlib, sys, time
 from mmapcache import Cache
+from mmapcache._file import read_lock_status
+from mmapcache._names import lock_path_for
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
-time.sleep(0.5)  # the checker has the lock by now
+lock, deadline = lock_path_for(pathlib.Path(sys.argv[1])), time.monotonic() + 60
+while read_lock_status(lock) is None and time.monotonic() < deadline:
+    time.sleep(0.01)  # until the checker (slowed by the throttle from its first read) says it is checking
 start = time.monotonic()
 with Cache(sys.argv[1], timeout=1) as cache:
     print(json.dumps({"waited": time.monotonic() - start, "filled": cache.filled}))
@@ -530,7 +534,7 @@ def slow_disk_cgroup() -> Iterator[Path]:
 def test_after_a_reboot_other_processes_wait_for_the_check_and_say_how_far_it_is(
     disk_dir: Path, slow_disk_cgroup: Path
 ) -> None:
-    path, n = disk_dir / "c.mmc", 256  # 16 MiB never synced: about 4 s at 4 MiB/s
+    path, n = disk_dir / "c.mmc", 512  # 32 MiB never synced: up to 8 s at 4 MiB/s (less what stayed cached)
     make_cache(path, n)
     evict(path)
     code = AFTER_REBOOT_TWO.format(

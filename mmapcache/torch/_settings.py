@@ -142,6 +142,8 @@ class Settings:
         n = len(self.dataset)
         if given.ndim != 1 or given.dtype.kind not in "iu":
             return self._one_by_one(indices)
+        if isinstance(indices, (list, tuple)) and not _BOOLS.isdisjoint(map(type, indices)):
+            return self._one_by_one(indices)  # numpy counts True as 1; ds[i] refuses a bool index
         idx = given.astype(np.intp, copy=False)
         if not idx.size:
             return idx
@@ -158,6 +160,9 @@ class Settings:
     def _one_by_one(self, indices: Any) -> np.ndarray[Any, np.dtype[np.intp]]:
         """``indices`` checked one at a time: the error names the first bad one, as ``ds[i]`` would."""
         return np.fromiter((self.index(i) for i in indices), np.intp, len(indices))
+
+
+_BOOLS = frozenset({bool, np.bool_})
 
 
 def not_map_style(dataset: Any) -> str:
