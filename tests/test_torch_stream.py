@@ -401,3 +401,23 @@ def test_token_sequences_through_ragged_collate_give_exact_packed_batches_in_eve
             labels += batch["label"].tolist()
         assert sorted(labels) == list(range(60))
     assert ds.stats()["complete"]
+
+
+def test_dtypes_and_fields_together_store_int32_tokens_as_uint16_and_refuse_a_value_that_does_not_fit(
+    tmp_path: Path,
+) -> None:
+    """As CachedDataset: dtypes= sets the declared fields' dtypes, and a declared field takes exact conversions."""
+    ds = CachedStream(
+        Numbers(30), tmp_path / "s.mmc", key="k", fields=FIELDS, dtypes={"tokens": "uint16"}, max_bytes="1MiB"
+    )
+    for _ in range(2):  # filled, then read from the file
+        for element in ds:
+            expected = numbered(int(element["label"]))
+            assert element["tokens"].dtype == torch.uint16
+            assert element["tokens"].tolist() == expected["tokens"].tolist()
+    assert ds.cache is not None
+    assert ds.cache.fields["tokens"] == Field((None,), "uint16")
+    narrow = {**FIELDS, "x": Field((4,), "uint8")}  # x holds 3 * i, past 255 from i = 86
+    too_small = CachedStream(Numbers(100), tmp_path / "n.mmc", key="n", fields=narrow, max_bytes="1MiB")
+    with pytest.raises(ValueError, match="cannot be stored as uint8"):
+        list(too_small)

@@ -39,7 +39,7 @@ from .._stream import (
 from .._tensors import tensor_to_numpy
 from ..cache import Cache
 from ._leaves import LeafShapeError, convert_leaf, fit
-from ._schema import Schema, declaration, declared_fields, describe, first_fields, storage_dtypes
+from ._schema import Schema, declaration, declared_fields, describe, first_fields, storage_dtypes, with_dtypes
 from ._settings import default_path
 
 __all__ = ["CachedStream"]
@@ -134,14 +134,15 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                 "until the cache is complete, and in each DataLoader worker: pass an iterable instead (an "
                 "IterableDataset, or a class whose __iter__ is a generator function)"
             )
-        if dtypes is not None and fields is not None:
-            raise ValueError("give dtypes= or fields=, not both: fields= declares every field's dtype already")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, not {type(seed).__name__}")
         self.stream = stream
         self.key = key
-        self.fields = None if fields is None else declared_fields(fields)
         self.dtypes = None if dtypes is None else storage_dtypes(dtypes)
+        declared = None if fields is None else declared_fields(fields)
+        if declared is not None and self.dtypes is not None:  # as CachedDataset: dtypes= sets declared fields' dtypes
+            declared = with_dtypes(declared, self.dtypes, where="fields=")
+        self.fields = declared
         self.max_bytes = max_bytes
         self.shuffle = bool(shuffle)
         self.seed = seed
@@ -344,7 +345,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                     continue
                 if self.dtypes is not None and name in self.dtypes:
                     leaf = convert_leaf(leaf, field, name)
-                fitted = fit(leaf, field, name)
+                fitted = fit(leaf, field, name, convert=self.fields is not None)  # a chosen dtype: exact conversion
                 arrays.append(tensor_to_numpy(fitted, field, name) if isinstance(fitted, torch.Tensor) else fitted)
         except LeafShapeError as error:
             if self.fields is not None:
