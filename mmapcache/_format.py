@@ -282,8 +282,8 @@ partition, record `p` at `partitions_offset + p * 64`:
 | offset | size | content |
 |-------:|-----:|---------|
 | 0 | 8 | stored, uint64: the partition's elements `0 .. stored - 1` are in the file, each in exactly one READY slot |
-| 8 | 8 | pending slot, uint64: 1 + the slot a writer is filling or counting as element `stored`; 0 if none |
-| 16 | 8 | pending element, uint64: the element that pending slot holds |
+| 8 | 8 | pending slot, uint64: 1 + the last slot of the run a writer is counting (elements `stored ..` pending element); 0 if none |
+| 16 | 8 | pending element, uint64: the last element of that run |
 | 24 | 8 | total, uint64: the partition's elements, when it has ended; else 0 |
 | 32 | 4 | flags, uint32: bit 0 *ended* (the partition was read to its end by a writer that stored every element it could), bit 1 *full* (an element did not fit; none after it is stored); other bits zero |
 | 36 | 28 | zero |
@@ -297,25 +297,30 @@ file's (a writer writes `0xFFFFFFFF`) means the slot holds no element.
 - A writer of partition `p` holds an exclusive `F_OFD_SETLK` lock on the
   first byte of `p`'s record for as long as it writes the partition; the
   kernel drops it when the writer dies. A writer that takes the lock first
-  *recovers*: if pending slot is non-zero, that slot is READY, its element
-  record is (pending element, `p`) and `stored` equals pending element, it
-  sets `stored` to pending element + 1; then it sets pending slot to 0.
-- A writer stores element `j` only when `j == stored`, `ended` and `full`
-  are clear: it takes a slot by advancing `allocated` (holding an exclusive
-  `F_OFD_SETLKW` lock on the byte at `stream_offset + 16`; when `allocated`
-  equals `capacity` it sets `full` instead), writes pending element `j`, then
-  pending slot, then the slot's element record, fills the slot by the slot
-  rules below, then sets `stored` to `j + 1` and pending slot to 0. When the
-  slot cannot hold the sample (the variable region is full) the slot stays
-  not READY and the writer sets `full`. A writer MAY instead store the
-  elements `j, j + 1, ...` a batch at a time: it takes their slots in one
-  advance of `allocated`, writes partition `0xFFFFFFFF` in their element
-  records, fills them by the slot rules, then counts them in order, each as
-  above with the slot already READY — pending element, pending slot, the
-  element record (element, then partition), `stored`, pending slot 0 — and
-  stops at the first slot it could not fill. So a writer killed at any instant
-  leaves each element of `p` in at most one counted READY slot, and a
-  READY slot of `p` is counted exactly when its element is below `stored`.
+  *settles* a pending run: if pending slot is non-zero, with `k` = pending
+  element, `s` = pending slot - 1 and `j` = `stored`, and `k >= j`, the run
+  is the slots `s - (k - j) .. s`. If every one of them is READY and their
+  element records are (`j`, `p`) .. (`k`, `p`) in order, it sets `stored`
+  to `k + 1`; otherwise it writes partition `0xFFFFFFFF` in each of their
+  records that names `p`. Then it sets pending slot to 0.
+- A writer stores elements from `j == stored` on, while `ended` and `full`
+  are clear, a *run* of consecutive elements `j .. k` at a time (a run may
+  be one element): it takes `k - j + 1` slots in one advance of `allocated`
+  (holding an exclusive `F_OFD_SETLKW` lock on the byte at `stream_offset +
+  16`; when no slot is left it sets `full` instead), writes partition
+  `0xFFFFFFFF` in their element records, and fills them by the slot rules
+  below. Slots handed out this way are fresh and the writer's own, so it MAY
+  fill them without the slot's lock and MAY publish them together (every
+  slot's checksum before its state). It then *counts* the run: pending
+  element `k`, then pending slot (1 + the run's last slot), then the run's
+  element records (element, then partition), then `stored = k + 1`, then
+  pending slot 0. When a slot cannot hold its sample (the variable region is
+  full) the run ends before it, and the writer sets `full`. So a writer
+  killed at any instant leaves each element of `p` in at most one counted
+  READY slot, and a READY slot of `p` is counted exactly when its element is
+  below `stored`. (mmapcache 0.4.0 counted a run one element at a time and
+  settled only a run of one: a fill that a later writer began should not be
+  continued by 0.4.0.)
 - A writer that read partition `p` from element 0 to its end, holding the
   lock throughout the elements from `stored` on, and found `stored` equal to
   the elements it read or `full` set, sets `total` and then `ended`. On a

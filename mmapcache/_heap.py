@@ -132,10 +132,13 @@ class Heap:
         self._pos = self._end = 0  # this process's current extent, [pos, end)
         self._full_warned = False
 
-    def allocate(self, nbytes: int) -> int | None:
+    def allocate(self, nbytes: int, *, tally: bool = True) -> int | None:
         """An offset of ``nbytes`` free bytes in the region for this writer, or ``None`` when it is full.
 
         The caller holds the handle's write lock (one allocator per handle).
+        ``tally=False``: a refusal is not counted as a refused store (the
+        caller asked for room for many values at once, and places them one by
+        one after).
         """
         need = place(nbytes)
         if self._end - self._pos >= need:
@@ -145,21 +148,22 @@ class Heap:
         if need > self.extent // 16:
             # A large value gets a run of its own, exactly its size: its copy costs far more
             # than the lock, and packing it into extents would strand their tails.
-            return self._claim(need, need)
-        start = self._claim(self.extent, need)
+            return self._claim(need, need, tally)
+        start = self._claim(self.extent, need, tally)
         if start is None:
             return None
         self._pos, self._end = start + need, start + min(self.extent, self.size - start)
         return start
 
-    def _claim(self, run: int, need: int) -> int | None:
+    def _claim(self, run: int, need: int, tally: bool = True) -> int | None:
         """Advance ``claimed`` by ``run`` bytes (or what is left, if at least ``need``) under the lock."""
         self._locks.claim_wait(self._lock_offset)
         try:
             start = int(self.claimed[0])
             left = self.size - start
             if left < need:
-                self.refused[0] += 1  # under the lock: no update is lost
+                if tally:
+                    self.refused[0] += 1  # under the lock: no update is lost
                 return None
             self.claimed[0] = start + min(run, left)
             return start

@@ -60,6 +60,7 @@ class Mapped:
         "heap",
         "indices",
         "items",
+        "layout",
         "order",
         "path",
         "raws",
@@ -74,6 +75,7 @@ class Mapped:
     def __init__(self, handle: Handle, header: Header, layout: Layout) -> None:
         mm = handle.mm
         self.path: Path = handle.path
+        self.layout = layout  # where each region starts in the file (``_bulk.py`` writes with pwrite)
         assert mm is not None
         capacity = header.capacity
         self.slots = SlotTable(mm, layout, capacity, header.record_size, handle.locks)

@@ -7,21 +7,25 @@ fill — is ``_stream.py``'s.
 Why a stored element is counted exactly once
 --------------------------------------------
 A writer of partition ``p`` holds the kernel lock on ``p``'s record and
-stores element ``j`` only when ``j == stored``. It writes ``pending = (slot,
-j)`` and the slot's element record before it counts the slot, and clears
-``pending`` after advancing ``stored``; each is one aligned 8-byte store.
-A slot it fills before it counts it (a batch, :meth:`StreamRegion.reserve`)
-names no partition until then: a READY slot whose partition is not one of
-the file's holds no element. Killed
+stores elements from ``j == stored`` on. It fills a *run* of fresh slots
+with elements ``j .. k`` (one slot is a run of one), which name no partition
+while they are filled (:meth:`StreamRegion.reserve`: a READY slot whose
+partition is not one of the file's holds no element), and then counts the
+run: it writes ``pending = (last slot, k)``, the run's element records, then
+``stored = k + 1``, then clears ``pending``; each word is one aligned 8-byte
+store. Killed
 
-* before the slot is READY, or before its element record names ``(p, j)``:
-  the slot is never counted (a hole nobody serves), ``stored`` is still
+* before the run's slots are READY, or before their records name ``p``:
+  no slot of the run is counted (holes nobody serves), ``stored`` is still
   ``j``, and the next writer stores ``j`` elsewhere;
-* after READY with its record, before ``stored`` moved: the next writer to
-  take the lock finds the pending slot READY, recording ``(p, j)``, with
-  ``stored == j`` and rolls forward;
-* after ``stored`` moved: the pending element is below ``stored``, so the
-  roll-forward does nothing twice.
+* after every record, before ``stored`` moved: the next writer to take the
+  lock finds ``pending``, and the run's slots (the ``k - j + 1`` slots up to
+  the pending one) READY with records ``(p, j) .. (p, k)``, and rolls
+  forward to ``stored = k + 1``;
+* with only some records written: that writer turns the run's records that
+  name ``p`` back into holes, so that none is counted when ``stored`` later
+  passes its element;
+* after ``stored`` moved: ``k`` is below ``stored``, so nothing is done twice.
 
 The kernel drops the lock of a dead writer, so there is no stale lock: the
 next run (or a second job behind it on the same partition) takes over.
@@ -159,21 +163,32 @@ class StreamRegion:
         return self._records_offset + p * PARTITION_RECORD_SIZE
 
     def try_lock(self, p: int) -> bool:
-        """Take partition ``p``'s writer lock without waiting, and recover a dead writer's pending slot."""
+        """Take partition ``p``'s writer lock without waiting, and settle a dead writer's pending run."""
         if not self.locks.try_claim(self.lock_offset(p)):
             return False
         pending = int(self.pending_slot[p])
         if pending:
-            element, slot = int(self.pending_element[p]), pending - 1
-            if (
-                self.states[slot] == READY
-                and int(self.stored[p]) == element
-                and int(self.partition[slot]) == p
-                and int(self.element[slot]) == element
-            ):
-                self.stored[p] = element + 1  # published, then killed before it was counted
+            self._settle(p, int(self.pending_element[p]), pending - 1)
             self.pending_slot[p] = 0
         return True
+
+    def _settle(self, p: int, last: int, last_slot: int) -> None:
+        """Roll forward the run of ``p`` that ends at element ``last`` in ``last_slot``, or make its records holes."""
+        stored = int(self.stored[p])
+        if last < stored:
+            return  # counted before its writer died
+        run = slice(last_slot - (last - stored), last_slot + 1)
+        if run.start < 0 or last_slot >= len(self.element):
+            return  # not a run this module wrote
+        if (
+            np.all(self.states[run] == READY)
+            and np.all(self.partition[run] == p)
+            and np.array_equal(self.element[run], np.arange(stored, last + 1))
+        ):
+            self.stored[p] = last + 1  # filled and recorded, then killed before it was counted
+            return
+        named = self.partition[run] == p
+        self.partition[run][named] = HOLE
 
     def unlock(self, p: int) -> None:
         self.locks.release(self.lock_offset(p))
@@ -190,7 +205,7 @@ class StreamRegion:
         return range(first, last)
 
     def begin(self, p: int, element: int, slot: int) -> None:
-        """Announce that ``slot`` is being filled with element ``element`` of partition ``p``."""
+        """Announce that ``slot`` is being filled with element ``element`` of partition ``p`` (a run of one)."""
         self.pending_element[p] = element
         self.pending_slot[p] = slot + 1
         self.element[slot] = element
@@ -202,31 +217,25 @@ class StreamRegion:
         self.pending_slot[p] = 0
 
     def reserve(self, slots: range) -> None:
-        """Mark ``slots`` as holding no element: they are filled first and counted one by one after (:meth:`count`)."""
+        """Mark ``slots`` as holding no element: they are filled first and counted after, as a run (:meth:`count`)."""
         self.partition[slots.start : slots.stop] = HOLE
         self.element[slots.start : slots.stop] = 0
 
     def count(self, p: int, first: int, slots: range) -> None:
-        """Count the READY reserved ``slots`` as elements ``first, first + 1, ...`` of ``p``, one at a time.
+        """Count the READY reserved ``slots`` as elements ``first, first + 1, ...`` of ``p``: one run.
 
-        Each by the order of the module docstring: pending, element record,
-        ``stored``, pending cleared; a writer killed between two leaves the
-        ones after it holes.
+        In the order of the module docstring: pending (the run's last slot
+        and element), the element records, ``stored``, pending cleared.
         """
-        pending_element, pending_slot, element, partition, stored = (
-            self.pending_element,
-            self.pending_slot,
-            self.element,
-            self.partition,
-            self.stored,
-        )
-        for j, slot in enumerate(slots, first):
-            pending_element[p] = j
-            pending_slot[p] = slot + 1
-            element[slot] = j
-            partition[slot] = p
-            stored[p] = j + 1
-            pending_slot[p] = 0
+        if not slots:
+            return
+        last = first + len(slots) - 1
+        self.pending_element[p] = last
+        self.pending_slot[p] = slots.stop  # the last slot, plus one
+        self.element[slots.start : slots.stop] = np.arange(first, last + 1, dtype=np.uint64)
+        self.partition[slots.start : slots.stop] = p
+        self.stored[p] = last + 1
+        self.pending_slot[p] = 0
 
     def set_full(self, p: int) -> None:
         """An element of ``p`` did not fit; nothing after it is stored (the pending slot, if any, stays a hole)."""

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ._boot import current_boot_id
+from ._bulk import store_run
 from ._errors import CacheError, CacheInUseError, SchemaMismatchError, StaleCacheError
 from ._field import Field
 from ._file import NewFile, open_or_create
@@ -32,7 +33,6 @@ from ._heap import extent_size_for
 from ._holders import held_by
 from ._partitions import ENDED, FULL, PartitionState, StreamRegion, read_region
 from ._plan import creation_info
-from ._populate import populate
 from ._removal import remove
 from ._sizes import parse_bytes
 from ._validation import Expected
@@ -58,7 +58,6 @@ __all__ = [
 log = logging.getLogger("mmapcache")
 
 _STREAM_VERSION = 8
-_POPULATE_ROW = 16384  # fixed fields with rows this large get their pages mapped a batch at a time
 _RESTART_SECONDS = 5.0  # how long processes of one new run may take to agree on restarting a fill
 
 
@@ -370,7 +369,6 @@ class PartitionWriter:
         self.held = False
         self.done = False  # nothing more to do for this pass: not ours, or ended, or we came too late
         self.stored = 0  # elements this pass stored
-        self.views: list[np.ndarray[Any, Any]] | None = None  # fixed fields whose pages are mapped ahead
 
     def offer(self, j: int, sample: Mapping[str, Any]) -> bool:
         """Element ``j`` of the partition (0, 1, ... in stream order); True when this call stored it."""
@@ -397,10 +395,10 @@ class PartitionWriter:
         """Elements ``first .. first + count - 1`` of the partition, as ``put_many`` takes them; how many it stored.
 
         Those below the partition's ``stored`` are skipped (another pass has
-        them); the rest go into slots taken in one step, filled with one
-        ``put_many`` and only then counted, one by one (see ``_partitions.py``):
-        a pass killed in the middle leaves the uncounted ones holes, stored
-        again by the next pass.
+        them); the rest go into a run of slots taken in one step, filled with
+        one :func:`~mmapcache._bulk.store_run` and only then counted (see
+        ``_partitions.py``): a pass killed in the middle leaves them holes,
+        stored again by the next pass.
         """
         if self.done or not self._may_store(first):
             return 0
@@ -413,31 +411,16 @@ class PartitionWriter:
             self._full()
             return 0
         stream.reserve(slots)
-        self._populate(slots)
         rows = {
             name: values[skip : skip + len(slots)] if skip or len(slots) < count else values
             for name, values in batch.items()
         }
-        stored = self.cache.put_many(np.arange(slots.start, slots.stop), rows)
-        fit = len(slots) if stored.all() else int(np.argmin(stored))  # only a full variable region refuses a row
+        fit = store_run(self.cache, slots.start, rows, len(slots))  # only a full variable region stores fewer
         stream.count(p, first + skip, slots[:fit])
         self.stored += fit
         if fit < count - skip:
             self._full()
         return fit
-
-    def _populate(self, slots: range) -> None:
-        """Map the pages of ``slots``' fixed fields in one system call each, before ``put_many`` writes them.
-
-        A fresh file's pages are mapped on first touch, one fault per 4 KiB
-        page: for 110 KB images, faulting them one by one took twice as long
-        as ``MADV_POPULATE_WRITE`` (Linux 5.14) over the batch.
-        """
-        if self.views is None:
-            self.views = [view for view in self.cache.views.values() if view[0].nbytes >= _POPULATE_ROW]
-        for view in self.views:
-            start = view[slots.start].ctypes.data
-            populate(start, view[slots.stop - 1].ctypes.data + view[0].nbytes - start)
 
     def _may_store(self, j: int) -> bool:
         """Whether this pass holds the lock of the partition, with element ``j`` not beyond what is stored."""

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from mmapcache import Field
+from mmapcache._bulk import store_run
 from mmapcache._stream import Partition, PartitionWriter, open_stream, plan_stream, region
 
 FIELDS = {"value": Field((4,), "int64"), "tokens": Field((None,), "int32")}
@@ -137,19 +138,21 @@ def _die_in_batch(cache: Any, stream: Any, p: int, first: int, rows: dict[str, A
     assert int(stream.stored[p]) == first, "the batch is next"
     slots = stream.allocate(count)
     stream.reserve(slots)
-    assert cache.put_many(np.arange(slots.start, slots.stop), rows).all()
+    half = count // 2
+    if mode == "batch-half-filled":
+        assert store_run(cache, slots.start, {name: values[:half] for name, values in rows.items()}, half) == half
+        _die()
+    assert store_run(cache, slots.start, rows, count) == count
     if mode == "batch-filled":
         _die()
     assert mode in ("batch-recording", "batch-counting")
-    half = count // 2
-    stream.count(p, first, slots[:half])
-    slot, j = slots[half], first + half
-    stream.pending_element[p] = j
-    stream.pending_slot[p] = slot + 1
-    stream.element[slot] = j
-    if mode == "batch-counting":
-        stream.partition[slot] = p  # else its partition is not written yet: the slot holds no element
-    _die()
+    last = first + count - 1
+    stream.pending_element[p] = last  # the run is announced, as StreamRegion.count does
+    stream.pending_slot[p] = slots.stop
+    recorded = count if mode == "batch-counting" else half
+    stream.element[slots.start : slots.start + recorded] = np.arange(first, first + recorded)
+    stream.partition[slots.start : slots.start + recorded] = p
+    _die()  # before ``stored`` moved
 
 
 def main(argv: list[str]) -> None:

@@ -179,19 +179,19 @@ def _counted_ready(cache: Cache, slots_used: int) -> int:
 
 @pytest.mark.parametrize(
     ("moment", "counted", "recovered"),
-    [("batch-filled", 12, 12), ("batch-recording", 15, 15), ("batch-counting", 15, 16)],
+    [("batch-half-filled", 12, 12), ("batch-filled", 12, 12), ("batch-recording", 12, 12), ("batch-counting", 12, 18)],
 )
 def test_a_writer_killed_in_the_middle_of_storing_a_batch_leaves_each_element_counted_once(
     tmp_path: Path, moment: str, counted: int, recovered: int
 ) -> None:
     path = tmp_path / "s.mmc"
-    _killed(path, Partition(), 40, "--batch", "6", "--die", moment, "12")  # elements 12-17: 15 is announced
+    _killed(path, Partition(), 40, "--batch", "6", "--die", moment, "12")  # elements 12-17, one run
     with _open(path) as cache:
         status = stream_status(cache)
         assert not status.complete
-        assert status.stored == counted  # a partial batch is counted element by element, never beyond
+        assert status.stored == counted  # a run is counted whole or not at all
         assert [j for _, j in _elements(cache)] == list(range(counted))
-    result = _run(path, Partition(), 40, "--batch", "7")  # rolls forward only an element recorded in full
+    result = _run(path, Partition(), 40, "--batch", "7")  # rolls forward only a run recorded in full
     assert result == {"stored": 40 - recovered, "ended": 1}
     with _open(path) as cache:
         status = stream_status(cache)

@@ -1,0 +1,102 @@
+"""Storing a batch into a run of fresh slots (``_bulk.store_run``, the fill path of a stream cache)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mmapcache import CacheError, Field
+from mmapcache._bulk import store_run
+from mmapcache._stream import Partition, open_stream, plan_stream
+
+KEY = "bulk"
+DISK = Path("/var/tmp")  # a disk file system here (the root one): pwrite and the mapping share its page cache
+FIELDS = {
+    "image": Field((3, 40, 40), "uint8"),  # 4,800-byte rows: not a multiple of a page
+    "label": Field((), "int64"),
+    "tokens": Field((None,), "int32"),
+    "boxes": Field((None, 4), "float32"),
+    "caption": Field((None,), str),
+}
+
+
+def _open(path: Path, fields: dict[str, Field] = FIELDS, **plan: int) -> object:
+    made = plan_stream(fields, max_bytes=plan.get("max_bytes"), length=plan.get("length", 200), partitions=1,
+                       value_bytes=plan.get("value_bytes", 1024))  # fmt: skip
+    cache = open_stream(path, key=KEY, fields=fields, partition=Partition(), plan=lambda: made)
+    assert cache is not None
+    return cache
+
+
+@pytest.fixture
+def disk_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="mmapcache-bulk-", dir=DISK))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _rows(count: int, seed: int) -> dict[str, list[object] | np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "image": rng.integers(0, 256, (count, 3, 40, 40), dtype=np.uint8),
+        "label": np.arange(count, dtype=np.int64) + seed,
+        "tokens": [rng.integers(0, 50_000, int(n), dtype=np.int32) for n in rng.integers(0, 300, count)],
+        "boxes": [rng.random((int(n), 4), dtype=np.float32) for n in rng.integers(0, 5, count)],
+        "caption": [f"caption {seed}-{r} " + "é" * int(n) for r, n in enumerate(rng.integers(0, 40, count))],
+    }
+
+
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_a_run_reads_back_and_verifies_as_if_each_row_were_put(tmp_path: Path, where: str, disk_dir: Path) -> None:
+    path = (tmp_path if where == "memory" else disk_dir) / "s.mmc"
+    with _open(path) as cache:  # type: ignore[attr-defined]
+        first, second = _rows(37, 1), _rows(5, 2)
+        assert store_run(cache, 0, first, 37) == 37
+        assert store_run(cache, 37, second, 5) == 5
+        assert cache.counts.written == 42
+        for start, rows in ((0, first), (37, second)):
+            for r in range(len(rows["label"])):
+                sample = cache.get(start + r)
+                assert sample is not None
+                for name, values in rows.items():
+                    got = sample[name]
+                    if name == "caption":
+                        assert got == values[r]
+                    else:
+                        np.testing.assert_array_equal(got, values[r])
+        assert cache.get(42) is None  # the next slot is untouched
+        assert cache.verify() == []  # every checksum is the one put() would have written
+        with pytest.raises(CacheError, match="not fresh"):
+            store_run(cache, 40, _rows(3, 3), 3)  # 40 and 41 are filled
+        assert cache.verify() == []
+
+
+def test_a_full_variable_region_stores_the_rows_before_the_first_value_that_does_not_fit(tmp_path: Path) -> None:
+    fields = {"tokens": Field((None,), "uint8"), "label": Field((), "int64")}
+    with _open(tmp_path / "s.mmc", fields, max_bytes=64 * 1024, length=0, value_bytes=100) as cache:  # type: ignore[attr-defined]
+        region = cache.variable_region.size
+        sizes = [100] * 10 + [region] + [10] * 5  # the 11th cannot fit, the later small ones could
+        rows = {"tokens": [np.full(n, k, np.uint8) for k, n in enumerate(sizes)], "label": np.arange(16)}
+        assert store_run(cache, 0, rows, 16) == 10
+        assert [cache.get(k) is not None for k in range(16)] == [True] * 10 + [False] * 6
+        assert cache.variable_region.refused == 1  # one store turned away, not one per attempt
+        assert cache.verify() == []
+
+
+def test_bad_rows_are_refused_before_any_slot_changes(tmp_path: Path) -> None:
+    with _open(tmp_path / "s.mmc") as cache:  # type: ignore[attr-defined]
+        rows = _rows(4, 1)
+        rows["boxes"][2] = np.zeros((3, 5), np.float32)  # type: ignore[index]
+        with pytest.raises(ValueError, match="boxes"):
+            store_run(cache, 0, rows, 4)
+        with pytest.raises(ValueError, match="not in"):
+            store_run(cache, cache.capacity - 1, _rows(2, 1), 2)
+        assert all(cache.get(k) is None for k in range(4))
+        assert store_run(cache, 0, _rows(4, 1), 4) == 4
