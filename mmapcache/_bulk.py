@@ -28,13 +28,15 @@ for every value stores the rows up to the first value that does not fit.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ._checksum import checksum
+from ._checksum import checksums
 from ._errors import CacheError
+from ._format import PAYLOAD_ALIGNMENT
 from ._heap import Heap
 from ._mapping import Mapped
 from ._slots import EMPTY, READY
@@ -44,15 +46,18 @@ from .cache import Cache
 
 __all__ = ["store_run"]
 
-_ZEROS = np.zeros(16, np.uint8)  # padding between values (each starts on a multiple of 16)
+_PADS = [bytes(n) for n in range(PAYLOAD_ALIGNMENT)]  # after a value, up to the next multiple of 16
 
 
-def store_run(cache: Cache, start: int, batch: Any, count: int) -> int:
+def store_run(cache: Cache, start: int, batch: Any, count: int, *, checked: bool = False) -> int:
     """Store rows ``0 .. count - 1`` of ``batch`` (as ``put_many`` takes it) in slots ``start .. start + count - 1``.
 
     The slots must be fresh and the caller's own (handed out to it, never
     filled). Returns how many rows were stored: all of them, or the rows up to
-    the first whose variable values found no room.
+    the first whose variable values found no room. ``checked``: the batch is
+    already in storage form — per field, an array of shape ``(count,
+    *shape)`` of its dtype (fixed fields) or a list of ``count`` arrays of its
+    dtype that fit it (variable ones) — and is not converted again.
     """
     mapped = cache._live()  # the core's own view of the mapping
     handle = cache._handle
@@ -62,7 +67,7 @@ def store_run(cache: Cache, start: int, batch: Any, count: int) -> int:
         return 0
     if start < 0 or start + count > cache.capacity:
         raise ValueError(f"slots {start}..{start + count - 1} are not in {cache.path} ({cache.capacity} slots)")
-    arrays = coerce_batch(batch, cache.fields, count)
+    arrays = [batch[name] for name in cache.fields] if checked else coerce_batch(batch, cache.fields, count)
     if mapped.variables:
         mapped.check_dimensions(arrays)
     with handle.write_lock:
@@ -83,26 +88,27 @@ def _store(fd: int, mapped: Mapped, start: int, arrays: list[Any], count: int) -
     slots.synced[start : start + count] = 0  # before any byte of the rows (see _boot.py)
     placed = _place(mapped, arrays, count)
     fit = min((len(values.offsets) for values in placed.values()), default=count)
-    parts: list[list[tuple[Any, ...]]] = []  # per field in file order, per row: its checksum parts
+    columns: list[Sequence[Any]] = []  # each checksum part, in field order, for every row
     for k, entry in enumerate(mapped.order):
         values = placed.get(k)
         if values is not None:
-            parts.append(_write_values(fd, mapped.layout.variable_offset, values, start, fit))
+            columns.extend(_write_values(fd, mapped.layout.variable_offset, values, start, fit))
         else:
-            parts.append(_write_fixed(fd, mapped.layout.field_offsets[entry[0]], arrays[k], start, fit))
-    sums = np.fromiter((checksum([p for field in parts for p in field[r]]) for r in range(fit)), np.uint32, fit)
-    slots.checksums[start : start + fit] = sums
+            columns.append(_write_fixed(fd, mapped.layout.field_offsets[entry[0]], arrays[k], start, fit))
+    slots.checksums[start : start + fit] = checksums(columns, fit)
     slots.states[start : start + fit] = READY
     return fit
 
 
-def _write_fixed(fd: int, offset: int, rows: Any, start: int, fit: int) -> list[tuple[Any, ...]]:
-    """Write a fixed field's first ``fit`` rows at slots ``start ..``; each row's checksum part."""
+def _write_fixed(fd: int, offset: int, rows: Any, start: int, fit: int) -> list[memoryview]:
+    """Write a fixed field's first ``fit`` rows at slots ``start ..``; each row's bytes."""
     if not fit:
         return []
     flat = np.ascontiguousarray(rows[:fit]).reshape(fit, -1).view(np.uint8)
-    _pwrite(fd, flat, offset + start * flat.shape[1])
-    return [(row,) for row in flat]
+    data = flat.data.cast("B")
+    _pwrite(fd, data, offset + start * flat.shape[1])
+    width = flat.shape[1]
+    return [data[i : i + width] for i in range(0, fit * width, width)]
 
 
 @dataclass
@@ -112,7 +118,7 @@ class _Values:
     column: VariableColumn
     shapes: np.ndarray[Any, Any]  # (rows, ndim) uint32, as the descriptors hold them
     offsets: np.ndarray[Any, Any]  # where each value starts in the region
-    data: list[np.ndarray[Any, Any]]  # each value's bytes, contiguous
+    data: list[memoryview]  # each value's bytes
     packed: bool  # one allocation: value r + 1 follows value r (at a multiple of 16)
 
 
@@ -138,9 +144,9 @@ def _place(mapped: Mapped, arrays: list[Any], count: int) -> dict[int, _Values]:
 
 
 def _values(heap: Heap, column: VariableColumn, values: list[Any]) -> _Values:
-    data = [np.ascontiguousarray(value).reshape(-1).view(np.uint8) for value in values]
-    sizes = np.fromiter((len(bytes_) for bytes_ in data), np.int64, len(data))
-    rounded = -(-sizes // 16) * 16
+    data = [_bytes(value) for value in values]
+    sizes = np.array([len(bytes_) for bytes_ in data], np.int64)
+    rounded = -(-sizes // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
     total = int(rounded.sum())
     first = heap.allocate(total, tally=False) if total else 0
     if first is not None:
@@ -158,30 +164,37 @@ def _values(heap: Heap, column: VariableColumn, values: list[Any]) -> _Values:
     return _Values(column, shapes, offsets, data, packed)
 
 
-def _write_values(fd: int, region: int, values: _Values, start: int, fit: int) -> list[tuple[Any, ...]]:
-    """Write the first ``fit`` values and their descriptors at slots ``start ..``; each row's checksum parts."""
+def _bytes(value: np.ndarray[Any, Any]) -> memoryview:
+    """A value's bytes, in C order, without a copy where it can."""
+    try:
+        return np.ascontiguousarray(value).data.cast("B")
+    except TypeError:  # a view with a 0 in its shape or strides cannot be cast
+        return memoryview(value.tobytes())
+
+
+def _write_values(fd: int, region: int, values: _Values, start: int, fit: int) -> tuple[list[Any], list[Any]]:
+    """Write the first ``fit`` values and their descriptors at slots ``start ..``; each row's shape bytes and bytes."""
     if not fit:
-        return []
+        return [], []
     data = values.data[:fit]
     if values.packed:
         pieces: list[Any] = []
         for bytes_ in data:
-            pieces.append(bytes_)
-            if len(bytes_) % 16:
-                pieces.append(_ZEROS[: 16 - len(bytes_) % 16])
-        _pwrite(fd, np.concatenate(pieces), region + int(values.offsets[0]))
+            pieces += (bytes_, _PADS[-len(bytes_) % PAYLOAD_ALIGNMENT])
+        _pwrite(fd, memoryview(b"".join(pieces)), region + int(values.offsets[0]))
     else:
         for bytes_, offset in zip(data, values.offsets.tolist(), strict=False):
             _pwrite(fd, bytes_, region + offset)
     column = values.column
-    column.dims[start : start + fit] = values.shapes[:fit]
+    shapes = np.ascontiguousarray(values.shapes[:fit])
+    column.dims[start : start + fit] = shapes
     column.offsets[start : start + fit] = values.offsets[:fit]
-    return [(shape.view(np.uint8), bytes_) for shape, bytes_ in zip(values.shapes[:fit], data, strict=False)]
+    raw, width = shapes.tobytes(), shapes.shape[1] * 4
+    return [raw[i : i + width] for i in range(0, fit * width, width)], data
 
 
-def _pwrite(fd: int, data: np.ndarray[Any, Any], offset: int) -> None:
-    """All of ``data`` at ``offset`` of the file (``pwrite`` may write less than asked)."""
-    view = data.data.cast("B")
-    while len(view):
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
+def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+    """All of ``data`` (bytes) at ``offset`` of the file (``pwrite`` may write less than asked)."""
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written

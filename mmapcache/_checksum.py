@@ -12,12 +12,13 @@ implementation of XXH3-64 (xxHash 0.8) with a 64-bit seed reproduces it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import xxhash
 
-__all__ = ["NAME", "checksum", "digest64"]
+__all__ = ["NAME", "checksum", "checksums", "digest64"]
 
 NAME = "xxh3-64"
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -29,6 +30,14 @@ def checksum(parts: Iterable[Any]) -> int:
     for part in parts:
         h = _xxh3(part, h)
     return h & 0xFFFFFFFF
+
+
+def checksums(columns: Iterable[Sequence[Any]], rows: int) -> np.ndarray[Any, np.dtype[np.uint32]]:
+    """The slot checksums of ``rows`` rows at once: ``columns`` holds each part, in field order, for every row."""
+    hashes = [0] * rows
+    for column in columns:
+        hashes = [_xxh3(part, h) for part, h in zip(column, hashes, strict=True)]
+    return (np.array(hashes, np.uint64) & 0xFFFFFFFF).astype(np.uint32)
 
 
 def digest64(data: Any) -> int:

@@ -391,8 +391,10 @@ class PartitionWriter:
         self.stored += 1
         return True
 
-    def offer_many(self, first: int, batch: Mapping[str, Any], count: int) -> int:
+    def offer_many(self, first: int, batch: Mapping[str, Any], count: int, *, checked: bool = False) -> int:
         """Elements ``first .. first + count - 1`` of the partition, as ``put_many`` takes them; how many it stored.
+
+        ``checked``: the batch is in storage form already (see :func:`~mmapcache._bulk.store_run`).
 
         Those below the partition's ``stored`` are skipped (another pass has
         them); the rest go into a run of slots taken in one step, filled with
@@ -415,7 +417,9 @@ class PartitionWriter:
             name: values[skip : skip + len(slots)] if skip or len(slots) < count else values
             for name, values in batch.items()
         }
-        fit = store_run(self.cache, slots.start, rows, len(slots))  # only a full variable region stores fewer
+        fit = store_run(
+            self.cache, slots.start, rows, len(slots), checked=checked
+        )  # only a full variable region stores fewer
         stream.count(p, first + skip, slots[:fit])
         self.stored += fit
         if fit < count - skip:

@@ -38,6 +38,7 @@ from .._stream import (
 )
 from .._tensors import tensor_to_numpy
 from ..cache import Cache
+from ._elements import ElementPath
 from ._leaves import LeafShapeError, convert_leaf, fit
 from ._schema import Schema, declaration, declared_fields, describe, first_fields, storage_dtypes, with_dtypes
 from ._settings import default_path
@@ -269,16 +270,19 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         """The partition's elements after the ``stored`` cached ones, streamed and not stored (a full cache)."""
         schema = self._schema
         assert schema is not None
+        path = ElementPath(schema, self.dtypes)
         for j, element in enumerate(self.stream):
             if j < stored:
                 continue  # a generic iterable cannot seek: its cached elements are read past
             self._streamed += 1
-            yield self._build(schema, self._leaves(schema, element, j))
+            converted = path.convert(element)
+            yield converted[1] if converted is not None else self._build(schema, self._leaves(schema, element, j))
 
     def _fill(self, cache: Cache | None, partition: Partition) -> Iterator[Any]:
         """Stream the partition, yielding each element at once; :class:`_Filler` stores them a batch at a time."""
         filler = None if cache is None else _Filler(self, partition, cache)
         schema = self._schema
+        path: ElementPath | None = None
         count = 0
         try:
             for element in self.stream:
@@ -287,10 +291,15 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                     schema = Schema(plan.fields, self.path)
                     filler = _Filler(self, partition, None, plan)
                 assert schema is not None
-                leaves = self._leaves(schema, element, count)
-                filler.add(count, leaves)
+                if path is None or path.schema is not schema:
+                    path = ElementPath(schema, self.dtypes)
+                converted = path.convert(element)
+                if converted is None:
+                    leaves = self._leaves(schema, element, count)
+                    converted = leaves, self._build(schema, leaves)
+                filler.add(count, converted[0])
                 self._streamed += 1
-                yield self._build(schema, leaves)
+                yield converted[1]
                 count += 1
             if filler is None:  # an empty partition: it ends once somebody made the file
                 cache = self._opened(partition)
@@ -339,10 +348,6 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         arrays: list[Any] = []
         try:
             for leaf, (name, field) in zip(schema.flatten(element), fields, strict=True):
-                quick = _quick(leaf, field)
-                if quick is not None and (self.dtypes is None or name not in self.dtypes):
-                    arrays.append(quick)
-                    continue
                 if self.dtypes is not None and name in self.dtypes:
                     leaf = convert_leaf(leaf, field, name)
                 fitted = fit(leaf, field, name, convert=self.fields is not None)  # a chosen dtype: exact conversion
@@ -538,7 +543,7 @@ class _Filler:
         for batch in batches:
             if not writer.done:
                 first, rows, count = batch.take()
-                self.owner._written += writer.offer_many(first, rows, count)
+                self.owner._written += writer.offer_many(first, rows, count, checked=True)
             batch.clear()
             self.spare.append(batch)
 
@@ -593,50 +598,6 @@ class _Batch:
     def clear(self) -> None:
         self.count = 0
         self.values = [[] for _ in self.fields]
-
-
-def _quick(leaf: Any, field: Field) -> Any:
-    """``leaf`` as its storage array when it is of the commonest kinds and plainly fits ``field``, else ``None``.
-
-    The per-element fast path of ``_leaves`` (a few µs less than the general
-    checks, which still run for everything else, and give the errors): an array
-    or CPU tensor of the field's exact dtype and a shape that fits, an int for
-    an int64 scalar, a ``str`` for a str field.
-    """
-    kind = type(leaf)
-    if kind is np.ndarray or kind is torch.Tensor:
-        if field.torch_dtype is not None or field.text is not None:
-            return None
-        if kind is torch.Tensor:
-            if (
-                leaf.dtype != _TORCH_DTYPES.get(field.dtype)
-                or leaf.requires_grad
-                or leaf.layout != torch.strided
-                or not leaf.is_cpu
-                or leaf.is_nested
-                or leaf.is_conj()
-                or leaf.is_neg()
-            ):
-                return None
-            leaf = leaf.numpy()
-        elif leaf.dtype != field.dtype:
-            return None
-        return leaf if leaf.shape == field.shape or field.fits(leaf.shape) else None
-    if kind is int and field.dtype == _INT64 and not field.shape:
-        return np.array(leaf, _INT64) if -(2**63) <= leaf < 2**63 else None
-    if kind is str and field.text == "str":
-        try:
-            return np.frombuffer(leaf.encode("utf-8"), np.uint8)
-        except UnicodeEncodeError:
-            return None
-    return None
-
-
-_INT64 = np.dtype(np.int64)
-_TORCH_DTYPES = {
-    np.dtype(name): getattr(torch, name)
-    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
-}
 
 
 def _writable(array: Any, text: str | None) -> Any:
