@@ -34,6 +34,12 @@ def fixed(i: int) -> dict[str, Any]:
     return {"x": torch.tensor([i, 2 * i, 3 * i, 7], dtype=torch.int64), "label": i}
 
 
+def large(i: int) -> dict[str, Any]:
+    """An element with a 16 KiB image: rows this large are stored by a thread beside the stream."""
+    image = (torch.arange(4 * 64 * 64, dtype=torch.int64).reshape(4, 64, 64) * (i + 1) % 251).to(torch.uint8)
+    return {"image": image, "label": i}
+
+
 class Numbers(torch.utils.data.IterableDataset[Any]):
     """Elements ``0 .. length - 1`` (``numbered`` or ``fixed``), split across ranks, then DataLoader workers.
 
@@ -50,7 +56,7 @@ class Numbers(torch.utils.data.IterableDataset[Any]):
         if self.passes is not None:
             with open(self.passes, "a") as file:
                 file.write(f"{rank} {worker}\n")
-        make = numbered if self.kind == "numbered" else fixed
+        make = {"numbered": numbered, "fixed": fixed, "large": large}[self.kind]
         for i in range(rank * workers + worker, self.length, world * workers):
             if self.delay:
                 time.sleep(self.delay)

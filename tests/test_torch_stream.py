@@ -24,7 +24,7 @@ from mmapcache.torch import CachedStream, Packed, Padded, pad_collate, ragged_co
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from stream_sources import Numbers, WithLength, fixed, numbered  # noqa: E402
+from stream_sources import Numbers, WithLength, fixed, large, numbered  # noqa: E402
 
 FIELDS = {
     "x": Field((4,), "int64"),
@@ -107,6 +107,42 @@ def test_changing_a_yielded_element_in_place_does_not_change_what_is_stored(tmp_
 def test_an_error_making_the_file_in_the_background_is_raised_from_the_iteration(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("not a directory")
     ds = CachedStream(Numbers(100), tmp_path / "a-file" / "s.mmc", key="k", fields=FIELDS, max_bytes="1MiB")
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
+        list(ds)
+
+
+@pytest.mark.parametrize("how", ["whole", "break", "augmented", "two workers"])
+def test_large_rows_stored_beside_the_stream_are_each_stored_once_and_read_back_exact(tmp_path: Path, how: str) -> None:
+    ds = CachedStream(Numbers(300, kind="large"), tmp_path / "s.mmc", key="k", max_bytes="16MiB", shuffle=False)
+    if how == "two workers":
+        loader = DataLoader(ds, batch_size=16, num_workers=2)
+        assert sorted(_labels(loader)) == list(range(300))
+    else:
+        for element in ds:
+            assert torch.equal(element["image"], large(int(element["label"]))["image"])
+            if how == "augmented":
+                element["image"].zero_()  # in place, while earlier batches are being stored
+            if how == "break" and int(element["label"]) == 99:
+                break
+        if how == "break":
+            assert ds.stats()["stored"] == 100  # what was yielded, stored when the iterator was let go
+            assert [int(element["label"]) for element in ds] == list(range(300))  # epoch 1 again, storing the rest
+    stats = ds.stats()
+    assert (stats["complete"], stats["stored"], stats["total"]) == (True, 300, 300)
+    labels = []
+    for element in ds:  # a later epoch: only the file
+        label = int(element["label"])
+        labels.append(label)
+        assert torch.equal(element["image"], large(label)["image"])
+    assert sorted(labels) == list(range(300))
+    ds.close()
+    with Cache(tmp_path / "s.mmc") as cache:
+        assert cache.verify() == []
+
+
+def test_an_error_making_the_file_for_large_rows_is_raised_from_the_iteration(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    ds = CachedStream(Numbers(300, kind="large"), tmp_path / "a-file" / "s.mmc", key="k", max_bytes="16MiB")
     with pytest.raises(NotADirectoryError, match="is not a directory"):
         list(ds)
 

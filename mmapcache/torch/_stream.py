@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import re
 import threading
 from collections.abc import Iterable, Iterator, Mapping
@@ -50,6 +51,7 @@ log = logging.getLogger("mmapcache")
 _BATCH = 64  # elements stored at a time in a first epoch (at most)
 _BATCH_BYTES = 4 << 20  # and at most about this many bytes of them
 _WAITING_BYTES = 64 << 20  # full batches kept while the file is being made, before waiting for it
+_THREADED_ROW = 16 << 10  # rows at least this large are stored by a thread beside the stream
 
 
 def _rank() -> tuple[int, int]:
@@ -451,15 +453,20 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
 
 
 class _Filler:
-    """One pass's stores into the cache of its partition: the elements a batch at a time, the file made meanwhile.
+    """One pass's stores into the cache of its partition: the elements a batch at a time, beside the stream.
 
     Each element is copied into the current batch before it is yielded (what
-    the consumer does to it cannot change what is stored); a full batch is
-    stored at once with :meth:`PartitionWriter.offer_many`. Without a file
-    yet, a thread makes it (preallocating it takes ~0.4 ms per MB on tmpfs)
-    while the stream goes on and full batches wait for it, up to
-    ``_WAITING_BYTES``. What was yielded is stored also when the pass stops
-    early (a ``break``, an error, the iterator dropped): :meth:`close`.
+    the consumer does to it cannot change what is stored), and full batches
+    are stored with :meth:`PartitionWriter.offer_many`. A thread makes the
+    file when there is none yet (preallocating it takes ~0.4 ms per MB on
+    tmpfs) while the stream goes on. Batches of large rows (``_THREADED_ROW``
+    bytes and more: images, audio) are stored by that thread too, whose
+    writes release the GIL while the stream decodes its next elements;
+    batches of small rows are stored by the iterating thread, because storing
+    them is Python work that would only contend for the GIL. Up to
+    ``_WAITING_BYTES`` of full batches wait before the stream does. What was
+    yielded is stored also when the pass stops early (a ``break``, an error,
+    the iterator dropped): :meth:`close`.
     """
 
     def __init__(self, owner: CachedStream, partition: Partition, cache: Cache | None, plan: Any = None) -> None:
@@ -467,85 +474,103 @@ class _Filler:
         self.writer = None if cache is None else PartitionWriter(cache, partition)
         self.fields: dict[str, Field] = cache.fields if cache is not None else plan.fields
         self.batch = _Batch(self.fields)
-        self.waiting: list[_Batch] = []  # full batches, in stream order, not stored yet
         self.spare: list[_Batch] = []  # stored ones, to fill again
-        self.opened: Cache | None = None
+        self.waiting: list[_Batch] = []  # full batches the iterating thread stores (small rows)
         self.error: BaseException | None = None
+        self.threaded = self.batch.row_bytes >= _THREADED_ROW
+        self.limit = max(2, _WAITING_BYTES // max(1, self.batch.size * self.batch.row_bytes))
+        self.queue: queue.Queue[_Batch | None] = queue.Queue(maxsize=self.limit)
         self.thread: threading.Thread | None = None
-        if cache is None:
-            self.thread = threading.Thread(target=self._open, args=(plan,), name="mmapcache-create", daemon=True)
+        if cache is None or self.threaded:
+            self.thread = threading.Thread(target=self._run, args=(plan,), name="mmapcache-store", daemon=True)
             self.thread.start()
-
-    def _open(self, plan: StreamPlan) -> None:
-        try:
-            self.opened = self.owner._opened(self.partition, plan=lambda: plan)
-        except BaseException as error:  # raised in the iterating thread, by _ready
-            self.error = error
 
     def add(self, j: int, leaves: list[Any]) -> None:
         """Element ``j`` of the partition, as storage arrays: copied into the batch, stored when the batch is full."""
-        if self.writer is not None and self.writer.done:
+        self._raise()
+        writer = self.writer
+        if writer is not None and writer.done:
             return  # not ours to store (another pass holds the partition, or it has ended)
         if not self.batch.add(j, leaves):
             return
-        self.waiting.append(self.batch)
+        if self.threaded:
+            self.queue.put(self.batch)
+        else:
+            self.waiting.append(self.batch)
+            if self.thread is None or not self.thread.is_alive() or len(self.waiting) >= self.limit:
+                self._store_waiting()
         self.batch = self.spare.pop() if self.spare else _Batch(self.fields)
-        if self._ready(wait=sum(batch.nbytes for batch in self.waiting) > _WAITING_BYTES):
-            self._store()
 
     def finish(self, count: int) -> None:
         """The partition ended after ``count`` elements: store what waits, then mark it ended if this pass may."""
-        self._flush()
+        self._drain()
+        self._raise()
         if self.writer is not None:
             self.writer.finish(count)
 
     def close(self) -> None:
         """Store what was yielded and waits (if the file is there), let go of the partition."""
         try:
-            if self.writer is None or not self.writer.done:
-                self._flush()
+            self._drain()  # an error of an early stop is not raised from the cleanup
         finally:
-            if self.thread is not None:
-                self.thread.join()  # an error of an early stop is not raised from the cleanup
-            if self.writer is None and self.opened is not None:
-                self.writer = PartitionWriter(self.opened, self.partition)
             if self.writer is not None:
                 self.writer.close()
 
-    def _flush(self) -> None:
-        if len(self.batch):
-            self.waiting.append(self.batch)
-            self.batch = _Batch(self.fields)
-        if self.waiting and self._ready(wait=True):
-            self._store()
+    def _raise(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
 
-    def _ready(self, *, wait: bool) -> bool:
-        """Whether the writer is there (made once the file is, waiting for it with ``wait``)."""
-        if self.writer is None:
-            assert self.thread is not None
-            if not wait and self.thread.is_alive():
-                return False
+    def _drain(self) -> None:
+        """Store the last batch and everything that waits."""
+        threaded = self.threaded and self.thread is not None
+        if len(self.batch):
+            if threaded:
+                self.queue.put(self.batch)
+            else:
+                self.waiting.append(self.batch)
+            self.batch = _Batch(self.fields)
+        if threaded:
+            self.queue.put(None)  # the thread stores what it was given, then stops
+        self._store_waiting()
+
+    def _store_waiting(self) -> None:
+        """Wait for the thread (the file is made, or every batch it was given is stored), then store ``waiting``."""
+        if self.thread is not None:
             self.thread.join()
             self.thread = None
-            if self.error is not None:
-                error, self.error = self.error, None
-                raise error
-            assert self.opened is not None
-            self.writer = PartitionWriter(self.opened, self.partition)
-            if self.opened.fields != self.fields:  # made at once by another process, from another first element
-                self.writer.close()  # this pass stores nothing; a later one does
-        return True
-
-    def _store(self) -> None:
-        writer = self.writer
-        assert writer is not None
+            self.threaded = False  # what comes after is stored here
+            self._raise()
         batches, self.waiting = self.waiting, []
         for batch in batches:
-            if not writer.done:
-                first, rows, count = batch.take()
-                self.owner._written += writer.offer_many(first, rows, count, checked=True)
-            batch.clear()
-            self.spare.append(batch)
+            self._store(batch)
+
+    def _run(self, plan: StreamPlan | None) -> None:
+        """The thread: make the file (from ``plan``) when there is none, then store each batch it is given."""
+        try:
+            if self.writer is None:
+                opened = self.owner._opened(self.partition, plan=lambda: plan)
+                assert opened is not None
+                writer = PartitionWriter(opened, self.partition)
+                if opened.fields != self.fields:  # made at once by another process, from another first element
+                    writer.close()  # this pass stores nothing; a later one does
+                self.writer = writer
+            if self.threaded:
+                while (batch := self.queue.get()) is not None:
+                    self._store(batch)
+        except BaseException as error:  # raised in the iterating thread, by add or finish
+            self.error = error
+            if self.threaded:
+                while self.queue.get() is not None:  # let the stream go on; nothing more is stored
+                    pass
+
+    def _store(self, batch: _Batch) -> None:
+        writer = self.writer
+        if writer is not None and not writer.done:
+            first, rows, count = batch.take()
+            self.owner._written += writer.offer_many(first, rows, count, checked=True)
+        batch.clear()
+        self.spare.append(batch)
 
 
 class _Batch:
