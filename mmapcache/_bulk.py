@@ -41,7 +41,7 @@ from ._heap import Heap
 from ._mapping import Mapped
 from ._slots import EMPTY, READY
 from ._values import coerce_batch
-from ._variable import VariableColumn
+from ._variable import MAX_DIMENSION, VariableColumn, check_dimensions
 from .cache import Cache
 
 __all__ = ["store_run"]
@@ -68,8 +68,6 @@ def store_run(cache: Cache, start: int, batch: Any, count: int, *, checked: bool
     if start < 0 or start + count > cache.capacity:
         raise ValueError(f"slots {start}..{start + count - 1} are not in {cache.path} ({cache.capacity} slots)")
     arrays = [batch[name] for name in cache.fields] if checked else coerce_batch(batch, cache.fields, count)
-    if mapped.variables:
-        mapped.check_dimensions(arrays)
     with handle.write_lock:
         handle.check_usable(writing=True)
         stored = _store(handle.fd, mapped, start, arrays, count)
@@ -146,6 +144,13 @@ def _place(mapped: Mapped, arrays: list[Any], count: int) -> dict[int, _Values]:
 def _values(heap: Heap, column: VariableColumn, values: list[Any]) -> _Values:
     data = [_bytes(value) for value in values]
     sizes = np.array([len(bytes_) for bytes_ in data], np.int64)
+    ndim = len(column.field.shape)
+    if ndim == 1:  # the commonest (tokens, text): the shapes follow from the sizes
+        dims = (sizes // column.dtype.itemsize).reshape(len(values), 1)
+    else:
+        dims = np.array([value.shape for value in values], np.int64).reshape(len(values), ndim)
+    if dims.size and int(dims.max()) > MAX_DIMENSION:
+        check_dimensions(column.name, values)  # raises, naming the value, before any room is taken
     rounded = -(-sizes // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
     total = int(rounded.sum())
     first = heap.allocate(total, tally=False) if total else 0
@@ -160,8 +165,7 @@ def _values(heap: Heap, column: VariableColumn, values: list[Any]) -> _Values:
                 break
             found.append(offset)
         offsets, data, packed = np.array(found, np.int64), data[: len(found)], False
-    shapes = np.array([value.shape for value in values[: len(data)]], "<u4").reshape(len(data), len(column.field.shape))
-    return _Values(column, shapes, offsets, data, packed)
+    return _Values(column, dims[: len(data)].astype("<u4"), offsets, data, packed)
 
 
 def _bytes(value: np.ndarray[Any, Any]) -> memoryview:
