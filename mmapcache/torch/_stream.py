@@ -50,6 +50,8 @@ log = logging.getLogger("mmapcache")
 
 _BATCH = 64  # elements stored at a time in a first epoch (at most)
 _BATCH_BYTES = 4 << 20  # and at most about this many bytes of them
+_READ = 64  # elements read from the file at a time in a later epoch (at most)
+_READ_BYTES = 1 << 20  # and at most about this many bytes: an element kept alive keeps its chunk's buffer
 _WAITING_BYTES = 64 << 20  # full batches kept while the file is being made, before waiting for it
 _THREADED_ROW = 16 << 10  # rows at least this large are stored by a thread beside the stream
 # A file at least this large is made by a thread while the stream goes on (preallocating it takes ~0.4 ms
@@ -262,15 +264,26 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
             yield from self._stream_rest(partition, stored)
 
     def _from_file(self, cache: Cache, slots: np.ndarray[Any, Any]) -> Iterator[Any]:
+        """The elements in ``slots``, a chunk at a time (one gather per field), yielded one by one.
+
+        A chunk is up to ``_READ`` elements and about ``_READ_BYTES``: an element's tensors are views of its
+        chunk's buffers.
+        """
         schema = self._schema
         assert schema is not None
         names = schema.names
-        for slot in slots.tolist():
-            sample = cache.get(slot)
-            if sample is None:  # only a file that was cleared or damaged under us
+        row = sum(field.nbytes if not field.variable else 256 for field in schema.fields.values())
+        size = max(1, min(_READ, _READ_BYTES // max(row, 1)))
+        for start in range(0, len(slots), size):
+            chunk = slots[start : start + size]
+            read, hits = cache.read_many(chunk)
+            if not hits.all():  # only a file that was cleared or damaged under us
+                slot = int(chunk[int(np.argmin(hits))])
                 raise RuntimeError(f"slot {slot} of the stream cache {self.path} is no longer filled")
-            self._read += 1
-            yield schema.build([[schema.to_tensor(sample[name], k)] for k, name in enumerate(names)])[0]
+            columns = [list(read[name]) if schema.variable[k] else read[name] for k, name in enumerate(names)]
+            for element in schema.samples(columns):
+                self._read += 1
+                yield element
 
     def _stream_rest(self, partition: Partition, stored: int) -> Iterator[Any]:
         """The partition's elements after the ``stored`` cached ones, streamed and not stored (a full cache)."""
