@@ -13,6 +13,7 @@ import os
 import queue
 import re
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -54,10 +55,6 @@ _READ = 64  # elements read from the file at a time in a later epoch (at most)
 _READ_BYTES = 1 << 20  # and at most about this many bytes: an element kept alive keeps its chunk's buffer
 _WAITING_BYTES = 64 << 20  # full batches kept while the file is being made, before waiting for it
 _THREADED_ROW = 16 << 10  # rows at least this large are stored by a thread beside the stream
-# A file at least this large is made by a thread while the stream goes on (preallocating it takes ~0.4 ms
-# per MB on tmpfs); a smaller one at once: the thread's GIL hand-offs, 5 ms each while the stream holds the
-# GIL, made a 3 ms creation last 120-250 ms and slowed a tokenizing stream by 6 µs an element meanwhile.
-_BACKGROUND_CREATE = 256 << 20
 
 
 def _rank() -> tuple[int, int]:
@@ -498,16 +495,15 @@ class _Filler:
         self.limit = max(2, _WAITING_BYTES // max(1, self.batch.size * self.batch.row_bytes))
         self.queue: queue.Queue[_Batch | None] = queue.Queue(maxsize=self.limit)
         self.thread: threading.Thread | None = None
-        if cache is None and _file_bytes(plan) < _BACKGROUND_CREATE:
-            self._run(plan)  # a few ms: a thread would cost the stream more, in waits for the GIL
-            self._raise()
-            plan = None
+        self.creating = plan is not None  # the thread is making the file: hand it the GIL at every element
         if plan is not None or self.threaded:
             self.thread = threading.Thread(target=self._run, args=(plan,), name="mmapcache-store", daemon=True)
             self.thread.start()
 
     def add(self, j: int, leaves: list[Any]) -> None:
         """Element ``j`` of the partition, as storage arrays: copied into the batch, stored when the batch is full."""
+        if self.creating:
+            time.sleep(0)  # lets the thread take the GIL now, not after a switch interval (5 ms) of waiting
         self._raise()
         writer = self.writer
         if writer is not None and writer.done:
@@ -567,10 +563,7 @@ class _Filler:
             self._store(batch)
 
     def _run(self, plan: StreamPlan | None) -> None:
-        """The thread: make the file (from ``plan``) when there is none, then store each batch it is given.
-
-        Called directly, for a small file, before the thread would start: then it only makes the file.
-        """
+        """The thread: make the file (from ``plan``) when there is none, then store each batch it is given."""
         try:
             if self.writer is None:
                 opened = self.owner._opened(self.partition, plan=lambda: plan)
@@ -579,12 +572,14 @@ class _Filler:
                 if opened.fields != self.fields:  # made at once by another process, from another first element
                     writer.close()  # this pass stores nothing; a later one does
                 self.writer = writer
-            if self.threaded and threading.current_thread() is self.thread:
+                self.creating = False
+            if self.threaded:
                 while (batch := self.queue.get()) is not None:
                     self._store(batch)
         except BaseException as error:  # raised in the iterating thread, by add or finish
             self.error = error
-            if self.threaded and threading.current_thread() is self.thread:
+            self.creating = False
+            if self.threaded:
                 while self.queue.get() is not None:  # let the stream go on; nothing more is stored
                     pass
 
@@ -595,14 +590,6 @@ class _Filler:
             self.owner._written += writer.offer_many(first, rows, count, checked=True)
         batch.clear()
         self.spare.append(batch)
-
-
-def _file_bytes(plan: StreamPlan | None) -> int:
-    """About how large the file ``plan`` makes is (its slots' fixed rows and its variable region)."""
-    if plan is None:
-        return 0
-    row = sum(16 if field.variable else field.nbytes for field in plan.fields.values())
-    return plan.slots * row + plan.variable_size
 
 
 class _Batch:
