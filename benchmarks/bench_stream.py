@@ -14,7 +14,11 @@ Per stream, in interleaved rounds: iterating the stream (``plain``);
 iterating a ``CachedStream`` over it into a new file (``fill``, the first
 epoch: target <= 1.05x ``plain``); iterating a ``CachedStream`` whose file is
 complete (``cached``, a later epoch: every element from the file, in a fresh
-permutation). Figures are medians over rounds of per-round ratios.
+permutation). And the first epoch as a training loop sees it: the stream and
+the ``CachedStream`` each through a ``DataLoader`` (``num_workers=0``, batches
+of 64, ``default_collate``; ``pad_collate`` for the token ids), ``plain
+loader`` and ``fill loader``. Figures are medians over rounds of per-round
+ratios.
 
 LitData (``litdata.optimize`` then ``StreamingDataset``) runs in its own
 virtual environment (it depends on torchvision, which must not replace this
@@ -29,6 +33,7 @@ Results go to ``benchmarks/results/bench_stream[-quick].json``.
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 import random
@@ -129,6 +134,27 @@ def streams(data: dict[str, Any]) -> dict[str, tuple[Callable[[], Iterable[Any]]
     }
 
 
+def collate_fn(name: str) -> Callable[[list[Any]], Any]:
+    """How a training loop batches the stream ``name``: token ids of varying length are padded."""
+    from torch.utils.data import default_collate
+
+    from mmapcache.torch import pad_collate
+
+    if name == "tokens":
+        return functools.partial(pad_collate, pad="input_ids")
+    return default_collate  # type: ignore[no-any-return]
+
+
+def _drain_loader(iterable: Iterable[Any], collate: Callable[[list[Any]], Any]) -> tuple[float, int]:
+    from torch.utils.data import DataLoader
+
+    start = time.perf_counter()
+    count = 0
+    for batch in DataLoader(iterable, batch_size=64, num_workers=0, collate_fn=collate):  # type: ignore[arg-type]
+        count += len(batch[1] if isinstance(batch, (list, tuple)) else batch["label"])
+    return time.perf_counter() - start, count
+
+
 def _drain(iterable: Iterable[Any]) -> tuple[float, int]:
     start = time.perf_counter()
     count = 0
@@ -167,13 +193,39 @@ def measure(data: dict[str, Any], root: Path, rounds: int) -> dict[str, Any]:
             seconds, counts["cached"] = _drain(complete)
             return seconds
 
-        times = run_rounds({"plain": plain, "fill": fill, "cached": cached}, rounds=rounds)
+        collate = collate_fn(name)
+
+        def plain_loader(
+            r: int, make: Callable[[], Iterable[Any]] = make, counts: dict[str, int] = counts, collate: Any = collate
+        ) -> float:
+            seconds, counts["plain loader"] = _drain_loader(make(), collate)
+            return seconds
+
+        def fill_loader(
+            r: int,
+            make: Callable[[], Iterable[Any]] = make,
+            options: dict[str, Any] = options,
+            name: str = name,
+            counts: dict[str, int] = counts,
+            collate: Any = collate,
+        ) -> float:
+            path = root / f"{name}-loader-round{r}.mmc"
+            ds = CachedStream(make(), path, key=f"bench/{name}/loader/{r}", **options)
+            seconds, counts["fill loader"] = _drain_loader(ds, collate)
+            ds.close()
+            path.unlink()
+            return seconds
+
+        variants = {"plain": plain, "fill": fill, "cached": cached, "plain loader": plain_loader,
+                    "fill loader": fill_loader}  # fmt: skip
+        times = run_rounds(variants, rounds=rounds)
         assert len(set(counts.values())) == 1, counts
         n = counts["plain"]
         out[name] = {
             "elements": n,
             "us_per_element": {k: statistics.median(v) / n * 1e6 for k, v in times.items()},
             "fill_over_plain": ratio(times, "fill", "plain"),
+            "fill_loader_over_plain_loader": ratio(times, "fill loader", "plain loader"),
             "plain_over_cached": ratio(times, "plain", "cached"),
             "times": times,
         }
@@ -228,9 +280,12 @@ def main() -> None:
             per = found["us_per_element"]
             rows.append(
                 [name, found["elements"], per["plain"], per["fill"], per["cached"], found["fill_over_plain"],
-                 found["plain_over_cached"]]
+                 found["plain_over_cached"], per["plain loader"], per["fill loader"],
+                 found["fill_loader_over_plain_loader"]]
             )  # fmt: skip
-        print(table(["stream", "elements", "plain µs", "fill µs", "cached µs", "fill/plain", "plain/cached"], rows))
+        headers = ["stream", "elements", "plain µs", "fill µs", "cached µs", "fill/plain", "plain/cached",
+                   "plain loader µs", "fill loader µs", "fill/plain (loader)"]  # fmt: skip
+        print(table(headers, rows))
         if args.litdata_python:
             lit = litdata_epochs(args.litdata_python, data, root)
             ours = results["streams"]["tokens"]["us_per_element"]["cached"]

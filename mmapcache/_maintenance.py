@@ -16,6 +16,7 @@ from ._format import Header, indices_digest
 from ._handle import Handle
 from ._holders import held_by
 from ._mapping import Mapped
+from ._partitions import stream_problems
 from ._removal import exclusive_use
 from ._slots import EMPTY
 from ._validation import read_header
@@ -74,6 +75,8 @@ def verify(path: Path, header: Header, handle: Handle, mapped: Mapped, *, fix: b
             used, end = mapped.region_use()
             found = region_problems(mapped.heap.size, int(mapped.heap.claimed[0]), used, end)
             problems += [replace(p, fixed=fix and mapped.heap.cover(end)) for p in found]
+        if mapped.stream is not None:
+            problems += stream_problems(mapped.stream)
         if fix and mapped.boot is not None and any(p.fixed for p in problems):
             # Reset slots may have been synced: their new state must be on the disk before
             # their bytes are written again (see clear()).

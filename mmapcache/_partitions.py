@@ -42,8 +42,9 @@ import numpy as np
 from ._format import ELEMENT_RECORD_SIZE, PARTITION_RECORD_SIZE, Layout
 from ._locks import SlotLocks
 from ._slots import READY
+from ._verify import Problem
 
-__all__ = ["ENDED", "FULL", "HOLE", "PartitionState", "StreamRegion", "read_region"]
+__all__ = ["ENDED", "FULL", "HOLE", "PartitionState", "StreamRegion", "read_region", "stream_problems"]
 
 ENDED, FULL = 1, 2  # partition flags
 HOLE = 0xFFFFFFFF  # the partition of a slot that holds no element (yet)
@@ -254,3 +255,55 @@ class StreamRegion:
         self.element[:] = 0
         self.partition[:] = 0
         self.boot_id[:] = np.frombuffer(boot_id, np.uint8)
+
+
+def stream_problems(stream: StreamRegion) -> list[Problem]:
+    """What :meth:`Cache.verify` finds wrong in a stream region (kind ``"stream"``; nothing here is fixed).
+
+    Every counted element in exactly one READY slot, no READY slot past the
+    slots handed out, partitions that exist, totals that agree with what is
+    stored. A writer that died mid-run leaves nothing to report: its run is
+    holes, or is settled by the next writer of the partition.
+    """
+    capacity, partitions = len(stream.element), len(stream.stored)
+    allocated = int(stream.allocated[0])
+    problems: list[Problem] = []
+    if allocated > capacity:
+        problems.append(Problem("stream", None, f"{allocated} slots are handed out, but the file has {capacity}"))
+    ready = np.flatnonzero(stream.states == READY)
+    for slot in ready[ready >= allocated][:5].tolist():
+        problems.append(Problem("stream", slot, f"slot {slot} is READY but was never handed out (below {allocated})"))
+    ready = ready[ready < allocated]
+    partition = stream.partition[ready].astype(np.int64)
+    foreign = ready[(partition >= partitions) & (partition != HOLE)]
+    for slot in foreign[:5].tolist():
+        problems.append(Problem("stream", slot, f"slot {slot} names partition {int(stream.partition[slot])} of "
+                                f"{partitions}"))  # fmt: skip
+    known = partition < partitions
+    ready, partition, element = ready[known], partition[known], stream.element[ready[known]].astype(np.int64)
+    stored = stream.stored.astype(np.int64)
+    counted = element < stored[partition]
+    for p in range(partitions):
+        mine = counted & (partition == p)
+        problems += _partition_problems(stream, p, ready[mine], element[mine])
+    return problems
+
+
+def _partition_problems(
+    stream: StreamRegion, p: int, slots: np.ndarray[Any, Any], elements: np.ndarray[Any, Any]
+) -> list[Problem]:
+    """Partition ``p``'s counted elements (in ``slots``) against its record."""
+    state = stream.state(p)
+    problems: list[Problem] = []
+    seen = np.bincount(elements, minlength=state.stored) if state.stored else np.zeros(0, np.int64)
+    twice, missing = np.flatnonzero(seen > 1), np.flatnonzero(seen == 0)
+    for j in twice[:5].tolist():
+        where = slots[elements == j].tolist()
+        problems.append(Problem("stream", where[0], f"element {j} of partition {p} is in slots {where}"))
+    if len(missing):
+        problems.append(Problem("stream", None, f"partition {p} counts {state.stored} elements, but {len(missing)} of "
+                                f"them are in no READY slot (the first: element {int(missing[0])})"))  # fmt: skip
+    if state.ended and (state.total < state.stored or (not state.full and state.total != state.stored)):
+        problems.append(Problem("stream", None, f"partition {p} ended with {state.total} elements, but "
+                                f"{state.stored} are stored{' (not full)' if not state.full else ''}"))  # fmt: skip
+    return problems

@@ -31,8 +31,12 @@ class Problem:
     ``"overlap"`` (two slots' variable values share bytes) or ``"region"``
     (the variable region's allocation counter is behind the values that use
     it, so new values would overwrite them, or beyond the region; ``index``
-    is ``None``). ``fixed`` says whether ``fix=True`` reset the slot to EMPTY
-    (for ``"region"``: moved the counter past every value, within the region).
+    is ``None``) or ``"stream"`` (the cache of a stream whose counts and
+    element records disagree: an element in two slots or in none, a READY
+    slot never handed out, a partition that does not exist, a total below
+    what is stored; never fixed: remove the file to fill it again).
+    ``fixed`` says whether ``fix=True`` reset the slot to EMPTY (for
+    ``"region"``: moved the counter past every value, within the region).
     """
 
     kind: str

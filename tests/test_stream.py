@@ -375,3 +375,25 @@ def test_a_stream_cache_is_not_resized_but_says_how_to_get_a_larger_one(tmp_path
         resize(path, max_bytes="8MiB")
     with _open(path) as cache:
         assert stream_status(cache).cached  # untouched
+
+
+def test_verify_finds_a_stream_whose_counts_and_records_disagree(tmp_path: Path) -> None:
+    path = tmp_path / "s.mmc"
+    assert _run(path, Partition(0, 1, 0, 2), 40) == {"stored": 40, "ended": 1}
+    assert _run(path, Partition(0, 1, 1, 2), 40) == {"stored": 40, "ended": 1}
+    with _open(path, Partition(0, 1, 0, 2)) as cache:
+        assert cache.verify() == []  # a whole fill, two partitions
+        stream = region(cache)
+        slots = checked_records(cache)
+        a, b = int(slots[3]), int(slots[4])
+        stream.element[b] = stream.element[a]  # element 3 of partition 0 twice, element 4 in no slot
+        found = [str(problem) for problem in cache.verify()]
+        assert any(f"element 3 of partition 0 is in slots [{a}, {b}]" in text for text in found), found
+        assert any("1 of them are in no READY slot (the first: element 4)" in text for text in found), found
+        stream.element[b] = 4
+        stream.partition[a] = 7  # a partition the file does not have
+        stream.total[1] = 3  # partition 1 ended with fewer than it stores
+        found = [str(problem) for problem in cache.verify()]
+        assert any(f"slot {a} names partition 7 of 2" in text for text in found), found
+        assert any("partition 1 ended with 3 elements, but 40 are stored" in text for text in found), found
+        assert all(problem.kind == "stream" and not problem.fixed for problem in cache.verify(fix=True))
