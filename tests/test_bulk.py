@@ -12,7 +12,7 @@ import pytest
 
 from mmapcache import CacheError, Field
 from mmapcache._bulk import store_run
-from mmapcache._stream import Partition, open_stream, plan_stream
+from mmapcache._stream import Partition, open_stream, plan_stream, region
 
 KEY = "bulk"
 DISK = Path("/var/tmp")  # a disk file system here (the root one): pwrite and the mapping share its page cache
@@ -58,6 +58,7 @@ def test_a_run_reads_back_and_verifies_as_if_each_row_were_put(tmp_path: Path, w
     path = (tmp_path if where == "memory" else disk_dir) / "s.mmc"
     with _open(path) as cache:  # type: ignore[attr-defined]
         first, second = _rows(37, 1), _rows(5, 2)
+        assert region(cache).allocate(43) == range(43)  # slots handed out, as a stream's writer takes them
         assert store_run(cache, 0, first, 37) == 37
         assert store_run(cache, 37, second, 5) == 5
         assert cache.counts.written == 42
@@ -81,9 +82,10 @@ def test_a_run_reads_back_and_verifies_as_if_each_row_were_put(tmp_path: Path, w
 def test_a_full_variable_region_stores_the_rows_before_the_first_value_that_does_not_fit(tmp_path: Path) -> None:
     fields = {"tokens": Field((None,), "uint8"), "label": Field((), "int64")}
     with _open(tmp_path / "s.mmc", fields, max_bytes=64 * 1024, length=0, value_bytes=100) as cache:  # type: ignore[attr-defined]
-        region = cache.variable_region.size
-        sizes = [100] * 10 + [region] + [10] * 5  # the 11th cannot fit, the later small ones could
+        room = cache.variable_region.size
+        sizes = [100] * 10 + [room] + [10] * 5  # the 11th cannot fit, the later small ones could
         rows = {"tokens": [np.full(n, k, np.uint8) for k, n in enumerate(sizes)], "label": np.arange(16)}
+        region(cache).allocate(16)
         assert store_run(cache, 0, rows, 16) == 10
         assert [cache.get(k) is not None for k in range(16)] == [True] * 10 + [False] * 6
         assert cache.variable_region.refused == 1  # one store turned away, not one per attempt
@@ -99,4 +101,6 @@ def test_bad_rows_are_refused_before_any_slot_changes(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="not in"):
             store_run(cache, cache.capacity - 1, _rows(2, 1), 2)
         assert all(cache.get(k) is None for k in range(4))
+        region(cache).allocate(4)
         assert store_run(cache, 0, _rows(4, 1), 4) == 4
+        assert cache.verify() == []
