@@ -22,11 +22,17 @@ tmpfs here; same page cache, so every mapping sees the bytes at once).
 A writer killed in the middle leaves slots EMPTY (nothing published) or
 READY; the caller counts them only after this returns (``_partitions.py``),
 so either way they are holes nobody serves. A variable region without room
-for every value stores the rows up to the first value that does not fit.
+for every value stores the rows up to the first value that does not fit. A
+file system without room for the bytes (``ENOSPC`` from ``pwrite``: blocks the
+file does not hold, on a copy-on-write file system or after a hole was
+punched) stores none of them and says so in the log; a write through the
+mapping would have killed the process with ``SIGBUS`` instead.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +52,10 @@ from .cache import Cache
 
 __all__ = ["store_run"]
 
+log = logging.getLogger("mmapcache")
+
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
 _PADS = [bytes(n) for n in range(PAYLOAD_ALIGNMENT)]  # after a value, up to the next multiple of 16
 
 
@@ -54,7 +64,8 @@ def store_run(cache: Cache, start: int, batch: Any, count: int, *, checked: bool
 
     The slots must be fresh and the caller's own (handed out to it, never
     filled). Returns how many rows were stored: all of them, or the rows up to
-    the first whose variable values found no room. ``checked``: the batch is
+    the first whose variable values found no room, or none when the file
+    system had no room for their bytes (logged). ``checked``: the batch is
     already in storage form — per field, an array of shape ``(count,
     *shape)`` of its dtype (fixed fields) or a list of ``count`` arrays of its
     dtype that fit it (variable ones) — and is not converted again.
@@ -87,12 +98,25 @@ def _store(fd: int, mapped: Mapped, start: int, arrays: list[Any], count: int) -
     placed = _place(mapped, arrays, count)
     fit = min((len(values.offsets) for values in placed.values()), default=count)
     columns: list[Sequence[Any]] = []  # each checksum part, in field order, for every row
-    for k, entry in enumerate(mapped.order):
-        values = placed.get(k)
-        if values is not None:
-            columns.extend(_write_values(fd, mapped.layout.variable_offset, values, start, fit))
-        else:
-            columns.append(_write_fixed(fd, mapped.layout.field_offsets[entry[0]], arrays[k], start, fit))
+    try:
+        for k, entry in enumerate(mapped.order):
+            values = placed.get(k)
+            if values is not None:
+                columns.extend(_write_values(fd, mapped.layout.variable_offset, values, start, fit))
+            else:
+                columns.append(_write_fixed(fd, mapped.layout.field_offsets[entry[0]], arrays[k], start, fit))
+    except OSError as error:
+        if error.errno not in _NO_ROOM:
+            raise
+        log.warning(
+            "no space left on the file system of %s to write %d rows (%s): they stay empty, nothing cached is "
+            "lost. Its preallocated blocks were not kept for it (a copy-on-write or compressing file system, or "
+            "a hole punched in the file); free space there, or put caches elsewhere with MMAPCACHE_DIR",
+            mapped.path,
+            fit,
+            error.strerror,
+        )
+        return 0  # the slots stay EMPTY: never published
     slots.checksums[start : start + fit] = checksums(columns, fit)
     slots.states[start : start + fit] = READY
     return fit

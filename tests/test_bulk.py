@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
+import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +17,10 @@ import pytest
 
 from mmapcache import CacheError, Field
 from mmapcache._bulk import store_run
-from mmapcache._stream import Partition, open_stream, plan_stream, region
+from mmapcache._stream import Partition, PartitionWriter, open_stream, plan_stream, region
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_file import mounted_tmpfs
 
 KEY = "bulk"
 DISK = Path("/var/tmp")  # a disk file system here (the root one): pwrite and the mapping share its page cache
@@ -104,3 +112,51 @@ def test_bad_rows_are_refused_before_any_slot_changes(tmp_path: Path) -> None:
         region(cache).allocate(4)
         assert store_run(cache, 0, _rows(4, 1), 4) == 4
         assert cache.verify() == []
+
+
+def _punch_hole(path: Path, offset: int, size: int) -> None:
+    """Give back the blocks of ``[offset, offset + size)`` of a file (``FALLOC_FL_PUNCH_HOLE``): a hole again."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if libc.fallocate(fd, 0x01 | 0x02, offset, size) != 0:  # KEEP_SIZE | PUNCH_HOLE
+            pytest.skip(f"cannot punch a hole here: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
+
+
+def test_a_file_system_without_room_for_the_bytes_stores_nothing_and_the_partition_goes_full(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Blocks the file no longer has, on a full file system: pwrite says ENOSPC where the mapping would SIGBUS."""
+    fields = {"image": Field((64, 64), "uint8"), "label": Field((), "int64")}
+    with mounted_tmpfs(tmp_path / "small", "size=2m,mode=0700") as small:
+        path = small / "s.mmc"
+        with _open(path, fields, length=100) as cache:  # type: ignore[attr-defined]
+            writer = PartitionWriter(cache, Partition())
+            rows = {"image": np.full((10, 64, 64), 7, np.uint8), "label": np.arange(10)}
+            assert writer.offer_many(0, rows, 10) == 10
+            image = cache.views["image"]
+            start = image[32].ctypes.data - image[0].ctypes.data  # slots 32.. lose their blocks
+            _punch_hole(path, cache._live().layout.field_offsets["image"] + start, 64 * 4096)
+            filler = small / "filler"
+            fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:  # the file system fills up
+                while True:
+                    os.write(fd, bytes(4096))
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+            with caplog.at_level(logging.WARNING, logger="mmapcache"):
+                stored = writer.offer_many(10, {"image": np.full((40, 64, 64), 9, np.uint8), "label": np.arange(40)},
+                                           40)  # fmt: skip
+            assert stored == 0
+            assert "no space left on the file system" in caplog.text
+            assert "streamed uncached" in caplog.text  # the partition is full: the rest is streamed
+            state = writer.finish(50)
+            assert (state.stored, state.full, state.ended) == (10, True, True)
+            assert all(cache.get(k) is not None for k in range(10))  # what was cached stays
+            assert cache.verify() == []
+            filler.unlink()
