@@ -554,7 +554,8 @@ class _Filler:
     def _store_waiting(self) -> None:
         """Wait for the thread (the file is made, or every batch it was given is stored), then store ``waiting``."""
         if self.thread is not None:
-            self.thread.join()
+            if self.thread is not threading.current_thread():  # a generator finalized by the collector there
+                self.thread.join()
             self.thread = None
             self.threaded = False  # what comes after is stored here
             self._raise()
