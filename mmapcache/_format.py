@@ -318,9 +318,9 @@ file's (a writer writes `0xFFFFFFFF`) means the slot holds no element.
   full) the run ends before it, and the writer sets `full`. So a writer
   killed at any instant leaves each element of `p` in at most one counted
   READY slot, and a READY slot of `p` is counted exactly when its element is
-  below `stored`. (mmapcache 0.4.0 counted a run one element at a time and
-  settled only a run of one: a fill that a later writer began should not be
-  continued by 0.4.0.)
+  below `stored`. (mmapcache 0.4 counted a run one element at a time and
+  settled only a run of one: a fill that 0.5 or later began should not be
+  continued by 0.4.)
 - A writer that read partition `p` from element 0 to its end, holding the
   lock throughout the elements from `stored` on, and found `stored` equal to
   the elements it read or `full` set, sets `total` and then `ended`. On a
