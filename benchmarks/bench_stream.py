@@ -145,7 +145,7 @@ def collate_fn(name: str) -> Callable[[list[Any]], Any]:
     return default_collate  # type: ignore[no-any-return]
 
 
-def _drain_loader(iterable: Iterable[Any], collate: Callable[[list[Any]], Any]) -> tuple[float, int]:
+def _drain_loader(iterable: Iterable[Any], *, collate: Callable[[list[Any]], Any]) -> tuple[float, int]:
     from torch.utils.data import DataLoader
 
     start = time.perf_counter()
@@ -163,62 +163,56 @@ def _drain(iterable: Iterable[Any]) -> tuple[float, int]:
     return time.perf_counter() - start, count
 
 
+Drain = Callable[[Iterable[Any]], tuple[float, int]]
+
+
+def variants(
+    name: str, make: Callable[[], Iterable[Any]], options: dict[str, Any], root: Path, complete: CachedStream,
+    counts: dict[str, int],
+) -> dict[str, Callable[[int], float]]:  # fmt: skip
+    """The timed variants of one stream: each returns its seconds and records how many elements it saw."""
+    collate = collate_fn(name)
+    loader: Drain = functools.partial(_drain_loader, collate=collate)
+
+    def plain(label: str, drain: Drain) -> Callable[[int], float]:
+        def run(r: int) -> float:
+            seconds, counts[label] = drain(make())
+            return seconds
+
+        return run
+
+    def fill(label: str, drain: Drain) -> Callable[[int], float]:
+        def run(r: int) -> float:
+            path = root / f"{name}-{label.replace(' ', '-')}-round{r}.mmc"
+            ds = CachedStream(make(), path, key=f"bench/{name}/{label}/{r}", **options)
+            seconds, counts[label] = drain(ds)
+            ds.close()
+            path.unlink()
+            return seconds
+
+        return run
+
+    def cached(r: int) -> float:
+        complete.set_epoch(r + 1)
+        seconds, counts["cached"] = _drain(complete)
+        return seconds
+
+    return {
+        "plain": plain("plain", _drain),
+        "fill": fill("fill", _drain),
+        "cached": cached,
+        "plain loader": plain("plain loader", loader),
+        "fill loader": fill("fill loader", loader),
+    }
+
+
 def measure(data: dict[str, Any], root: Path, rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (make, options) in streams(data).items():
         complete = CachedStream(make(), root / f"{name}-complete.mmc", key=f"bench/{name}", **options)
         _drain(complete)  # fill it once, outside the timing
         counts: dict[str, int] = {}  # elements each variant saw (all must agree)
-
-        def plain(r: int, make: Callable[[], Iterable[Any]] = make, counts: dict[str, int] = counts) -> float:
-            seconds, counts["plain"] = _drain(make())
-            return seconds
-
-        def fill(
-            r: int,
-            make: Callable[[], Iterable[Any]] = make,
-            options: dict[str, Any] = options,
-            name: str = name,
-            counts: dict[str, int] = counts,
-        ) -> float:
-            path = root / f"{name}-round{r}.mmc"
-            ds = CachedStream(make(), path, key=f"bench/{name}/{r}", **options)
-            seconds, counts["fill"] = _drain(ds)
-            ds.close()
-            path.unlink()
-            return seconds
-
-        def cached(r: int, complete: CachedStream = complete, counts: dict[str, int] = counts) -> float:
-            complete.set_epoch(r + 1)
-            seconds, counts["cached"] = _drain(complete)
-            return seconds
-
-        collate = collate_fn(name)
-
-        def plain_loader(
-            r: int, make: Callable[[], Iterable[Any]] = make, counts: dict[str, int] = counts, collate: Any = collate
-        ) -> float:
-            seconds, counts["plain loader"] = _drain_loader(make(), collate)
-            return seconds
-
-        def fill_loader(
-            r: int,
-            make: Callable[[], Iterable[Any]] = make,
-            options: dict[str, Any] = options,
-            name: str = name,
-            counts: dict[str, int] = counts,
-            collate: Any = collate,
-        ) -> float:
-            path = root / f"{name}-loader-round{r}.mmc"
-            ds = CachedStream(make(), path, key=f"bench/{name}/loader/{r}", **options)
-            seconds, counts["fill loader"] = _drain_loader(ds, collate)
-            ds.close()
-            path.unlink()
-            return seconds
-
-        variants = {"plain": plain, "fill": fill, "cached": cached, "plain loader": plain_loader,
-                    "fill loader": fill_loader}  # fmt: skip
-        times = run_rounds(variants, rounds=rounds)
+        times = run_rounds(variants(name, make, options, root, complete, counts), rounds=rounds)
         assert len(set(counts.values())) == 1, counts
         n = counts["plain"]
         out[name] = {

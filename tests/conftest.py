@@ -64,6 +64,16 @@ def cache_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def disk_dir() -> Iterator[Path]:
+    """A private directory under /var/tmp: the root file system, a disk here (not tmpfs), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="mmapcache-disk-", dir="/var/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_default_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Point ``default_dir()`` at a per-test directory so no test ever writes to the real default location."""

@@ -6,10 +6,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
-import shutil
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_file import mounted_tmpfs
 
 KEY = "bulk"
-DISK = Path("/var/tmp")  # a disk file system here (the root one): pwrite and the mapping share its page cache
 FIELDS = {
     "image": Field((3, 40, 40), "uint8"),  # 4,800-byte rows: not a multiple of a page
     "label": Field((), "int64"),
@@ -39,15 +35,6 @@ def _open(path: Path, fields: dict[str, Field] = FIELDS, **plan: int) -> object:
     cache = open_stream(path, key=KEY, fields=fields, partition=Partition(), plan=lambda: made)
     assert cache is not None
     return cache
-
-
-@pytest.fixture
-def disk_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="mmapcache-bulk-", dir=DISK))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _rows(count: int, seed: int) -> dict[str, list[object] | np.ndarray]:

@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import uuid
@@ -41,15 +40,6 @@ CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 pytestmark = pytest.mark.skipif(
     not DISK.is_dir() or is_memory_filesystem(filesystem_type(DISK)), reason="needs /var/tmp on a disk"
 )
-
-
-@pytest.fixture
-def disk_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="mmapcache-nvme-", dir=DISK))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def sample(i: int) -> np.ndarray[Any, Any]:
