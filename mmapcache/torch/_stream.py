@@ -49,7 +49,7 @@ __all__ = ["CachedStream"]
 
 log = logging.getLogger("mmapcache")
 
-_BATCH = 64  # elements stored at a time in a first epoch (at most)
+_BATCH = 64  # elements stored at a time in a first epoch (at most: a killed writer leaves up to this many holes)
 _BATCH_BYTES = 4 << 20  # and at most about this many bytes of them
 _READ = 64  # elements read from the file at a time in a later epoch (at most)
 _READ_BYTES = 1 << 20  # and at most about this many bytes: an element kept alive keeps its chunk's buffer
@@ -625,7 +625,7 @@ class _Batch:
             if column is not None:
                 column[row] = leaf
             elif self.fields[k][1].text is None:
-                self.values[k].append(np.array(leaf, copy=True))
+                self.values[k].append(leaf.copy())  # a storage array (ndarray), C-contiguous after
             else:
                 self.values[k].append(leaf)  # text: a fresh array made from the str/bytes
         self.count = row + 1
