@@ -293,9 +293,13 @@ def test_webdataset_tar_shards(tmp_path: Path) -> None:
         assert ds.stats()["stored"] == 50
 
 
-def test_a_run_killed_during_the_first_epoch_is_continued_by_the_next_without_duplicates(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["numbered", "large"])
+def test_a_run_killed_during_the_first_epoch_is_continued_by_the_next_without_duplicates(
+    tmp_path: Path, kind: str
+) -> None:
     path, out = tmp_path / "s.mmc", tmp_path / "out"
-    command = [sys.executable, str(HERE / "stream_run.py"), str(path), "--length", "200", "--workers", "2"]
+    command = [sys.executable, str(HERE / "stream_run.py"), str(path), "--length", "200", "--workers", "2",
+               "--kind", kind]  # fmt: skip
     run = subprocess.Popen([*command, "--delay", "0.01", "--out", str(out)], env=_env(), stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while _passes(out) < 40 and time.monotonic() < deadline:
@@ -312,6 +316,7 @@ def test_a_run_killed_during_the_first_epoch_is_continued_by_the_next_without_du
     with Cache(path, readonly=True) as cache:
         status = stream_status(cache)
         assert (status.cached, status.stored, status.total) == (True, 200, 200)
+        assert cache.verify() == []  # each element in one slot, every checksum right
     stats_line = out.read_text().splitlines()[-1]
     assert stats_line.startswith("stats 0")
 
