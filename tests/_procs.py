@@ -378,6 +378,11 @@ class Worker:
         self.send(op, *args)
         return self.recv(timeout)
 
+    def sigkill(self) -> None:
+        """SIGKILL the process now, without waiting for it (:meth:`kill` reaps it)."""
+        if self.alive:
+            os.kill(self.pid, signal.SIGKILL)
+
     def kill(self) -> None:
         """SIGKILL the process and reap it."""
         if self.alive:
