@@ -122,14 +122,16 @@ def _store(fd: int, mapped: Mapped, start: int, arrays: list[Any], count: int) -
     return fit
 
 
-def _write_fixed(fd: int, offset: int, rows: Any, start: int, fit: int) -> list[memoryview]:
+def _write_fixed(fd: int, offset: int, rows: Any, start: int, fit: int) -> list[Any]:
     """Write a fixed field's first ``fit`` rows at slots ``start ..``; each row's bytes."""
     if not fit:
         return []
     flat = np.ascontiguousarray(rows[:fit]).reshape(fit, -1).view(np.uint8)
-    data = flat.data.cast("B")
-    _pwrite(fd, data, offset + start * flat.shape[1])
     width = flat.shape[1]
+    if not width:  # a field of shape (0,): nothing to write, an empty part to hash
+        return [b""] * fit
+    data = flat.reshape(-1).data
+    _pwrite(fd, data, offset + start * width)
     return [data[i : i + width] for i in range(0, fit * width, width)]
 
 

@@ -272,7 +272,8 @@ def stream_problems(stream: StreamRegion) -> list[Problem]:
         problems.append(Problem("stream", None, f"{allocated} slots are handed out, but the file has {capacity}"))
     ready = np.flatnonzero(stream.states == READY)
     for slot in ready[ready >= allocated][:5].tolist():
-        problems.append(Problem("stream", slot, f"slot {slot} is READY but was never handed out (below {allocated})"))
+        message = f"slot {slot} is READY but was never handed out (only the first {allocated} were)"
+        problems.append(Problem("stream", slot, message))
     ready = ready[ready < allocated]
     partition = stream.partition[ready].astype(np.int64)
     foreign = ready[(partition >= partitions) & (partition != HOLE)]

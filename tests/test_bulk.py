@@ -147,3 +147,15 @@ def test_a_file_system_without_room_for_the_bytes_stores_nothing_and_the_partiti
             assert all(cache.get(k) is not None for k in range(10))  # what was cached stays
             assert cache.verify() == []
             filler.unlink()
+
+
+def test_a_field_of_no_bytes_is_stored_and_read_back(tmp_path: Path) -> None:
+    fields = {"empty": Field((0,), "float32"), "label": Field((), "int64")}
+    with _open(tmp_path / "s.mmc", fields, length=10) as cache:  # type: ignore[attr-defined]
+        region(cache).allocate(3)
+        assert store_run(cache, 0, {"empty": np.zeros((3, 0), np.float32), "label": np.arange(3)}, 3) == 3
+        sample = cache.get(2)
+        assert sample is not None
+        assert sample["empty"].shape == (0,)
+        assert int(sample["label"]) == 2
+        assert cache.verify() == []

@@ -21,15 +21,12 @@ import torch
 
 from .._field import Field
 from .._structure import Node
+from .._tensors import torch_dtype
 from ._schema import Schema
 
 __all__ = ["ElementPath"]
 
 _INT64 = np.dtype(np.int64)
-_TORCH_DTYPES = {
-    np.dtype(name): getattr(torch, name)
-    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
-}
 _ARRAY, _INT, _STR, _NEVER = range(4)  # what a field takes on the fast path: arrays/tensors, also ints, str, nothing
 
 
@@ -39,6 +36,7 @@ class ElementPath:
     def __init__(self, schema: Schema, converted: Mapping[str, Any] | None) -> None:
         self._parts = schema.structure.candidates
         self._fields = tuple(schema.fields.values())
+        self._dtypes = tuple(_tensor_dtype(field) for field in self._fields)
         self._kinds = tuple(_kind(field, name, converted) for name, field in schema.fields.items())
         self.schema = schema
         self._build = _builder(schema.tree)
@@ -50,7 +48,7 @@ class ElementPath:
             return None
         arrays: list[Any] = []
         values: list[Any] = []
-        for part, field, kind in zip(parts, self._fields, self._kinds, strict=True):
+        for part, field, kind, dtype in zip(parts, self._fields, self._kinds, self._dtypes, strict=True):
             of = type(part)
             if of is np.ndarray and kind <= _INT:
                 if part.dtype != field.dtype or not (part.shape == field.shape or field.fits(part.shape)):
@@ -58,7 +56,7 @@ class ElementPath:
                 arrays.append(part)
                 values.append(torch.from_numpy(part if part.flags.writeable else part.copy()))
             elif of is torch.Tensor and kind <= _INT:
-                if not _plain(part, field):
+                if not _plain(part, dtype):
                     return None
                 array = part.numpy()
                 if not (array.shape == field.shape or field.fits(array.shape)):
@@ -95,10 +93,18 @@ def _kind(field: Field, name: str, converted: Mapping[str, Any] | None) -> int:
     return _ARRAY
 
 
-def _plain(tensor: torch.Tensor, field: Field) -> bool:
-    """A CPU tensor of the field's exact dtype whose ``numpy()`` is its plain storage."""
+def _tensor_dtype(field: Field) -> torch.dtype | None:
+    """The torch dtype of ``field``'s tensors, or ``None`` when torch has none (then tensors take the general path)."""
+    try:
+        return torch_dtype(field)
+    except TypeError:
+        return None
+
+
+def _plain(tensor: torch.Tensor, dtype: torch.dtype | None) -> bool:
+    """A CPU tensor of the field's exact ``dtype`` whose ``numpy()`` is its plain storage."""
     return (
-        tensor.dtype == _TORCH_DTYPES.get(field.dtype)
+        tensor.dtype == dtype
         and not tensor.requires_grad
         and tensor.layout == torch.strided
         and tensor.is_cpu

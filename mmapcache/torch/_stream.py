@@ -269,8 +269,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         schema = self._schema
         assert schema is not None
         names = schema.names
-        row = sum(field.nbytes if not field.variable else 256 for field in schema.fields.values())
-        size = max(1, min(_READ, _READ_BYTES // max(row, 1)))
+        size = max(1, min(_READ, _READ_BYTES // max(_row_bytes(schema.fields), 1)))
         for start in range(0, len(slots), size):
             chunk = slots[start : start + size]
             read, hits = cache.read_many(chunk)
@@ -593,12 +592,17 @@ class _Filler:
         self.spare.append(batch)
 
 
+def _row_bytes(fields: Mapping[str, Field]) -> int:
+    """About how many bytes an element takes (a variable field counted as 256), to size batches and reads."""
+    return sum(256 if field.variable else field.nbytes for field in fields.values())
+
+
 class _Batch:
     """Elements of a partition waiting to be stored: their leaves copied into columns as ``put_many`` takes them."""
 
     def __init__(self, fields: dict[str, Field]) -> None:
         self.fields = list(fields.items())
-        row_bytes = sum(field.nbytes if not field.variable else 256 for _, field in self.fields)
+        row_bytes = _row_bytes(fields)
         self.size = max(1, min(_BATCH, _BATCH_BYTES // max(row_bytes, 1)))
         self.row_bytes = row_bytes
         self.fixed = [
