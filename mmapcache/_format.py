@@ -199,10 +199,14 @@ the cache sets it to 0. The rest of the page is zero.
 
 - A writer takes space only by advancing `claimed`, and only while holding an
   exclusive `F_OFD_SETLKW` lock on the allocation page's first byte; it takes
-  an *extent* (`extent` bytes, or what is left of the region) and places
+  an *extent* (at most `extent` bytes; mmapcache 0.5 takes at most a sixteenth
+  of what is left of the region, and never less than the value it places,
+  so that idle writers hold little near the end) and places
   values in it without further locking; a value larger than `extent / 16`
-  gets a run of exactly its size (rounded up to 16) instead. No two writers
-  ever hold the same bytes.
+  gets a run of exactly its size (rounded up to 16) instead. When `claimed`
+  still equals the end of the writer's current extent (nobody claimed since),
+  the new claim continues it: the next value may start in the extent's unused
+  end and run on into the new bytes. No two writers ever hold the same bytes.
 - A writer writes the value and the descriptor before the checksum and the
   READY state (the slot rules below), so a READY slot never describes bytes
   that were not written. Space a writer claimed and did not fill before it

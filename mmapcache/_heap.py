@@ -13,6 +13,13 @@ Why this is crash-safe, per record:
 * A value larger than a sixteenth of an extent gets a run of exactly its size
   instead (its copy costs far more than the lock, and it would strand the
   tail of an extent), so the region's waste stays within a few percent.
+* Near the end of the region a claim takes at most a sixteenth of what is
+  left (:func:`grant`): a writer that stops storing keeps the unused end of
+  its extent, and whole extents held by idle writers could exceed a budget's
+  headroom while another writer is refused.
+* A writer whose extent is the last one claimed continues it when it claims
+  again: the next value starts in its unused end, so a writer alone (or
+  mostly alone) leaves no tails.
 * Space is handed out only by advancing ``claimed`` under the lock, so no two
   writers ever get the same bytes, and a writer killed mid-claim either
   advanced it (the extent is lost) or did not.
@@ -49,7 +56,7 @@ import numpy as np
 from ._format import PAYLOAD_ALIGNMENT, Layout
 from ._locks import SlotLocks
 
-__all__ = ["Heap", "VariableRegion", "extent_size_for", "place"]
+__all__ = ["Heap", "VariableRegion", "extent_size_for", "grant", "place"]
 
 log = logging.getLogger("mmapcache")
 
@@ -62,6 +69,20 @@ def extent_size_for(region_size: int) -> int:
     if region_size >= 64 * MiB:
         return MiB
     return max(4096, -(-(region_size // 64) // 4096) * 4096) if region_size >= 4096 else region_size
+
+
+def grant(run: int, need: int, left: int) -> int:
+    """How many of the ``left`` free bytes a claim of ``run`` (at least ``need``) takes: at most a sixteenth.
+
+    A writer keeps the unused end of its extent until its next value; one that
+    stops storing (its partition of the data is done) strands it. Far from the
+    end an extent is a small part of what is left; near it, whole extents held
+    by a few idle writers could exceed a budget's headroom while another
+    writer is refused. Tapered, the reserve each writer holds shrinks with the
+    free space, and every value that fits in the region is stored.
+    """
+    taper = left // 16 // need * need  # a whole number of values this size: no tail stranded by them
+    return min(run, max(need, taper), left)
 
 
 def place(nbytes: int) -> int:
@@ -145,28 +166,38 @@ class Heap:
             offset = self._pos
             self._pos += need
             return offset
-        if need > self.extent // 16:
-            # A large value gets a run of its own, exactly its size: its copy costs far more
-            # than the lock, and packing it into extents would strand their tails.
-            return self._claim(need, need, tally)
-        start = self._claim(self.extent, need, tally)
-        if start is None:
-            return None
-        self._pos, self._end = start + need, start + min(self.extent, self.size - start)
-        return start
+        # A large value gets a run of its own, exactly its size: its copy costs far more than
+        # the lock, and packing it into extents would strand their tails.
+        return self._claim(need, extent=need <= self.extent // 16, tally=tally)
 
-    def _claim(self, run: int, need: int, tally: bool = True) -> int | None:
-        """Advance ``claimed`` by ``run`` bytes (or what is left, if at least ``need``) under the lock."""
+    def _claim(self, need: int, *, extent: bool, tally: bool) -> int | None:
+        """Room for a value of ``need`` bytes from the shared counter, under the lock; ``None`` when full.
+
+        ``extent``: claim an extent and place the value at its start; else a
+        run of exactly the value's size. When nobody claimed since this
+        writer's current extent was handed out, the claim continues it: the
+        value starts in its unused end, which is not stranded. Near the end
+        of the region an extent is tapered (:func:`grant`).
+        """
         self._locks.claim_wait(self._lock_offset)
         try:
             start = int(self.claimed[0])
+            tail = self._end - self._pos if start == self._end else 0
             left = self.size - start
-            if left < need:
+            if tail + left < need:
                 if tally:
                     self.refused[0] += 1  # under the lock: no update is lost
                 return None
-            self.claimed[0] = start + min(run, left)
-            return start
+            offset = start - tail
+            if extent:
+                granted = grant(self.extent, need - tail, left)
+                self._pos, self._end = offset + need, start + granted
+            else:
+                granted = need - tail
+                if tail:  # the value used up the current extent
+                    self._pos = self._end = offset + need
+            self.claimed[0] = start + granted
+            return offset
         finally:
             self._locks.release(self._lock_offset)
 

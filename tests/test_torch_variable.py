@@ -338,6 +338,37 @@ def test_a_full_variable_region_serves_the_rest_from_the_dataset(
     assert caplog.text.count("full") == 1, "one warning in this process"
 
 
+class Documents(torch.utils.data.Dataset[Any]):
+    """``count`` token rows of 5 to 400 ids (random lengths, seeded) and a label: a tokenized corpus."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        self.lengths = np.random.default_rng(seed).integers(5, 400, size=count)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> Any:
+        return {"ids": torch.arange(int(self.lengths[index])) % 300, "label": index}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_workers_filling_a_budget_with_a_few_percent_headroom_store_every_row(seed: int, cache_dir: Path) -> None:
+    """Two workers fill a cache sized by the tokens sizing rule (5 % headroom, less after the page rounding of
+    a small file): the worker that finishes first must not strand room the other still needs."""
+    source = Documents(400, seed)
+    fields = {"ids": Field((None,), "uint16"), "label": Field((), "int64")}
+    budget = int(1.05 * (2 * int(source.lengths.sum()) + 32 * len(source)))
+    ds = CachedDataset(source, cache_dir / "c.mmc", key="docs", fields=fields, max_bytes=budget, check=0)
+    seen = 0
+    for batch in ds.loader(batch_size=16, shuffle=True, num_workers=2, ragged="list"):
+        seen += len(batch["label"])
+    assert seen == len(source)
+    stats = ds.stats()
+    assert stats["filled"] == len(source), stats
+    assert stats["variable_refused"] == 0, stats
+    assert all(torch.equal(ds[i]["ids"].long(), source[i]["ids"]) for i in range(0, len(source), 9))
+
+
 def identity_batch(batch: list[Any]) -> Any:
     """The token ids as a list, the labels stacked."""
     return [ids for ids, _ in batch], torch.tensor([int(label) for _, label in batch])

@@ -29,6 +29,7 @@ from hypothesis.extra import numpy as hnp
 
 import mmapcache
 from mmapcache import Cache, CacheMissError, Field, Jagged
+from mmapcache._heap import extent_size_for
 
 MiB = 2**20
 
@@ -527,3 +528,45 @@ def test_a_batch_of_the_wrong_length_is_refused(checked: Cache) -> None:
     with pytest.raises(ValueError, match=r"'tokens'|'boxes'|'image'|'name'|'label'"):
         checked.put_many([2, 3, 4], batch)
     assert _state(checked) == before
+
+
+@pytest.mark.parametrize("share", [0.5, 0.8, 0.95, 1.0])
+def test_a_writer_that_stops_early_strands_little_of_a_nearly_full_region(cache_dir: Path, share: float) -> None:
+    """Two writers share the fill; one stops (its part of the data is done): the other still stores every
+    value of a budget with 2 % headroom over the bytes the values take (whole extents held by the idle
+    writer would be more than that)."""
+    path = cache_dir / "c.mmc"
+    fields = {"data": Field((None,), "uint8")}
+    size = 128  # a 4 KiB extent holds 32 of them exactly: no extent ends unused because a value did not fit
+    with Cache.open(path, fields, 600, max_bytes=600 * 24 + 64 * 1024) as first:
+        region = first.variable_region
+        assert region is not None
+        assert extent_size_for(region.size) == 4096
+        assert region.size >= 64 * 1024
+        count = int(0.98 * region.size) // size
+        with Cache.open(path, fields, 600) as second:
+            stop = int(share * count)
+            for i in range(count):
+                writer = first if i < stop and i % 2 == 0 else second
+                assert writer.put(i, {"data": np.full(size, i % 251, np.uint8)}), f"value {i} of {count} refused"
+            assert second.filled == count
+            assert second.variable_region.refused == 0  # type: ignore[union-attr]
+            assert all(second[i]["data"].tolist() == [i % 251] * size for i in range(count))
+            assert second.verify() == []
+
+
+@pytest.mark.parametrize("size", [100, 208, 250, 4000])
+def test_a_single_writer_fills_the_whole_region(cache_dir: Path, size: int) -> None:
+    """Values that do not divide an extent: a writer alone continues its extent instead of leaving its end."""
+    fields = {"data": Field((None,), "uint8")}
+    with Cache.open(cache_dir / "c.mmc", fields, 2000, max_bytes=2000 * 24 + 64 * 1024) as cache:
+        region = cache.variable_region
+        assert region is not None
+        rounded = -(-size // 16) * 16
+        count = min(region.size // rounded, 2000)
+        for i in range(count):
+            assert cache.put(i, {"data": np.full(size, i % 251, np.uint8)}), f"value {i} of {count} refused"
+        assert cache.variable_region.claimed == count * rounded  # type: ignore[union-attr]
+        assert cache.put(count, {"data": np.zeros(rounded + (region.size - count * rounded) + 16, np.uint8)}) is False
+        assert all(cache[i]["data"].tolist() == [i % 251] * size for i in range(0, count, 7))
+        assert cache.verify() == []

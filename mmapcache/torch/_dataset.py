@@ -354,8 +354,9 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         before it from those after it. A cache with variable-shape fields
         adds its variable region (see :class:`~mmapcache.VariableRegion`):
         ``variable_bytes`` in all, ``variable_claimed`` handed out to writers,
-        ``variable_used`` held by filled slots' values, and ``variable_free``
-        — samples whose values find no room are served uncached.
+        ``variable_used`` held by filled slots' values, ``variable_free``, and
+        ``variable_refused``: stores turned away for lack of room, by every
+        process (samples whose values find no room are served uncached).
 
         Opens the cache (creating it from ``dataset[0]`` if missing).
         """
@@ -371,6 +372,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
                 "variable_claimed": region.claimed,
                 "variable_used": region.used,
                 "variable_free": region.free,
+                "variable_refused": region.refused,
             }
         )
         return {
