@@ -283,6 +283,9 @@ class _Server:
                 # (put may lose to another process still writing the slot: then it may not be READY yet.)
                 if stored and cache.get(index) is None:
                     mismatches.append(f"slot {index} not readable after its put succeeded")
+            # A short pause: on a loaded machine, openers that never pause overlap without end and
+            # the remover never finds the file unused.
+            time.sleep(rng.uniform(0, 0.0005))
         logs = [m for m in self.logs if m.startswith("created ") or "appeared while" in m]
         return {"counts": counts, "mismatches": mismatches, "logs": logs}
 
