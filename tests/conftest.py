@@ -13,6 +13,7 @@ import pytest
 
 SHM = Path("/dev/shm")
 _OWN_BASETEMP = pytest.StashKey[Path]()
+_SCRATCH = pytest.StashKey[tuple[Path, "str | None"]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -34,12 +35,28 @@ def pytest_configure(config: pytest.Config) -> None:
         root.mkdir(mode=0o700, exist_ok=True)
         config.option.basetemp = str(root / f"run-{os.getpid()}")
         config.stash[_OWN_BASETEMP] = Path(config.option.basetemp)
+    # Temporary files of the processes the tests start go to a directory of this run, removed
+    # when it ends: among them multiprocessing's pymp-* directories, which a process killed by
+    # a signal (a test's SIGKILL, a DataLoader terminating its workers after an error) never
+    # removes itself. This process keeps its own temporary directory: multiprocessing removes
+    # its pymp-* directory at exit, after this hook.
+    tempfile.tempdir = tempfile.gettempdir()
+    scratch = Path(tempfile.mkdtemp(prefix="mmapcache-tests-tmp-"))
+    config.stash[_SCRATCH] = (scratch, os.environ.get("TMPDIR"))
+    os.environ["TMPDIR"] = str(scratch)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     own = config.stash.get(_OWN_BASETEMP, None)
     if own is not None:
         shutil.rmtree(own, ignore_errors=True)
+    scratch, before = config.stash.get(_SCRATCH, (None, None))
+    if scratch is not None:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
