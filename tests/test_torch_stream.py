@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -109,6 +110,30 @@ def test_an_error_making_the_file_in_the_background_is_raised_from_the_iteration
     ds = CachedStream(Numbers(100), tmp_path / "a-file" / "s.mmc", key="k", fields=FIELDS, max_bytes="1MiB")
     with pytest.raises(NotADirectoryError, match="is not a directory"):
         list(ds)
+
+
+@pytest.mark.parametrize("kind", ["numbered", "large"])
+def test_an_error_making_the_file_after_an_early_stop_is_logged_not_raised_from_the_cleanup(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "s.mmc"
+    options: dict[str, Any] = {"fields": FIELDS, "max_bytes": "1MiB"} if kind == "numbered" else {"max_bytes": "16MiB"}
+    ds = CachedStream(Numbers(300, kind=kind), path, key="k", **options)
+    iterator = iter(ds)  # no file yet: the first element makes it, in a thread
+    ds._lock.acquire()  # which waits for this: the error comes after the stop
+    releaser = threading.Timer(0.3, ds._lock.release)
+    try:
+        first = next(iterator)
+        assert int(first["label"]) == 0
+        path.write_bytes(b"not a cache file" * 512)  # what the thread then finds instead of making the file
+        releaser.start()
+        with caplog.at_level(logging.WARNING, logger="mmapcache"):
+            iterator.close()  # what a break does once the loop lets go of the iterator
+    finally:
+        releaser.join()
+    assert "stopped early" in caplog.text
+    assert "not an mmapcache file" in caplog.text
+    assert path.read_bytes() == b"not a cache file" * 512, "the foreign file is left as it was"
 
 
 @pytest.mark.parametrize("how", ["whole", "break", "augmented", "two workers"])

@@ -525,9 +525,22 @@ class _Filler:
             self.writer.finish(count)
 
     def close(self) -> None:
-        """Store what was yielded and waits (if the file is there), let go of the partition."""
+        """Store what was yielded and waits (if the file is there), let go of the partition.
+
+        The cleanup of a pass that stopped early (a ``break``, an error of the
+        stream or of the loop, the iterator dropped) raises nothing of its own:
+        a failure to make the file or store the last batches is logged, and
+        what stopped the pass is what propagates.
+        """
         try:
-            self._drain()  # an error of an early stop is not raised from the cleanup
+            self._drain()
+        except Exception as error:
+            log.warning(
+                "the first epoch over %s stopped early, and storing what it had yielded failed: %s. What was "
+                "not stored is streamed again in the next epoch",
+                self.owner.path,
+                error,
+            )
         finally:
             if self.writer is not None:
                 self.writer.close()
