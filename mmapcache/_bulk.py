@@ -32,9 +32,9 @@ mapping would have killed the process with ``SIGBUS`` instead.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ import numpy as np
 
 from ._checksum import checksums
 from ._errors import CacheError
+from ._file import write_all
 from ._format import PAYLOAD_ALIGNMENT
 from ._heap import Heap
 from ._mapping import Mapped
@@ -55,6 +56,8 @@ __all__ = ["store_run"]
 log = logging.getLogger("mmapcache")
 
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+Write = Callable[[bytes | memoryview, int], None]  # all of the bytes at an offset of the file
 
 _PADS = [bytes(n) for n in range(PAYLOAD_ALIGNMENT)]  # after a value, up to the next multiple of 16
 
@@ -96,15 +99,16 @@ def _store(fd: int, mapped: Mapped, start: int, arrays: list[Any], count: int) -
         )
     slots.synced[start : start + count] = 0  # before any byte of the rows (see _boot.py)
     placed = _place(mapped, arrays, count)
+    write = functools.partial(write_all, fd, path=mapped.path)
     fit = min((len(values.offsets) for values in placed.values()), default=count)
     columns: list[Sequence[Any]] = []  # each checksum part, in field order, for every row
     try:
         for k, entry in enumerate(mapped.order):
             values = placed.get(k)
             if values is not None:
-                columns.extend(_write_values(fd, mapped.layout.variable_offset, values, start, fit))
+                columns.extend(_write_values(write, mapped.layout.variable_offset, values, start, fit))
             else:
-                columns.append(_write_fixed(fd, mapped.layout.field_offsets[entry[0]], arrays[k], start, fit))
+                columns.append(_write_fixed(write, mapped.layout.field_offsets[entry[0]], arrays[k], start, fit))
     except OSError as error:
         if error.errno not in _NO_ROOM:
             raise
@@ -122,7 +126,7 @@ def _store(fd: int, mapped: Mapped, start: int, arrays: list[Any], count: int) -
     return fit
 
 
-def _write_fixed(fd: int, offset: int, rows: Any, start: int, fit: int) -> list[Any]:
+def _write_fixed(write: Write, offset: int, rows: Any, start: int, fit: int) -> list[Any]:
     """Write a fixed field's first ``fit`` rows at slots ``start ..``; each row's bytes."""
     if not fit:
         return []
@@ -131,7 +135,7 @@ def _write_fixed(fd: int, offset: int, rows: Any, start: int, fit: int) -> list[
     if not width:  # a field of shape (0,): nothing to write, an empty part to hash
         return [b""] * fit
     data = flat.reshape(-1).data
-    _pwrite(fd, data, offset + start * width)
+    write(data, offset + start * width)
     return [data[i : i + width] for i in range(0, fit * width, width)]
 
 
@@ -202,7 +206,7 @@ def _bytes(value: np.ndarray[Any, Any]) -> memoryview:
         return memoryview(value.tobytes())
 
 
-def _write_values(fd: int, region: int, values: _Values, start: int, fit: int) -> tuple[list[Any], list[Any]]:
+def _write_values(write: Write, region: int, values: _Values, start: int, fit: int) -> tuple[list[Any], list[Any]]:
     """Write the first ``fit`` values and their descriptors at slots ``start ..``; each row's shape bytes and bytes."""
     if not fit:
         return [], []
@@ -211,20 +215,13 @@ def _write_values(fd: int, region: int, values: _Values, start: int, fit: int) -
         pieces: list[Any] = []
         for bytes_ in data:
             pieces += (bytes_, _PADS[-len(bytes_) % PAYLOAD_ALIGNMENT])
-        _pwrite(fd, memoryview(b"".join(pieces)), region + int(values.offsets[0]))
+        write(b"".join(pieces), region + int(values.offsets[0]))
     else:
         for bytes_, offset in zip(data, values.offsets.tolist(), strict=False):
-            _pwrite(fd, bytes_, region + offset)
+            write(bytes_, region + offset)
     column = values.column
     shapes = np.ascontiguousarray(values.shapes[:fit])
     column.dims[start : start + fit] = shapes
     column.offsets[start : start + fit] = values.offsets[:fit]
     raw, width = shapes.tobytes(), shapes.shape[1] * 4
     return [raw[i : i + width] for i in range(0, fit * width, width)], data
-
-
-def _pwrite(fd: int, data: memoryview, offset: int) -> None:
-    """All of ``data`` (bytes) at ``offset`` of the file (``pwrite`` may write less than asked)."""
-    while len(data):
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written

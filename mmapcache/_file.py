@@ -457,7 +457,8 @@ def _create(
     log.info("created %s (%d bytes, capacity %d of %d)", path, layout.file_size, header.capacity, header.length)
 
 
-def write_all(fd: int, data: bytes, offset: int, path: Path) -> None:
+def write_all(fd: int, data: bytes | memoryview, offset: int, path: Path) -> None:
+    """All of ``data`` at ``offset`` of the file (``pwrite`` may write less than asked)."""
     view = memoryview(data)
     while view:
         written = os.pwrite(fd, view, offset)

@@ -417,9 +417,8 @@ class PartitionWriter:
             name: values[skip : skip + len(slots)] if skip or len(slots) < count else values
             for name, values in batch.items()
         }
-        fit = store_run(
-            self.cache, slots.start, rows, len(slots), checked=checked
-        )  # only a full variable region stores fewer
+        # Fewer than len(slots) only when the variable region is full; none when the file system is.
+        fit = store_run(self.cache, slots.start, rows, len(slots), checked=checked)
         stream.count(p, first + skip, slots[:fit])
         self.stored += fit
         if fit < count - skip:
