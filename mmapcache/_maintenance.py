@@ -10,13 +10,14 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from ._boot import current_boot_id, sync_slots
+from ._boot import current_boot_id
 from ._errors import CacheError, CacheInUseError
 from ._format import Header, indices_digest
 from ._handle import Handle
 from ._holders import held_by
 from ._mapping import Mapped
 from ._partitions import stream_problems
+from ._reboot import sync_slots
 from ._removal import exclusive_use
 from ._slots import EMPTY
 from ._validation import read_header

@@ -17,12 +17,12 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from ._boot import check_boot
 from ._errors import ReadonlyCacheError
 from ._file import LockStatus, OpenedFile, creation_lock
 from ._handle import Handle
 from ._mapping import Mapped
 from ._paths import filesystem_type, is_memory_filesystem
+from ._reboot import check_boot
 
 __all__ = ["attach", "check_after_reboot", "warn_if_on_a_disk"]
 

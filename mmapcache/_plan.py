@@ -188,7 +188,7 @@ def plan_variable(
 
 
 def creation_info() -> dict[str, Any]:
-    from . import __version__
+    from ._version import __version__
 
     return {
         "time": iso_time(),
