@@ -145,9 +145,10 @@ class _Values:
 
     column: VariableColumn
     shapes: np.ndarray[Any, Any]  # (rows, ndim) uint32, as the descriptors hold them
-    offsets: np.ndarray[Any, Any]  # where each value starts in the region
+    offsets: np.ndarray[Any, Any]  # where each value starts in the region (0 for an empty value)
     data: list[memoryview]  # each value's bytes
     packed: bool  # one allocation: value r + 1 follows value r (at a multiple of 16)
+    first: int  # packed: where the allocation starts (not offsets[0], which is 0 when value 0 is empty)
 
 
 def _place(mapped: Mapped, arrays: list[Any], count: int) -> dict[int, _Values]:
@@ -187,6 +188,7 @@ def _values(heap: Heap, column: VariableColumn, values: list[Any]) -> _Values:
     if first is not None:
         offsets = np.where(sizes > 0, first + np.cumsum(rounded) - rounded, 0)  # an empty value points nowhere
         packed = True
+        start = first
     else:  # no room for them all: value by value, up to the first that does not fit
         found: list[int] = []
         for size in sizes.tolist():
@@ -194,8 +196,8 @@ def _values(heap: Heap, column: VariableColumn, values: list[Any]) -> _Values:
             if offset is None:
                 break
             found.append(offset)
-        offsets, data, packed = np.array(found, np.int64), data[: len(found)], False
-    return _Values(column, dims[: len(data)].astype("<u4"), offsets, data, packed)
+        offsets, data, packed, start = np.array(found, np.int64), data[: len(found)], False, 0
+    return _Values(column, dims[: len(data)].astype("<u4"), offsets, data, packed, start)
 
 
 def _bytes(value: np.ndarray[Any, Any]) -> memoryview:
@@ -215,7 +217,7 @@ def _write_values(write: Write, region: int, values: _Values, start: int, fit: i
         pieces: list[Any] = []
         for bytes_ in data:
             pieces += (bytes_, _PADS[-len(bytes_) % PAYLOAD_ALIGNMENT])
-        write(b"".join(pieces), region + int(values.offsets[0]))
+        write(b"".join(pieces), region + values.first)
     else:
         for bytes_, offset in zip(data, values.offsets.tolist(), strict=False):
             write(bytes_, region + offset)

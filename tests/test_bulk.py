@@ -159,3 +159,29 @@ def test_a_field_of_no_bytes_is_stored_and_read_back(tmp_path: Path) -> None:
         assert sample["empty"].shape == (0,)
         assert int(sample["label"]) == 2
         assert cache.verify() == []
+
+
+def _with_empty(count: int, empty: set[int]) -> dict[str, list[object] | np.ndarray]:
+    """Rows of the variable fields only, row ``r`` empty (no tokens, ``""``) when ``r in empty``."""
+    return {
+        "tokens": [np.arange(0 if r in empty else r % 9 + 1, dtype=np.int32) + r for r in range(count)],
+        "caption": ["" if r in empty else f"row {r} " + "é" * (r % 4) for r in range(count)],
+        "label": np.arange(count, dtype=np.int64),
+    }
+
+
+@pytest.mark.parametrize("empty", [{0}, {0, 1, 2}, {0, 5}, {3}, set(range(6))], ids=str)
+def test_a_batch_starting_with_empty_values_does_not_overwrite_earlier_rows(tmp_path: Path, empty: set[int]) -> None:
+    fields = {"tokens": Field((None,), "int32"), "caption": Field((None,), str), "label": Field((), "int64")}
+    with _open(tmp_path / "s.mmc", fields, length=40) as cache:  # type: ignore[attr-defined]
+        region(cache).allocate(12)
+        first, second = _with_empty(6, set()), _with_empty(6, empty)
+        assert store_run(cache, 0, first, 6) == 6
+        assert store_run(cache, 6, second, 6) == 6
+        for start, rows in ((0, first), (6, second)):
+            for r in range(6):
+                sample = cache.get(start + r)
+                assert sample is not None, start + r
+                np.testing.assert_array_equal(sample["tokens"], rows["tokens"][r])  # type: ignore[arg-type]
+                assert sample["caption"] == rows["caption"][r]
+        assert cache.verify() == []
