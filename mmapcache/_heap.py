@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -59,6 +59,8 @@ from ._locks import SlotLocks
 __all__ = ["Heap", "VariableRegion", "extent_size_for", "grant", "place"]
 
 log = logging.getLogger("mmapcache")
+
+_Sizes = TypeVar("_Sizes", int, np.ndarray[Any, Any])
 
 MiB = 2**20
 REFUSED_OFFSET = 8  # the allocation page's second word: stores refused for lack of room
@@ -85,8 +87,12 @@ def grant(run: int, need: int, left: int) -> int:
     return min(run, max(need, taper), left)
 
 
-def place(nbytes: int) -> int:
-    """``nbytes`` rounded up to the alignment of values in the region."""
+def place(nbytes: _Sizes) -> _Sizes:
+    """``nbytes`` (an int, or an array of them) rounded up to the alignment of values in the region.
+
+    The one rule for where values go: every value starts at a multiple of
+    ``PAYLOAD_ALIGNMENT`` (16) bytes of the region.
+    """
     return -(-nbytes // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
 
 
