@@ -136,6 +136,7 @@ class Tracer:
             "climb_calls": sum(self.climbs.values()),
             "reentries": len(self.reentries),
             "module_names": modules,
+            "function_names": sorted(f"{m}:{f}" for m, f in self.functions),
             "climb_sites": [f"{a}:{f} -> {b}:{g} (x{n})" for (a, f, b, g), n in sorted(self.climbs.items())],
             "reentry_chains": self.reentries,
         }

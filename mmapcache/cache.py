@@ -365,7 +365,9 @@ class Cache:
         ``count=False`` leaves the usage counters alone (for a caller that
         counted these reads already, e.g. in another process).
         """
-        mapped = self._live()
+        mapped = self._mapped
+        if mapped is None:
+            raise closed_error(self._path)
         idx = index_array(indices, self._length)
         if out is not None:
             check_out(out, self._fields, len(idx))
@@ -399,7 +401,8 @@ class Cache:
 
     def count(self, *, hits: int = 0, misses: int = 0) -> None:
         """Add reads served outside :meth:`get`/:meth:`get_many` (e.g. through :attr:`views`) to the counters."""
-        self._live()
+        if self._mapped is None:
+            raise closed_error(self._path)
         self._board.add(hits=hits, misses=misses)
 
     def usage(self) -> Usage:
@@ -610,6 +613,11 @@ class Cache:
 def writer_of(cache: Cache) -> Writer:
     """The one writer of an open cache: for the core's own writers that are not ``put`` (a stream's fill)."""
     return cache._store()
+
+
+def flight_of(cache: Cache) -> SingleFlight:
+    """The single flight of an open cache: for a caller that hands on the read it made (``CachedDataset``'s misses)."""
+    return cache._flight()
 
 
 def attach_opened(path: Path, opened: OpenedFile, *, timeout: float) -> Cache:
