@@ -53,7 +53,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._format import PAYLOAD_ALIGNMENT, Layout
+from ._format import ALIGNMENT, PAYLOAD_ALIGNMENT, Layout, align
 from ._locks import SlotLocks
 
 __all__ = ["Heap", "VariableRegion", "extent_size_for", "grant", "place"]
@@ -70,7 +70,7 @@ def extent_size_for(region_size: int) -> int:
     """The extent size for a region: 1 MiB, or a 64th of a small region (whole pages)."""
     if region_size >= 64 * MiB:
         return MiB
-    return max(4096, -(-(region_size // 64) // 4096) * 4096) if region_size >= 4096 else region_size
+    return max(ALIGNMENT, align(region_size // 64)) if region_size >= ALIGNMENT else region_size
 
 
 def grant(run: int, need: int, left: int) -> int:
