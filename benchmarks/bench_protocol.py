@@ -6,7 +6,7 @@ For each sample size (64 B, 12 KB, 150 KB uint8) and in interleaved rounds:
   without the protocol, written straight into the cache's mapped arrays:
   a raw row copy; copy + checksum (XXH3); copy + checksum + its store and the state stores (the
   protocol without the kernel lock, i.e. what ``put`` does minus the claim);
-  and the protocol without the API layer (``Mapped.fill``: lock + copy + checksum +
+  and the protocol without the API layer (``_writer._fill``: lock + copy + checksum +
   publish, no index checks or value coercion). Also the cost of the pieces on
   their own (one kernel claim + release; one checksum) and of ``put`` on a slot
   that is already filled (which should cost a state read).
@@ -37,6 +37,7 @@ import mmapcache
 from mmapcache import Cache, Field
 from mmapcache._checksum import checksum
 from mmapcache._gather import gather
+from mmapcache._writer import _fill
 
 SIZES: dict[str, tuple[int, ...]] = {"64B": (64,), "12KB": (3, 64, 64), "150KB": (3, 224, 224)}
 EMPTY, READY = 0, 2  # slot state bytes (mmapcache._slots)
@@ -95,7 +96,7 @@ def bench_put(cache: Cache, pool: np.ndarray[Any, Any], rounds: int, reps: int) 
     arrays = [[row] for row in pool]
     names = [
         "Cache.put",
-        "protocol only (Mapped.fill)",
+        "protocol only (_writer._fill)",
         "raw copy+checksum+state (no lock)",
         "raw copy+checksum",
         "raw copy",
@@ -107,9 +108,9 @@ def bench_put(cache: Cache, pool: np.ndarray[Any, Any], rounds: int, reps: int) 
             cache.put(i, samples[k % POOL])
 
     def fill(x: Any) -> None:
-        for k, i in enumerate(blocks.take("protocol only (Mapped.fill)").tolist()):
+        for k, i in enumerate(blocks.take("protocol only (_writer._fill)").tolist()):
             with write_lock:
-                cache._mapped.fill(i, arrays[k % POOL], None)
+                _fill(cache._mapped, i, arrays[k % POOL], None)
 
     def copy_checksum_state(x: Any) -> None:
         for k, i in enumerate(blocks.take("raw copy+checksum+state (no lock)").tolist()):
@@ -146,7 +147,7 @@ def bench_put(cache: Cache, pool: np.ndarray[Any, Any], rounds: int, reps: int) 
 
     variants: dict[str, Variant] = {
         "Cache.put": put,
-        "protocol only (Mapped.fill)": fill,
+        "protocol only (_writer._fill)": fill,
         "raw copy+checksum+state (no lock)": copy_checksum_state,
         "raw copy+checksum": copy_checksum,
         "raw copy": copy,

@@ -17,7 +17,12 @@ standard library are looked through):
   site (caller function, callee function), however often the batch repeats it;
   ``calls`` counts every such call;
 * **re-entries**: calls into a module that is already on the stack below a
-  frame of another module (``A -> B -> A``).
+  frame of another module (``A -> B -> A``); **re-entry sites** count each
+  chain of modules once, however often a loop repeats it.
+
+The ``miss 32`` trace is the target a miss batch is held to (a 32-sample batch
+through ``__getitems__``: its functions and re-entry sites; see
+tests/test_call_paths.py).
 
 Run it in a checkout (``PYTHONPATH=$PWD python benchmarks/call_paths.py``), or
 against another source tree of mmapcache with ``--source DIR`` (e.g. a
@@ -39,7 +44,8 @@ from types import FrameType
 from typing import Any
 
 BATCH = 16
-LENGTH = 64
+MISS_BATCH = 32  # the batch the miss path's targets are stated for
+LENGTH = 128
 
 
 class Samples:
@@ -135,7 +141,9 @@ class Tracer:
             "climbs": len(self.climbs),
             "climb_calls": sum(self.climbs.values()),
             "reentries": len(self.reentries),
+            "reentry_sites": len(set(self.reentries)),  # loops counted once
             "module_names": modules,
+            "function_names": sorted(f"{m}:{f}" for m, f in self.functions),
             "climb_sites": [f"{a}:{f} -> {b}:{g} (x{n})" for (a, f, b, g), n in sorted(self.climbs.items())],
             "reentry_chains": self.reentries,
         }
@@ -157,11 +165,13 @@ def measure(directory: Path) -> dict[str, dict[str, Any]]:
     batches = iter(loader)
     next(batches)  # warm (the first batch of the process's iterator is not traced)
     loader_miss = ds.loader(batch_size=BATCH, sampler=list(range(3 * BATCH, 4 * BATCH)))
+    miss_32 = list(range(4 * BATCH, 4 * BATCH + MISS_BATCH))
     out = {
         "warm": Tracer(package).trace(lambda: ds.__getitems__(warm)),
         "miss": Tracer(package).trace(lambda: ds.__getitems__(miss)),
         "loader() warm": Tracer(package).trace(lambda: next(batches)),
         "loader() miss": Tracer(package).trace(lambda: next(iter(loader_miss))),
+        "miss 32": Tracer(package).trace(lambda: ds.__getitems__(miss_32)),
     }
     ds.close()
     return out
@@ -183,7 +193,8 @@ def main() -> None:
     for name, counts in result.items():
         print(
             f"{name} batch: {counts['functions']} functions in {counts['modules']} modules; "
-            f"{counts['climbs']} climbs back up ({counts['climb_calls']} calls), {counts['reentries']} re-entries"
+            f"{counts['climbs']} climbs back up ({counts['climb_calls']} calls), {counts['reentries']} re-entries "
+            f"({counts['reentry_sites']} sites)"
         )
         if args.show:
             print("  modules: " + ", ".join(counts["module_names"]))

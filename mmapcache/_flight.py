@@ -1,5 +1,12 @@
 """Single flight: each sample is loaded once per node, however many processes miss it together.
 
+``Cache`` holds a :class:`SingleFlight` per open handle and delegates its
+verbs to it (``get_or_load_many``, ``get_or_load``, ``claim_many``,
+``wait_for``); the handle's :class:`Flight` records which thread holds which
+slot and the mean load time. Reads go through the mapping's views, stores
+through the handle's one writer (``_writer.py``): the flight never calls
+back into ``Cache``.
+
 A process that misses a slot **holds** it before loading its sample: the kernel
 record lock on the slot's state byte that every fill takes (``_slots.py``),
 taken *before* the load instead of just before the copy. Another process that
@@ -47,17 +54,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._gather import empty_aligned
 from ._handle import Handle, closed_error
-from ._indices import index_array
+from ._indices import check_index, index_array
 from ._jagged import Jagged, rows_like
 from ._slots import READY, SlotTable
 from ._values import coerce_batch
 from ._variable import text_value
+from ._writer import Writer, readonly_error
 
 if TYPE_CHECKING:
-    from ._field import Field
     from ._mapping import Mapped
-    from .cache import Cache
 
 __all__ = [
     "CHEAP_LOAD",
@@ -66,16 +73,12 @@ __all__ = [
     "READY_NOW",
     "TIMED_OUT",
     "WAIT_TIMEOUT",
-    "Bound",
     "Claims",
     "Flight",
+    "SingleFlight",
     "as_batch",
     "check_flight",
     "check_timeout",
-    "claim",
-    "get_or_load_many",
-    "store",
-    "wait_for",
 ]
 
 WAIT_TIMEOUT = 10.0  # seconds a call waits at most for samples other processes are loading
@@ -232,29 +235,88 @@ class Flight:
         return max(1, min(left, int(CHUNK_SECONDS / mean) if mean > 0 else left))
 
 
-class Bound:
-    """A handle's :class:`Flight` bound to its mapping: the holds, waits and stores single flight makes.
+class SingleFlight:
+    """A handle's single flight over its open mapping: the verbs ``Cache`` delegates to, and the holds they make.
 
-    ``Cache`` makes one per call that holds or waits, so that the functions
-    below reach the file only through it (and the cache only through its
-    public methods). ``writable`` is false for a readonly cache: it holds and
-    stores nothing.
+    ``Cache`` holds one per open handle (and drops it on ``close``). It
+    reaches the file through the mapping's views and stores through the
+    handle's :class:`~mmapcache._writer.Writer`; it never calls back into the
+    cache. ``readonly``: it holds and stores nothing (a readonly handle loads
+    every miss itself).
     """
 
-    __slots__ = ("board", "capacity", "fields", "flight", "handle", "mapped", "writable")
+    __slots__ = ("capacity", "fields", "flight", "handle", "length", "mapped", "readonly", "verify", "writer")
 
-    def __init__(
+    def __init__(self, flight: Flight, writer: Writer, *, verify: bool) -> None:
+        self.flight, self.writer, self.verify = flight, writer, verify
+        self.handle, self.mapped, self.fields = writer.handle, writer.mapped, writer.fields
+        self.length, self.capacity, self.readonly = writer.length, writer.capacity, writer.readonly
+
+    # -- the verbs ----------------------------------------------------------------
+
+    def get_or_load_many(
         self,
-        flight: Flight,
-        handle: Handle,
-        mapped: Mapped,
-        fields: dict[str, Field],
+        indices: Any,
+        load: Callable[[list[int]], Any],
         *,
-        capacity: int,
-        writable: bool,
-    ) -> None:
-        self.flight, self.handle, self.mapped, self.fields = flight, handle, mapped, fields
-        self.board, self.capacity, self.writable = handle.board, capacity, writable
+        out: dict[str, np.ndarray[Any, Any]] | None = None,
+        timeout: float = WAIT_TIMEOUT,
+        wait: bool | None = None,
+        chunk: int | None = None,
+        first: tuple[np.ndarray[Any, Any], dict[str, Any], np.ndarray[Any, Any]] | None = None,
+    ) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]]]:
+        """:meth:`Cache.get_or_load_many <mmapcache.Cache.get_or_load_many>`: the rules in this module's docstring.
+
+        ``first``: ``(idx, batch, hits)`` of a read the caller made already
+        (validated ``idx``; ``batch`` and ``hits`` as :meth:`read` returns them,
+        uncounted): handed on, not read again. Its rows are filled in place.
+        """
+        seconds = check_flight(load, timeout, wait, chunk)
+        if first is None:
+            idx = index_array(indices, self.length)
+            batch, hits = self.read(idx, out)
+        else:
+            idx, batch, hits = first
+        return _get_or_load_many(self, idx, batch, hits, load, timeout=seconds, wait=wait, chunk=chunk)
+
+    def get_or_load(
+        self, index: int, load: Callable[[int], Any], *, timeout: float = WAIT_TIMEOUT, wait: bool | None = None
+    ) -> dict[str, Any]:
+        """:meth:`Cache.get_or_load <mmapcache.Cache.get_or_load>`."""
+        i = check_index(index, self.length)
+        if load is None or not callable(load):
+            raise TypeError(f"load must be a function of an index, not {type(load).__name__}")
+        batch, _ = self.get_or_load_many([i], lambda idx: [load(idx[0])], timeout=timeout, wait=wait, chunk=1)
+        return {name: values[0, ...] if isinstance(values, np.ndarray) else values[0] for name, values in batch.items()}
+
+    def claim_many(self, indices: Any) -> Claims:
+        """:meth:`Cache.claim_many <mmapcache.Cache.claim_many>`: hold what is cacheable and free."""
+        self._writable("claim_many")
+        idx = index_array(indices, self.length)
+        return _claim(self, idx[idx < self.capacity])
+
+    def wait_for(self, indices: Any, *, timeout: float = WAIT_TIMEOUT) -> Claims:
+        """:meth:`Cache.wait_for <mmapcache.Cache.wait_for>`."""
+        self._writable("wait_for")
+        seconds = check_timeout(timeout)
+        idx = index_array(indices, self.length)
+        return _wait_for(self, idx[idx < self.capacity], seconds)
+
+    # -- what the rules are made of -----------------------------------------------
+
+    def read(
+        self, idx: np.ndarray[Any, Any], out: dict[str, np.ndarray[Any, Any]] | None = None
+    ) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]]]:
+        """What is cached of validated ``idx`` (``Cache.read_many`` with ``count=False``)."""
+        mapped = self._live()
+        if out is None:
+            out = {name: empty_aligned((len(idx), *array.shape[1:]), array.dtype) for name, array in mapped.items}
+        return mapped.read(idx, out, self.capacity, self.length, self.verify)
+
+    def _writable(self, verb: str) -> None:
+        self._live()
+        if self.readonly:
+            raise readonly_error(self.handle.path, verb)
 
     def _live(self) -> Mapped:
         if self.handle.fd < 0:
@@ -262,7 +324,7 @@ class Bound:
         return self.mapped
 
     def can_hold(self) -> bool:
-        return self.writable and self.handle.refused is None
+        return not self.readonly and self.handle.refused is None
 
     def hold(self, index: int) -> bool:
         return self.flight.hold(self.handle, self._live().slots, index)
@@ -276,9 +338,17 @@ class Bound:
     def put_coerced(
         self, idx: np.ndarray[Any, Any], arrays: list[Any], *, held: bool = True
     ) -> np.ndarray[Any, np.dtype[np.bool_]]:
-        """Store coerced rows at ``idx``: slots this thread holds (let go of each), or free ones (``held=False``)."""
-        stored = store(self.flight, self.handle, self._live(), idx, arrays, capacity=self.capacity, held=held)
-        self.board.add(written=int(np.count_nonzero(stored)))
+        """Store coerced rows at ``idx``: slots this thread holds (let go of each), or free ones (``held=False``).
+
+        Free ones that a thread of this process holds are left to it.
+        """
+        if not held:
+            flight = self.flight
+            rows = np.array([row for row, i in enumerate(idx.tolist()) if not flight.held_here(i)], np.intp)
+            return self.writer.put_many(idx, arrays, rows=rows, coerced=True)
+        # A batch refused, or a store that raises, leaves the slots held: the claims' owner lets them go.
+        stored = self.writer.put_many(idx, arrays, coerced=True)  # releases the lock of each slot it fills
+        self.flight.let_go(self.handle, self.mapped.slots, idx.tolist(), filled=True)
         return stored
 
     def release(self, indices: list[int]) -> None:
@@ -303,7 +373,7 @@ class Claims:
 
     __slots__ = ("_bound", "_pid", "_thread", "held", "indices")
 
-    def __init__(self, bound: Bound, indices: Sequence[int], held: Sequence[int] = ()) -> None:
+    def __init__(self, bound: SingleFlight, indices: Sequence[int], held: Sequence[int] = ()) -> None:
         self._bound = bound
         self._pid = os.getpid()
         self._thread = threading.get_ident()
@@ -379,39 +449,38 @@ def as_batch(result: Any, names: Sequence[str], count: int) -> Mapping[str, Any]
     return {name: [sample[name] for sample in result] for name in names}
 
 
-def get_or_load_many(
-    cache: Cache,
-    bound: Bound,
-    indices: Any,
+def _get_or_load_many(
+    single: SingleFlight,
+    idx: np.ndarray[Any, Any],
+    batch: dict[str, Any],
+    hits: np.ndarray[Any, Any],
     load: Callable[[list[int]], Any],
     *,
-    out: dict[str, np.ndarray[Any, Any]] | None,
     timeout: float,
     wait: bool | None,
     chunk: int | None,
 ) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]]]:
-    """:meth:`Cache.get_or_load_many <mmapcache.Cache.get_or_load_many>`: the rules in this module's docstring."""
-    idx = index_array(indices, cache.length)
-    batch, hits = cache.read_many(idx, out=out, count=False)
+    """:meth:`SingleFlight.get_or_load_many` once the batch was read: ``batch`` and ``hits`` of ``idx``."""
     loaded = np.zeros(len(idx), bool)
+    board = single.handle.board
     if hits.all():
-        cache.count(hits=len(idx))
+        board.add(hits=len(idx))
         return batch, loaded
-    flight = bound.flight
-    run = _Run(cache, bound, idx, batch, loaded, load)
+    flight = single.flight
+    run = _Run(single, idx, batch, loaded, load)
     for row in np.flatnonzero(~hits).tolist():
         run.rows.setdefault(int(idx[row]), []).append(row)
     todo = list(run.rows)  # in the caller's order: concurrent callers in one order share the work
     ready: list[int] = []  # cached by another process since the first read: read them at the end
     held: list[int] = []  # being loaded elsewhere
     here: list[int] = []  # loaded here without holding (not cacheable, or nothing can be held)
-    can_hold = bound.can_hold()
-    states, capacity = bound.mapped.slots.state_bytes, cache.capacity
+    can_hold = single.can_hold()
+    states, capacity = single.mapped.slots.state_bytes, single.capacity
     holding: list[int] = []
     for i in todo:
         if i >= capacity or not can_hold:
             here.append(i)
-        elif run.hold(i):
+        elif single.hold(i):
             holding.append(i)
             if len(holding) >= (chunk or flight.chunk(len(todo))):
                 run.load_held(holding)
@@ -425,7 +494,7 @@ def get_or_load_many(
     if held and (wait if wait is not None else flight.worth_waiting()) and timeout > 0:
         deadline = time.monotonic() + timeout
         for i in held:
-            outcome = run.wait(i, deadline)
+            outcome = single.wait_one(i, deadline)
             if outcome == READY_NOW:
                 ready.append(i)
             elif outcome == HELD_HERE:
@@ -439,7 +508,7 @@ def get_or_load_many(
     if here:
         run.load_free(here)
     found = int(np.count_nonzero(loaded))
-    cache.count(hits=len(idx) - found, misses=found)
+    board.add(hits=len(idx) - found, misses=found)
     return run.finished(), loaded
 
 
@@ -448,17 +517,16 @@ class _Run:
 
     def __init__(
         self,
-        cache: Cache,
-        bound: Bound,
+        single: SingleFlight,
         idx: np.ndarray[Any, Any],
         batch: dict[str, Any],
         loaded: np.ndarray[Any, Any],
         load: Callable[[list[int]], Any],
     ) -> None:
-        self.cache, self.bound, self.idx, self.loaded, self.load = cache, bound, idx, loaded, load
-        self.flight = bound.flight
+        self.bound, self.idx, self.loaded, self.load = single, idx, loaded, load
+        self.flight = single.flight
         self.rows: dict[int, list[int]] = {}
-        self.fields = cache.fields
+        self.fields = single.fields
         # A read-only Jagged batch becomes a list of rows while rows are filled in (see finished).
         self.jagged = {name: values for name, values in batch.items() if isinstance(values, Jagged)}
         self.batch: dict[str, Any] = {
@@ -471,12 +539,6 @@ class _Run:
             name: rows_like(self.jagged[name], values) if name in self.jagged else values
             for name, values in self.batch.items()
         }
-
-    def hold(self, index: int) -> bool:
-        return self.bound.hold(index)
-
-    def wait(self, index: int, deadline: float) -> int:
-        return self.bound.wait_one(index, deadline)
 
     def load_held(self, indices: list[int]) -> None:
         """Load slots this thread holds, store and let go of each; on error let go of them all."""
@@ -495,7 +557,7 @@ class _Run:
 
     def read(self, indices: list[int]) -> list[int]:
         """Read slots that became READY into their rows; the ones that fail the read's checks."""
-        got, hits = self.cache.read_many(indices, count=False)
+        got, hits = self.bound.read(np.asarray(indices, np.intp))
         for j, i in enumerate(indices):
             if not hits[j]:
                 continue
@@ -546,7 +608,7 @@ def check_flight(load: Any, timeout: Any, wait: Any, chunk: Any) -> float:
     return seconds
 
 
-def claim(bound: Bound, idx: np.ndarray[Any, Any]) -> Claims:
+def _claim(bound: SingleFlight, idx: np.ndarray[Any, Any]) -> Claims:
     """:meth:`Cache.claim_many <mmapcache.Cache.claim_many>` of cacheable ``idx``: hold what is free."""
     flight, handle, slots = bound.flight, bound.handle, bound.mapped.slots
     states = slots.state_bytes
@@ -561,7 +623,7 @@ def claim(bound: Bound, idx: np.ndarray[Any, Any]) -> Claims:
     return Claims(bound, mine, held)
 
 
-def wait_for(bound: Bound, idx: np.ndarray[Any, Any], timeout: float) -> Claims:
+def _wait_for(bound: SingleFlight, idx: np.ndarray[Any, Any], timeout: float) -> Claims:
     """:meth:`Cache.wait_for <mmapcache.Cache.wait_for>` of cacheable ``idx``."""
     flight, handle, slots = bound.flight, bound.handle, bound.mapped.slots
     states = slots.state_bytes
@@ -572,29 +634,3 @@ def wait_for(bound: Bound, idx: np.ndarray[Any, Any], timeout: float) -> Claims:
             rest = [j for j in todo[k + 1 :] if states[j] != READY]
             return Claims(bound, [i], rest)
     return Claims(bound, [], [i for i in todo if states[i] != READY])
-
-
-def store(
-    flight: Flight,
-    handle: Handle,
-    mapped: Mapped,
-    idx: np.ndarray[Any, Any],
-    arrays: list[Any],
-    *,
-    capacity: int,
-    held: bool,
-) -> np.ndarray[Any, np.dtype[np.bool_]]:
-    """Store coerced rows at ``idx``: slots this thread holds (let go of each), or free ones (``held=False``)."""
-    fill = mapped.fill if not mapped.variables else mapped.fill_variable
-    stored = np.zeros(len(idx), bool)
-    for row, i in enumerate(idx.tolist()):
-        if i >= capacity or (not held and (mapped.states[i] == READY or flight.held_here(i))):
-            continue
-        try:
-            with handle.write_lock:
-                handle.check_usable(writing=True)
-                stored[row] = fill(i, arrays, row)  # releases the slot's lock
-        finally:
-            if held:
-                flight.let_go(handle, mapped.slots, [i], filled=True)
-    return stored

@@ -49,16 +49,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from ._format import PAYLOAD_ALIGNMENT, Layout
+from ._format import ALIGNMENT, PAYLOAD_ALIGNMENT, Layout, align
 from ._locks import SlotLocks
 
 __all__ = ["Heap", "VariableRegion", "extent_size_for", "grant", "place"]
 
 log = logging.getLogger("mmapcache")
+
+_Sizes = TypeVar("_Sizes", int, np.ndarray[Any, Any])
 
 MiB = 2**20
 REFUSED_OFFSET = 8  # the allocation page's second word: stores refused for lack of room
@@ -68,7 +70,7 @@ def extent_size_for(region_size: int) -> int:
     """The extent size for a region: 1 MiB, or a 64th of a small region (whole pages)."""
     if region_size >= 64 * MiB:
         return MiB
-    return max(4096, -(-(region_size // 64) // 4096) * 4096) if region_size >= 4096 else region_size
+    return max(ALIGNMENT, align(region_size // 64)) if region_size >= ALIGNMENT else region_size
 
 
 def grant(run: int, need: int, left: int) -> int:
@@ -85,8 +87,12 @@ def grant(run: int, need: int, left: int) -> int:
     return min(run, max(need, taper), left)
 
 
-def place(nbytes: int) -> int:
-    """``nbytes`` rounded up to the alignment of values in the region."""
+def place(nbytes: _Sizes) -> _Sizes:
+    """``nbytes`` (an int, or an array of them) rounded up to the alignment of values in the region.
+
+    The one rule for where values go: every value starts at a multiple of
+    ``PAYLOAD_ALIGNMENT`` (16) bytes of the region.
+    """
     return -(-nbytes // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
 
 

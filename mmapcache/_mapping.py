@@ -6,8 +6,7 @@ table, read-ahead hints, the boot page — so that a call reads them once
 (see its docstring for why that makes ``close()`` safe). Its methods are the
 mechanics ``Cache`` builds its policy on:
 
-* **fill** a slot: claim it, copy the sample's bytes (variable values into
-  the heap first), publish it READY with its checksum, let go;
+* **read a batch** of what is cached (``read``, for ``read_many`` and single flight);
 * **finish a batch read**: variable fields gathered as one
   :class:`~mmapcache.Jagged` (text as ``str``/``bytes``), damaged
   descriptors and (with ``verify``) checksum mismatches turned into misses,
@@ -15,8 +14,9 @@ mechanics ``Cache`` builds its policy on:
 * **account for the variable region**: which bytes READY slots' values hold
   (``verify``, ``variable_region``, the reconciliation after a reboot).
 
-Policy — which indices are valid, readonly handles, counters, locks around a
-write — stays in ``cache.py``.
+Every write goes through the one writer on top of these views (``_writer.py``);
+policy — which indices are valid, readonly handles, counters — stays in
+``cache.py``.
 """
 
 from __future__ import annotations
@@ -28,15 +28,14 @@ from typing import Any
 import numpy as np
 
 from ._boot import BootPage
-from ._checksum import checksum
 from ._cold import prefetch_later, readahead_for
 from ._format import Header, Layout
 from ._handle import Handle
 from ._heap import VariableRegion
 from ._jagged import Jagged, rows_like
 from ._partitions import StreamRegion
-from ._slots import EMPTY, READY, SlotTable
-from ._variable import NO_ROWS, VariableColumn, check_dimensions, text_value, texts
+from ._slots import READY, SlotTable
+from ._variable import NO_ROWS, VariableColumn, text_value, texts
 from ._verify import failed_rows, intact, intact_parts
 
 __all__ = ["Mapped"]
@@ -75,7 +74,7 @@ class Mapped:
     def __init__(self, handle: Handle, header: Header, layout: Layout) -> None:
         mm = handle.mm
         self.path: Path = handle.path
-        self.layout = layout  # where each region starts in the file (``_bulk.py`` writes with pwrite)
+        self.layout = layout  # where each region starts in the file (``_writer.py`` writes a fresh run with pwrite)
         assert mm is not None
         capacity = header.capacity
         self.slots = SlotTable(mm, layout, capacity, header.record_size, handle.locks)
@@ -141,87 +140,29 @@ class Mapped:
         elif len(ready):
             self.readahead.before_read(ready)
 
-    # -- storing: put and put_many ------------------------------------------------
-
-    def store(self, handle: Handle, index: int, arrays: list[Any]) -> bool:
-        """Store one coerced sample at slot ``index`` under ``handle``'s write lock; False if it is taken."""
-        if self.variables:
-            self.check_dimensions(arrays)
-        with handle.write_lock:
-            handle.check_usable(writing=True)
-            return self.fill(index, arrays, None) if not self.variables else self.fill_variable(index, arrays, None)
-
-    def store_rows(
-        self, handle: Handle, idx: np.ndarray[Any, Any], arrays: list[Any], todo: np.ndarray[Any, Any]
-    ) -> np.ndarray[Any, np.dtype[np.bool_]]:
-        """Store rows ``todo`` of a coerced batch at ``idx[row]`` under one write lock; which rows were stored."""
-        stored = np.zeros(len(idx), dtype=bool)
-        if self.variables:
-            self.check_dimensions(arrays)
-        with handle.write_lock:
-            handle.check_usable(writing=True)
-            fill = self.fill if not self.variables else self.fill_variable
-            for row in todo.tolist():
-                stored[row] = fill(int(idx[row]), arrays, row)
-        return stored
-
-    def check_dimensions(self, arrays: list[Any]) -> None:
-        """Variable values must fit their descriptors: checked before any slot is claimed."""
-        for entry, values in zip(self.order, arrays, strict=True):
-            if len(entry) == 2:
-                check_dimensions(entry[0], values)
-
-    # -- filling one slot -----------------------------------------------------
-
-    def fill(self, index: int, arrays: list[np.ndarray[Any, Any]], row: int | None) -> bool:
-        """Claim, copy (row ``row`` of each array, or the arrays themselves), publish; False if taken."""
-        slots = self.slots
-        if not slots.claim(index):
-            return False
-        try:
-            for (_, target), source in zip(self.items, arrays, strict=True):
-                target[index] = source if row is None else source[row]
-            slots.publish(index, checksum([raw[index] for raw in self.raws]))
-            return True
-        finally:
-            slots.release(index)
-
-    def fill_variable(self, index: int, arrays: list[Any], row: int | None) -> bool:
-        """:meth:`fill` for a cache with variable fields: values go to this writer's extent first."""
-        slots, heap = self.slots, self.heap
-        assert heap is not None
-        if not slots.claim(index):
-            return False
-        try:
-            values = [source if row is None else source[row] for source in arrays]
-            if not self.place(index, values):
-                slots.states[index] = EMPTY  # nothing was stored: the slot stays a miss
-                heap.warn_full(self.path)
-                return False
-            for entry, value in zip(self.order, values, strict=True):
-                if len(entry) == 3:
-                    entry[1][index] = value
-            parts = self.parts(index)
-            assert parts is not None  # just written within bounds
-            slots.publish(index, checksum(parts))
-            return True
-        finally:
-            slots.release(index)
-
-    def place(self, index: int, values: list[np.ndarray[Any, Any]]) -> bool:
-        """Write slot ``index``'s variable values into the region; False when it has no room."""
-        heap = self.heap
-        assert heap is not None
-        for entry, value in zip(self.order, values, strict=True):
-            if len(entry) == 3:
-                continue
-            offset = heap.allocate(value.nbytes) if value.nbytes else 0
-            if offset is None:
-                return False
-            entry[1].write(index, offset, value)
-        return True
-
     # -- reading --------------------------------------------------------------
+
+    def read(
+        self, idx: np.ndarray[Any, Any], out: dict[str, Any], capacity: int, length: int, verify: bool
+    ) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]]]:
+        """What is cached of validated ``idx``, fixed fields into ``out``: ``(every field, hits)``.
+
+        ``Cache.read_many`` without its argument checks and counts; rows of
+        misses are left as they were (``None`` in a variable field's batch).
+        """
+        hits = self.slots.ready_mask(idx, capacity, length)
+        if self.readahead is not None:
+            self.readahead.before_read(idx[hits])
+        if hits.all():
+            for name, array in self.items:
+                np.take(array, idx, axis=0, out=out[name], mode="clip")
+        elif hits.any():
+            rows = np.flatnonzero(hits)
+            for name, array in self.items:
+                out[name][rows] = array[idx[rows]]
+        out, bad = self.checked(idx, out, np.flatnonzero(hits), verify)
+        hits[bad] = False
+        return out, hits
 
     def intact(self, index: int, arrays: Any) -> bool:
         """Whether a fixed-field sample read from slot ``index`` matches its checksum (a mismatch is logged)."""

@@ -12,6 +12,7 @@ The layout math itself is ``_format``'s.
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import socket
@@ -22,13 +23,24 @@ import numpy as np
 
 from ._field import Field, FieldsLike, normalize_fields
 from ._file import NewFile
-from ._format import MAX_FILE_SIZE, indices_digest, max_slots, slot_nbytes
+from ._format import ALIGNMENT, MAX_FILE_SIZE, indices_digest, max_slots, slot_nbytes
 from ._heap import extent_size_for
 from ._sizes import parse_bytes
 from ._times import iso_time
 from ._validation import Expected
 
-__all__ = ["Plan", "check_count", "creation_info", "index_table", "plan", "plan_capacity", "plan_variable"]
+__all__ = [
+    "EXTENT_ROOM",
+    "VARIABLE_HEADROOM",
+    "Plan",
+    "check_count",
+    "creation_info",
+    "index_table",
+    "plan",
+    "plan_capacity",
+    "plan_variable",
+    "variable_budget",
+]
 
 
 @dataclass(frozen=True)
@@ -176,8 +188,8 @@ def plan_variable(
     if slots > max_slots(fields):
         raise ValueError(f"{slots} slots are more than a file can hold; cache fewer samples with capacity=")
     fixed = slots * slot_nbytes(fields)
-    region = min((budget - fixed) // 4096 * 4096, (MAX_FILE_SIZE - fixed) // 2 // 4096 * 4096)
-    if region < 4096:
+    region = min(_whole_pages(budget - fixed), _whole_pages((MAX_FILE_SIZE - fixed) // 2))
+    if region < ALIGNMENT:
         raise ValueError(
             f"max_bytes={max_bytes!r} ({budget} bytes) leaves no room for the values of the variable fields "
             f"{variable}: the fixed parts of {slots} slots already take {fixed} bytes "
@@ -185,6 +197,27 @@ def plan_variable(
             "of the values you expect, or fewer slots with capacity="
         )
     return slots, region
+
+
+def _whole_pages(nbytes: int) -> int:
+    """``nbytes`` rounded down to whole pages (regions start and end on :data:`~._format.ALIGNMENT`)."""
+    return nbytes // ALIGNMENT * ALIGNMENT
+
+
+VARIABLE_HEADROOM = 1.25  # without a budget: room for this many times the measured mean of a slot's values
+EXTENT_ROOM = 2**20  # and this much more: writers claim the region in extents (see _heap.py)
+
+
+def variable_budget(fields: dict[str, Field], slots: int, mean_values: float) -> int:
+    """The byte budget of a new file with variable fields and no ``max_bytes``: the one sizing policy.
+
+    The fixed parts of every slot, plus ``VARIABLE_HEADROOM`` times
+    ``mean_values`` (the measured mean bytes of a slot's variable values,
+    each rounded as the region places it: :func:`~._heap.place`) per slot,
+    plus ``EXTENT_ROOM``. A caller that measured nothing has no budget to
+    offer: ``Cache(...)`` asks for ``max_bytes=`` instead.
+    """
+    return slots * slot_nbytes(fields) + math.ceil(VARIABLE_HEADROOM * mean_values * slots) + EXTENT_ROOM
 
 
 def creation_info() -> dict[str, Any]:

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 
 from ._boot import current_boot_id
-from ._bulk import store_run
 from ._errors import CacheError, CacheInUseError, SchemaMismatchError, StaleCacheError
 from ._field import Field
 from ._file import NewFile, open_or_create
@@ -36,7 +35,7 @@ from ._plan import creation_info
 from ._removal import remove
 from ._sizes import parse_bytes
 from ._validation import Expected
-from .cache import Cache, attach_opened
+from .cache import Cache, attach_opened, writer_of
 
 __all__ = [
     "Partition",
@@ -394,11 +393,11 @@ class PartitionWriter:
     def offer_many(self, first: int, batch: Mapping[str, Any], count: int, *, checked: bool = False) -> int:
         """Elements ``first .. first + count - 1`` of the partition, as ``put_many`` takes them; how many it stored.
 
-        ``checked``: the batch is in storage form already (see :func:`~mmapcache._bulk.store_run`).
+        ``checked``: the batch is in storage form already (see :meth:`~mmapcache._writer.Writer.put_run`).
 
         Those below the partition's ``stored`` are skipped (another pass has
         them); the rest go into a run of slots taken in one step, filled with
-        one :func:`~mmapcache._bulk.store_run` and only then counted (see
+        one :meth:`~mmapcache._writer.Writer.put_run` and only then counted (see
         ``_partitions.py``): a pass killed in the middle leaves them holes,
         stored again by the next pass.
         """
@@ -418,7 +417,7 @@ class PartitionWriter:
             for name, values in batch.items()
         }
         # Fewer than len(slots) only when the variable region is full; none when the file system is.
-        fit = store_run(self.cache, slots.start, rows, len(slots), checked=checked)
+        fit = writer_of(self.cache).put_run(slots.start, rows, len(slots), coerced=checked)
         stream.count(p, first + skip, slots[:fit])
         self.stored += fit
         if fit < count - skip:

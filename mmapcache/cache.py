@@ -18,7 +18,7 @@ from ._counters import REFUTED, Counts, Usage
 from ._errors import CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike
 from ._file import OpenedFile, open_or_create
-from ._flight import Bound
+from ._flight import WAIT_TIMEOUT, Claims, Flight, SingleFlight
 from ._format import Header, Layout
 from ._gather import empty_aligned, gather
 from ._handle import closed_error
@@ -27,10 +27,9 @@ from ._indices import as_given, check_index, check_out, index_array
 from ._mapping import Mapped
 from ._opening import attach
 from ._plan import plan
-from ._single_flight import SingleFlight
 from ._slots import READY, STRONGLY_ORDERED
-from ._values import coerce_batch, coerce_sample
 from ._verify import Problem
+from ._writer import Writer, readonly_error
 
 __all__ = ["Cache", "Problem"]
 
@@ -53,7 +52,7 @@ def _parameters_of(init: Callable[Concatenate[Any, _P], None]) -> Callable[[Call
     return decorate
 
 
-class Cache(SingleFlight):
+class Cache:
     """A dataset cache in one memory-mapped file, shared by every process that opens it.
 
     ``Cache(...)`` and ``Cache.open(...)`` are the same: open the file at
@@ -147,6 +146,12 @@ class Cache(SingleFlight):
         self._handle = handle
         self._board = handle.board
         self._mapped: Mapped | None = mapped
+        # Every store goes through the writer, single flight's too; both are dropped on close.
+        self._writer: Writer | None = Writer(
+            handle, mapped, header.fields, length=header.length, capacity=header.capacity, readonly=readonly
+        )
+        self._holds = Flight()  # which thread holds which slot, the mean load time: outlives a close
+        self._single: SingleFlight | None = SingleFlight(self._holds, self._writer, verify=self._verify)
         self._finalizer = weakref.finalize(self, handle.close)
         self._closed = False
 
@@ -360,24 +365,15 @@ class Cache(SingleFlight):
         ``count=False`` leaves the usage counters alone (for a caller that
         counted these reads already, e.g. in another process).
         """
-        mapped = self._live()
+        mapped = self._mapped
+        if mapped is None:
+            raise closed_error(self._path)
         idx = index_array(indices, self._length)
         if out is not None:
             check_out(out, self._fields, len(idx))
         else:
             out = {name: empty_aligned((len(idx), *array.shape[1:]), array.dtype) for name, array in mapped.items}
-        hits = mapped.slots.ready_mask(idx, self._capacity, self._length)
-        if mapped.readahead is not None:
-            mapped.readahead.before_read(idx[hits])
-        if hits.all():
-            for name, array in mapped.items:
-                np.take(array, idx, axis=0, out=out[name], mode="clip")
-        elif hits.any():
-            rows = np.flatnonzero(hits)
-            for name, array in mapped.items:
-                out[name][rows] = array[idx[rows]]
-        out, bad = mapped.checked(idx, out, np.flatnonzero(hits), self._verify)
-        hits[bad] = False
+        out, hits = mapped.read(idx, out, self._capacity, self._length, self._verify)
         if count:
             found = int(np.count_nonzero(hits))
             self._board.add(hits=found, misses=len(idx) - found)
@@ -405,7 +401,8 @@ class Cache(SingleFlight):
 
     def count(self, *, hits: int = 0, misses: int = 0) -> None:
         """Add reads served outside :meth:`get`/:meth:`get_many` (e.g. through :attr:`views`) to the counters."""
-        self._live()
+        if self._mapped is None:
+            raise closed_error(self._path)
         self._board.add(hits=hits, misses=misses)
 
     def usage(self) -> Usage:
@@ -429,36 +426,86 @@ class Cache(SingleFlight):
         filled by another process at the same time also returns False.
         """
         i = index if type(index) is int and 0 <= index < self._length else check_index(index, self._length)
-        mapped = self._live()
-        if self._readonly:
-            raise self._readonly_error("put")
-        if i >= self._capacity or mapped.states[i] == READY:
-            return False
-        stored = mapped.store(self._handle, i, coerce_sample(sample, self._fields))
-        if stored:
-            self._board.add(written=1)
-        return stored
+        return self._store().put(i, sample)
 
     def put_many(self, indices: Any, batch: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """Store row ``k`` of every field of ``batch`` at ``indices[k]``; which rows were stored."""
-        mapped = self._live()
-        if self._readonly:
-            raise self._readonly_error("put_many")
-        idx = index_array(indices, self._length)
-        todo = np.flatnonzero((idx < self._capacity) & ~mapped.slots.ready_mask(idx, self._capacity, self._length))
-        if not len(todo):
-            return np.zeros(len(idx), dtype=bool)
-        stored = mapped.store_rows(self._handle, idx, coerce_batch(batch, self._fields, len(idx)), todo)
-        self._board.add(written=int(np.count_nonzero(stored)))
-        return stored
+        writer = self._store()
+        return writer.put_many(index_array(indices, self._length), batch)
 
-    def _bound(self, writing: str | None) -> Bound:
-        """This handle's flight bound to its mapping (``writing``: the verb a readonly handle refuses)."""
-        mapped = self._live()
-        if writing is not None and self._readonly:
-            raise self._readonly_error(writing)
-        flight, writable = self._flight(), not self._readonly
-        return Bound(flight, self._handle, mapped, self._fields, capacity=self._capacity, writable=writable)
+    # -- single flight: one load per sample per node (see _flight.py) ----------
+
+    def get_or_load_many(
+        self,
+        indices: Any,
+        load: Callable[[list[int]], Any],
+        *,
+        out: dict[str, np.ndarray[Any, Any]] | None = None,
+        timeout: float = WAIT_TIMEOUT,
+        wait: bool | None = None,
+        chunk: int | None = None,
+    ) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]]]:
+        """The samples at ``indices``, each missing one loaded by ``load`` once per node: ``(batch, loaded)``.
+
+        ``batch`` is what :meth:`read_many` returns, every row filled;
+        ``loaded[k]`` says whether row ``k`` was loaded by this call (else it
+        came from the cache). ``load(indices)`` gets a list of cache indices
+        and returns their samples: a batch as :meth:`put_many` takes it, or a
+        list of samples ``{field: value}`` in the same order. What it returns
+        is stored, and returned as a read would return it.
+
+        A missing slot is held (the kernel lock a fill takes) before it is
+        loaded and let go as soon as it is stored, a few slots at a time
+        (``chunk``: by default about 10 ms of loading). A slot that another
+        process — or another thread — is loading is waited for rather than
+        loaded again, once this call holds nothing: up to ``timeout`` seconds
+        in all (default 10), after which the call loads what is left itself.
+        If that holder dies or its ``load`` raises, the waiter loads the slot.
+        ``wait=None`` waits only when it pays: not when this handle's mean
+        load time (:attr:`mean_load_time`) is under half a millisecond per
+        sample; ``wait=False`` never waits, ``wait=True`` always does.
+
+        An exception from ``load`` lets go of the slots it held and
+        propagates. A readonly cache loads every miss itself and stores
+        nothing. Usage counts a row read from the cache (waited for or not)
+        as a hit and a row loaded here as a miss.
+        """
+        return self._flight().get_or_load_many(indices, load, out=out, timeout=timeout, wait=wait, chunk=chunk)
+
+    def get_or_load(
+        self, index: int, load: Callable[[int], Any], *, timeout: float = WAIT_TIMEOUT, wait: bool | None = None
+    ) -> dict[str, Any]:
+        """The sample at ``index``: from the cache, or ``load(index)`` once per node (see :meth:`get_or_load_many`)."""
+        return self._flight().get_or_load(index, load, timeout=timeout, wait=wait)
+
+    def claim_many(self, indices: Any) -> Claims:
+        """Hold, without waiting, every slot among ``indices`` that is cacheable, not cached and free.
+
+        Returns :class:`Claims` (a context manager): its ``indices`` are the
+        slots now held by this thread — load them and store them with
+        ``claims.put_many``; leaving the ``with`` block lets go of the rest.
+        Its ``held`` are the slots another process or thread is loading: wait
+        for them with :meth:`wait_for`, once you hold nothing.
+        """
+        return self._flight().claim_many(indices)
+
+    def wait_for(self, indices: Any, *, timeout: float = WAIT_TIMEOUT) -> Claims:
+        """Wait until every one of ``indices`` is cached, or until one of them is left to this thread.
+
+        Returns :class:`Claims` holding one slot when its holder gave it up
+        unstored (it died, or its load raised): load and store it, then wait
+        for the rest. Otherwise the claims hold nothing, and their ``held``
+        lists the slots still being loaded elsewhere after ``timeout`` seconds
+        (load those yourself: storing them is refused while their holder
+        lives). Waits only while this thread holds no slot (else
+        ``RuntimeError``): waiting while holding could deadlock.
+        """
+        return self._flight().wait_for(indices, timeout=timeout)
+
+    @property
+    def mean_load_time(self) -> float | None:
+        """Seconds per sample that :meth:`get_or_load_many`'s loads took through this handle (``None``: none yet)."""
+        return self._holds.mean_load_time()
 
     @property
     def variable_region(self) -> VariableRegion | None:
@@ -517,7 +564,7 @@ class Cache(SingleFlight):
         if self._closed:
             return
         self._closed = True
-        self._mapped = None
+        self._mapped = self._writer = self._single = None
         self._finalizer()
 
     @property
@@ -545,11 +592,32 @@ class Cache(SingleFlight):
             raise closed_error(self._path)
         return mapped
 
+    def _store(self) -> Writer:
+        """The handle's one writer; ``ValueError`` once the cache is closed."""
+        writer = self._writer
+        if writer is None:
+            raise closed_error(self._path)
+        return writer
+
+    def _flight(self) -> SingleFlight:
+        """The handle's single flight; ``ValueError`` once the cache is closed."""
+        single = self._single
+        if single is None:
+            raise closed_error(self._path)
+        return single
+
     def _readonly_error(self, what: str) -> ReadonlyCacheError:
-        return ReadonlyCacheError(
-            f"cannot {what}: {self._path} was opened with readonly=True; open it without readonly to write",
-            path=self._path,
-        )
+        return readonly_error(self._path, what)
+
+
+def writer_of(cache: Cache) -> Writer:
+    """The one writer of an open cache: for the core's own writers that are not ``put`` (a stream's fill)."""
+    return cache._store()
+
+
+def flight_of(cache: Cache) -> SingleFlight:
+    """The single flight of an open cache: for a caller that hands on the read it made (``CachedDataset``'s misses)."""
+    return cache._flight()
 
 
 def attach_opened(path: Path, opened: OpenedFile, *, timeout: float) -> Cache:

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from mmapcache import Field
-from mmapcache._bulk import store_run
 from mmapcache._stream import Partition, PartitionWriter, open_stream, plan_stream, region
+from mmapcache.cache import writer_of
 
 FIELDS = {"value": Field((4,), "int64"), "tokens": Field((None,), "int32")}
 KEY = "test-stream"
@@ -140,9 +140,11 @@ def _die_in_batch(cache: Any, stream: Any, p: int, first: int, rows: dict[str, A
     stream.reserve(slots)
     half = count // 2
     if mode == "batch-half-filled":
-        assert store_run(cache, slots.start, {name: values[:half] for name, values in rows.items()}, half) == half
+        assert (
+            writer_of(cache).put_run(slots.start, {name: values[:half] for name, values in rows.items()}, half) == half
+        )
         _die()
-    assert store_run(cache, slots.start, rows, count) == count
+    assert writer_of(cache).put_run(slots.start, rows, count) == count
     if mode == "batch-filled":
         _die()
     assert mode in ("batch-recording", "batch-counting")

@@ -1,4 +1,4 @@
-"""Storing a batch into a run of fresh slots (``_bulk.store_run``, the fill path of a stream cache)."""
+"""Storing a batch into a run of fresh slots (``Writer.put_run``, the fill path of a stream cache)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from mmapcache import CacheError, Field
-from mmapcache._bulk import store_run
 from mmapcache._stream import Partition, PartitionWriter, open_stream, plan_stream, region
+from mmapcache.cache import writer_of
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_file import mounted_tmpfs
@@ -54,8 +54,8 @@ def test_a_run_reads_back_and_verifies_as_if_each_row_were_put(tmp_path: Path, w
     with _open(path) as cache:  # type: ignore[attr-defined]
         first, second = _rows(37, 1), _rows(5, 2)
         assert region(cache).allocate(43) == range(43)  # slots handed out, as a stream's writer takes them
-        assert store_run(cache, 0, first, 37) == 37
-        assert store_run(cache, 37, second, 5) == 5
+        assert writer_of(cache).put_run(0, first, 37) == 37
+        assert writer_of(cache).put_run(37, second, 5) == 5
         assert cache.counts.written == 42
         for start, rows in ((0, first), (37, second)):
             for r in range(len(rows["label"])):
@@ -70,7 +70,7 @@ def test_a_run_reads_back_and_verifies_as_if_each_row_were_put(tmp_path: Path, w
         assert cache.get(42) is None  # the next slot is untouched
         assert cache.verify() == []  # every checksum is the one put() would have written
         with pytest.raises(CacheError, match="not fresh"):
-            store_run(cache, 40, _rows(3, 3), 3)  # 40 and 41 are filled
+            writer_of(cache).put_run(40, _rows(3, 3), 3)  # 40 and 41 are filled
         assert cache.verify() == []
 
 
@@ -81,7 +81,7 @@ def test_a_full_variable_region_stores_the_rows_before_the_first_value_that_does
         sizes = [100] * 10 + [room] + [10] * 5  # the 11th cannot fit, the later small ones could
         rows = {"tokens": [np.full(n, k, np.uint8) for k, n in enumerate(sizes)], "label": np.arange(16)}
         region(cache).allocate(16)
-        assert store_run(cache, 0, rows, 16) == 10
+        assert writer_of(cache).put_run(0, rows, 16) == 10
         assert [cache.get(k) is not None for k in range(16)] == [True] * 10 + [False] * 6
         assert cache.variable_region.refused == 1  # one store turned away, not one per attempt
         assert cache.verify() == []
@@ -92,12 +92,12 @@ def test_bad_rows_are_refused_before_any_slot_changes(tmp_path: Path) -> None:
         rows = _rows(4, 1)
         rows["boxes"][2] = np.zeros((3, 5), np.float32)  # type: ignore[index]
         with pytest.raises(ValueError, match="boxes"):
-            store_run(cache, 0, rows, 4)
+            writer_of(cache).put_run(0, rows, 4)
         with pytest.raises(ValueError, match="not in"):
-            store_run(cache, cache.capacity - 1, _rows(2, 1), 2)
+            writer_of(cache).put_run(cache.capacity - 1, _rows(2, 1), 2)
         assert all(cache.get(k) is None for k in range(4))
         region(cache).allocate(4)
-        assert store_run(cache, 0, _rows(4, 1), 4) == 4
+        assert writer_of(cache).put_run(0, _rows(4, 1), 4) == 4
         assert cache.verify() == []
 
 
@@ -153,9 +153,35 @@ def test_a_field_of_no_bytes_is_stored_and_read_back(tmp_path: Path) -> None:
     fields = {"empty": Field((0,), "float32"), "label": Field((), "int64")}
     with _open(tmp_path / "s.mmc", fields, length=10) as cache:  # type: ignore[attr-defined]
         region(cache).allocate(3)
-        assert store_run(cache, 0, {"empty": np.zeros((3, 0), np.float32), "label": np.arange(3)}, 3) == 3
+        assert writer_of(cache).put_run(0, {"empty": np.zeros((3, 0), np.float32), "label": np.arange(3)}, 3) == 3
         sample = cache.get(2)
         assert sample is not None
         assert sample["empty"].shape == (0,)
         assert int(sample["label"]) == 2
+        assert cache.verify() == []
+
+
+def _with_empty(count: int, empty: set[int]) -> dict[str, list[object] | np.ndarray]:
+    """Rows of the variable fields only, row ``r`` empty (no tokens, ``""``) when ``r in empty``."""
+    return {
+        "tokens": [np.arange(0 if r in empty else r % 9 + 1, dtype=np.int32) + r for r in range(count)],
+        "caption": ["" if r in empty else f"row {r} " + "é" * (r % 4) for r in range(count)],
+        "label": np.arange(count, dtype=np.int64),
+    }
+
+
+@pytest.mark.parametrize("empty", [{0}, {0, 1, 2}, {0, 5}, {3}, set(range(6))], ids=str)
+def test_a_batch_starting_with_empty_values_does_not_overwrite_earlier_rows(tmp_path: Path, empty: set[int]) -> None:
+    fields = {"tokens": Field((None,), "int32"), "caption": Field((None,), str), "label": Field((), "int64")}
+    with _open(tmp_path / "s.mmc", fields, length=40) as cache:  # type: ignore[attr-defined]
+        region(cache).allocate(12)
+        first, second = _with_empty(6, set()), _with_empty(6, empty)
+        assert writer_of(cache).put_run(0, first, 6) == 6
+        assert writer_of(cache).put_run(6, second, 6) == 6
+        for start, rows in ((0, first), (6, second)):
+            for r in range(6):
+                sample = cache.get(start + r)
+                assert sample is not None, start + r
+                np.testing.assert_array_equal(sample["tokens"], rows["tokens"][r])  # type: ignore[arg-type]
+                assert sample["caption"] == rows["caption"][r]
         assert cache.verify() == []

@@ -29,7 +29,7 @@ from _flight_procs import (
     wrong_rows,
 )
 
-from mmapcache import Cache, Claims, Jagged
+from mmapcache import Cache, Claims, Field, Jagged
 from mmapcache._flight import CHEAP_LOAD, WAIT_TIMEOUT
 
 FORK = multiprocessing.get_context("fork")
@@ -255,7 +255,7 @@ def test_an_error_in_load_lets_go_of_the_slots_and_propagates(path: Path, procs:
     with Cache.open(path) as cache:
         with pytest.raises(OSError, match="went away"):
             cache.get_or_load_many([1, 2, 3], failing, chunk=3)
-        assert cache._flight().holding() == 0
+        assert cache._holds.holding() == 0
         assert not any(i in cache for i in (1, 2, 3))
         # Another process can hold them at once: the kernel locks are gone too.
         started = path.with_name("started")
@@ -323,7 +323,7 @@ def test_claims_store_only_their_own_slots_and_let_go_when_the_block_ends(path: 
             with pytest.raises(ValueError, match=r"\[7\] are not held"):
                 claims.put_many([7], {"x": [sample(7)["x"]], "i": [7]})
             assert claims.put_many([1], {"x": [sample(1)["x"]], "i": [1]}).tolist() == [True]
-        assert cache._flight().holding() == 0
+        assert cache._holds.holding() == 0
         with cache.claim_many([1, 2]) as again:
             assert again.indices.tolist() == [2]  # 1 is cached, 2 free again
         assert cache.wait_for([1], timeout=0).indices.tolist() == []
@@ -354,7 +354,7 @@ def test_bad_arguments_say_what_was_wrong(path: Path) -> None:
             cache.get_or_load_many([1, 2], lambda idx: [sample(1)], chunk=2)
         with pytest.raises(ValueError, match="fields"):
             cache.get_or_load_many([1], lambda idx: [{"x": sample(1)["x"]}])
-        assert cache._flight().holding() == 0
+        assert cache._holds.holding() == 0
         assert cache.claim_many([1, 2]).indices.tolist() == [1, 2]  # nothing was left held
 
 
@@ -376,3 +376,24 @@ def test_check_concurrent_access_passes_get_or_load_many_over_many_examples() ->
 
     summary = check_concurrent_access(FlightDataset, truth, processes=4, max_examples=60, kill=True)
     assert summary.kills_mid_load > 0
+
+
+def test_a_dimension_beyond_the_format_is_refused_by_every_store_path_before_a_slot_is_claimed(
+    tmp_path: Path,
+) -> None:
+    grid = {"v": Field((None, None), "uint8"), "label": Field((), "int64")}
+    huge = np.zeros((2**32, 0), np.uint8)  # no bytes, but a dimension a uint32 cannot describe
+    small = np.zeros((1, 1), np.uint8)
+    with Cache.open(tmp_path / "g.mmc", grid, length=4, max_bytes="1MiB") as cache:
+        with pytest.raises(ValueError, match=r"'v'.*4294967296"):
+            cache.get_or_load_many([0, 1], lambda idx: [{"v": huge, "label": i} for i in idx])
+        with pytest.raises(ValueError, match=r"'v'.*4294967296"):
+            cache.get_or_load(2, lambda i: {"v": huge, "label": i})
+        with cache.claim_many([3]) as claims, pytest.raises(ValueError, match=r"'v'.*4294967296"):
+            claims.put_many([3], {"v": [huge], "label": [3]})
+        assert cache._mapped is not None
+        assert cache._mapped.slots.states.tolist() == [0, 0, 0, 0], "no slot was claimed, none is left WRITING"
+        assert cache.verify() == []
+        _, loaded = cache.get_or_load_many([0, 1], lambda idx: [{"v": small, "label": i} for i in idx])
+        assert loaded.tolist() == [True, True]
+        assert cache.filled == 2

@@ -487,3 +487,42 @@ def test_dtypes_and_fields_together_store_int32_tokens_as_uint16_and_refuse_a_va
     too_small = CachedStream(Numbers(100), tmp_path / "n.mmc", key="n", fields=narrow, max_bytes="1MiB")
     with pytest.raises(ValueError, match="cannot be stored as uint8"):
         list(too_small)
+
+
+class _SomeEmpty(torch.utils.data.IterableDataset[Any]):
+    """Elements whose tokens and caption are empty for about 3 % of them (empty documents are ordinary)."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(worker, self.length, workers):
+            yield _some_empty(i)
+
+
+def _some_empty(i: int) -> dict[str, Any]:
+    empty = (i * 7919) % 33 == 0
+    return {
+        "label": i,
+        "caption": "" if empty else f"element {i} " + "ab" * (i % 5),
+        "tokens": torch.arange(0 if empty else i % 7 + 1, dtype=torch.int32) + i,
+    }
+
+
+def test_empty_values_among_the_elements_are_stored_and_read_back_exact_by_two_workers(tmp_path: Path) -> None:
+    fields = {"label": Field((), "int64"), "caption": Field((None,), "str"), "tokens": Field((None,), "int32")}
+    ds = CachedStream(_SomeEmpty(2000), tmp_path / "s.mmc", key="k", fields=fields, max_bytes="4MiB")
+    loader = DataLoader(ds, batch_size=None, num_workers=2)
+    for epoch in range(2):  # the first fills the file, the second reads it back
+        ds.set_epoch(epoch)
+        seen = 0
+        for element in loader:
+            expected = _some_empty(int(element["label"]))
+            assert element["caption"] == expected["caption"]
+            assert torch.equal(element["tokens"], expected["tokens"])
+            seen += 1
+        assert seen == 2000
+    with Cache(tmp_path / "s.mmc", readonly=True) as cache:
+        assert cache.verify() == []

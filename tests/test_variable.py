@@ -570,3 +570,15 @@ def test_a_single_writer_fills_the_whole_region(cache_dir: Path, size: int) -> N
         assert cache.put(count, {"data": np.zeros(rounded + (region.size - count * rounded) + 16, np.uint8)}) is False
         assert all(cache[i]["data"].tolist() == [i % 251] * size for i in range(0, count, 7))
         assert cache.verify() == []
+
+
+def test_one_rule_places_values_and_one_policy_sizes_a_variable_region_without_a_budget() -> None:
+    from mmapcache._format import slot_nbytes
+    from mmapcache._heap import place
+    from mmapcache._plan import EXTENT_ROOM, VARIABLE_HEADROOM, variable_budget
+
+    sizes = np.array([0, 1, 15, 16, 17, 4096], np.int64)
+    assert place(sizes).tolist() == [place(int(n)) for n in sizes] == [0, 16, 16, 16, 32, 4096]
+    fields = {"tokens": Field((None,), "int32"), "label": Field((), "int64")}
+    budget = variable_budget(fields, 1000, 100.0)
+    assert budget == 1000 * slot_nbytes(fields) + int(VARIABLE_HEADROOM * 100 * 1000) + EXTENT_ROOM

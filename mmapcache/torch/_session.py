@@ -31,7 +31,7 @@ from .._errors import CacheInUseError, SchemaMismatchError, StaleCacheError
 from .._field import Field
 from .._removal import remove
 from .._slots import STRONGLY_ORDERED
-from ..cache import Cache
+from ..cache import Cache, flight_of
 from ._checks import (
     Verdict,
     check_deterministic,
@@ -335,9 +335,13 @@ class Session:
         out = dict(zip(schema.fixed, arrays, strict=True))
         read, hits = cache.read_many(idx, out=out, count=False)  # variable fields: Jagged, texts: lists
         found = int(np.count_nonzero(hits))
-        self.hits += found
-        if not counted:
-            cache.count(hits=found)
+        if found < len(idx) and not given_rows and not counted:  # misses: this read is handed on, not made again
+            read = self._fill_misses(cache, idx, read, hits, found)
+            hits[:] = True
+        else:
+            self.hits += found
+            if not counted:
+                cache.count(hits=found)
         batch = iter(tensors)
         gathered: list[Any] = [
             (read[name] if schema.texts[k] is None else list(read[name])) if schema.variable[k] else next(batch)
@@ -355,6 +359,28 @@ class Session:
         if loaded:
             gathered = schema.with_rows(gathered, loaded)
         return gathered
+
+    def _fill_misses(
+        self, cache: Cache, idx: np.ndarray[Any, np.dtype[np.intp]], read: dict[str, Any], hits: Any, found: int
+    ) -> dict[str, Any]:
+        """The misses of a batch read (``read``, ``hits``) loaded through single flight into its rows; counted.
+
+        Each is loaded once per node and stored (see :meth:`load`); the rows of
+        fixed fields are filled in place, in the batch tensors the read filled.
+        """
+        schema = self.schema
+        assert schema is not None
+        before = _written(cache)
+        try:
+            batch, loaded = flight_of(cache).get_or_load_many(idx, self._flight_load(schema), first=(idx, read, hits))
+        except _VariesError as varies:  # raised once the held slots were let go: now the file may be refuted
+            raise ValueError(self._varying_shapes(schema, varies.error, varies.raw)) from None
+        fresh = int(np.count_nonzero(loaded))
+        self.written += _written(cache) - before
+        self.misses += fresh
+        self.hits += len(idx) - fresh
+        self.waited += len(idx) - found - fresh
+        return batch
 
     def _read_views(self, cache: Cache, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
         """``copy=False``: hits as views of the read-only mapping, misses loaded; the order kept.

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .._format import slot_nbytes
 from .._heap import place
 from .._paths import free_bytes
+from .._plan import VARIABLE_HEADROOM, variable_budget
 from .._sizes import format_bytes
 from ._columns import columns
 from ._schema import Schema
@@ -20,7 +19,7 @@ __all__ = ["SIZING_HEADROOM", "SIZING_SAMPLES", "Sized", "fits", "size_variable"
 log = logging.getLogger("mmapcache")
 
 SIZING_SAMPLES = 64  # samples a new file with variable fields and no max_bytes is sized from
-SIZING_HEADROOM = 1.25  # room for the variable values: this many times the sample's mean
+SIZING_HEADROOM = VARIABLE_HEADROOM  # room for the variable values: this many times the sample's mean
 
 
 class Sized(NamedTuple):
@@ -46,9 +45,10 @@ def size_variable(
 
     ``SIZING_SAMPLES`` positions spread evenly over the file (the middles of as
     many equal parts; the first batch's rows among them are not loaded again)
-    are loaded, checked and measured: the budget is the
-    fixed parts of every slot, plus ``SIZING_HEADROOM`` times the mean bytes of
-    a sample's variable values times the slots, plus 1 MiB (writers claim the
+    are loaded, checked and measured: the budget is the core's one sizing
+    policy (:func:`mmapcache._plan.variable_budget`) for the mean bytes of a
+    sample's variable values — the fixed parts of every slot, plus
+    ``SIZING_HEADROOM`` times that mean per slot, plus 1 MiB (writers claim the
     region in extents). It is capped by the file system's free space (a warning
     says so, and what to do). The loaded samples are returned, to be stored.
     """
@@ -73,8 +73,7 @@ def size_variable(
     values += [place(stored[k][row].nbytes) for k in variable for row in mine]
     measured = len(extra) + len(mine)
     mean = sum(values) / max(measured, 1)
-    fixed = slots * slot_nbytes(schema.fields)
-    budget = fixed + math.ceil(SIZING_HEADROOM * mean * slots) + 2**20
+    budget = variable_budget(schema.fields, slots, mean)
     free = free_bytes(settings.path.parent)
     if free is not None and budget > free * 0.9:
         capped = int(free * 0.9)
