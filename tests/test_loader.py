@@ -432,3 +432,51 @@ def test_batch_transform_is_checked(cache_dir: Path) -> None:
         ds.loader(batch_size=4, batch_transform=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="batch_transform needs batches"):
         ds.loader(batch_size=None, batch_transform=add_one)
+
+
+RECIPES = Path(__file__).resolve().parent.parent / "docs" / "recipes.md"
+
+
+def recipe_block(heading: str) -> str:
+    """The Python block of the recipe under ``## <heading>`` in docs/recipes.md."""
+    text = RECIPES.read_text(encoding="utf-8")
+    section = text.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_batch_crop_flip_recipe_prints_what_it_says(cache_dir: Path) -> None:
+    body = recipe_block("Augmenting whole batches: `batch_transform=`")
+    env = {**os.environ, "MMAPCACHE_DIR": str(cache_dir)}
+    out = subprocess.run([sys.executable, "-c", body], env=env, capture_output=True, text=True, check=True, timeout=300)
+    said = [line.split("# ", 1)[1] for line in body.splitlines() if line.startswith("print(")]
+    assert out.stdout.splitlines() == said
+    assert list(cache_dir.iterdir()) == [], "the recipe removes what it made"
+
+
+def test_the_batch_crop_flip_recipe_crops_and_flips_each_sample_on_its_own() -> None:
+    body = recipe_block("Augmenting whole batches: `batch_transform=`")
+    scope: dict[str, Any] = {}
+    exec(body.split("\ndecoded = ", 1)[0], scope)  # the imports and the class, not the run
+    images = torch.randint(0, 256, (64, 3, 20, 20), dtype=torch.uint8)
+    torch.manual_seed(0)
+    out, labels = scope["RandomCropFlip"](12)((images, torch.arange(64)))
+    assert out.shape == (64, 3, 12, 12)
+    assert torch.equal(labels, torch.arange(64))
+    places = set()
+    for k in range(64):
+        found = [
+            (top, left, flip)
+            for top in range(9)
+            for left in range(9)
+            for flip in (False, True)
+            if torch.equal(
+                out[k],
+                images[k, :, top : top + 12, left : left + 12].flip(-1)
+                if flip
+                else images[k, :, top : top + 12, left : left + 12],
+            )
+        ]
+        assert found, f"sample {k} is not a crop of its own image"
+        places.add(found[0])
+    assert len(places) > 30, "every sample draws its own crop and flip"
+    assert {flip for _, _, flip in places} == {False, True}
