@@ -425,15 +425,18 @@ class Session:
         when loads are not cheap) and read from the file — counted as a hit and
         as ``waited`` — instead of being loaded again. The first miss of a job
         also loads its first sample twice (the determinism check). Before the
-        file exists, the batch creates it (:meth:`store`).
+        file exists, the batch's first sample creates it (:meth:`store`) and
+        the rest go through single flight: processes that start together
+        (the workers of concurrent jobs) share the first batches too.
         """
         cache = self.cache if self.cache is not None else self.opened()
         if cache is None:
-            self.misses += len(positions)
-            samples = self.store(positions, self.fetch(positions), first_miss=self._first_miss())
+            first = positions[:1]
+            self.misses += len(first)
+            samples = self.store(first, self.fetch(first), first_miss=self._first_miss())
             assert self.cache is not None
-            self.cache.count(misses=len(positions))
-            return samples
+            self.cache.count(misses=len(first))
+            return samples + self.load(positions[1:]) if len(positions) > 1 else samples
         schema = self.schema
         assert schema is not None
         before = _written(cache)
