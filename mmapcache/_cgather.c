@@ -67,24 +67,24 @@ get_int64s(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t count, const
 }
 
 PyDoc_STRVAR(gather_doc,
-"gather(region, table, width, indices, rows, dims, unit, offsets, shapes, alloc) -> (values, bad)\n\n"
+"gather(region, table, width, indices, rows, dims, unit, align, offsets, shapes, alloc) -> (values, bad)\n\n"
 "The values of slots ``indices`` of a variable field, back to back in one buffer.\n\n"
 "region: the variable region (bytes); table: the field's descriptors, ``width`` bytes each (uint64 LE\n"
 "offset into the region, then one uint32 LE per dimension); rows: None (every position) or int64\n"
 "positions of ``indices`` to read (the others are missing); dims: the field's shape, -1 where it\n"
 "varies; unit: bytes of one unit (the fixed tail after the last varying dimension, times the\n"
-"itemsize). Fills ``offsets`` (int64, len(indices) + 1, in units) and ``shapes`` (None, or int64\n"
+"itemsize); align: every value's offset is a multiple of it (>= 1). Fills ``offsets`` (int64, len(indices) + 1, in units) and ``shapes`` (None, or int64\n"
 "len(indices) x len(dims): each row's shape; a missing or bad row's head is 0, its tail the field's).\n"
 "Calls ``alloc((total units, *tail))`` for a writable buffer of at least total units x unit bytes (the\n"
 "values array), copies into it\n"
 "and returns it with the list of positions whose descriptor is impossible (a dimension that differs\n"
-"from a fixed one, or a value that does not lie within the region).");
+"from a fixed one, a value that does not lie within the region, or an offset not a multiple of align).");
 
 static PyObject *
 gather(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 10) {
-        PyErr_Format(PyExc_TypeError, "gather takes 10 arguments, got %zd", nargs);
+    if (nargs != 11) {
+        PyErr_Format(PyExc_TypeError, "gather takes 11 arguments, got %zd", nargs);
         return NULL;
     }
     PyObject *result = NULL, *out = NULL, *bad = NULL;
@@ -94,7 +94,8 @@ gather(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 
     Py_ssize_t width = PyLong_AsSsize_t(args[2]);
     Py_ssize_t unit = PyLong_AsSsize_t(args[6]);
-    if ((width == -1 || unit == -1) && PyErr_Occurred())
+    Py_ssize_t align = PyLong_AsSsize_t(args[7]);
+    if ((width == -1 || unit == -1 || align == -1) && PyErr_Occurred())
         return NULL;
     PyObject *dims = args[5];
     if (!PyTuple_Check(dims) || PyTuple_GET_SIZE(dims) < 1 || PyTuple_GET_SIZE(dims) > MAX_DIMS) {
@@ -114,8 +115,8 @@ gather(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         if (fixed[a] == -1)
             head = a + 1;
     }
-    if (head == 0 || unit < 0 || width < 8 + 4 * (Py_ssize_t)ndim || width % 8) {
-        PyErr_SetString(PyExc_ValueError, "gather: no varying dimension, a negative unit, or descriptors too narrow (or not whole words)");
+    if (head == 0 || unit < 0 || align < 1 || width < 8 + 4 * (Py_ssize_t)ndim || width % 8) {
+        PyErr_SetString(PyExc_ValueError, "gather: no varying dimension, a negative unit, an align below 1, or descriptors too narrow (or not whole words)");
         return NULL;
     }
     /* A unit of 0 bytes (a tail with a 0 in it) still counts units: at most one per byte of the region. */
@@ -130,9 +131,9 @@ gather(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t count = indices.len / 8;
     if (args[4] != Py_None && get_int64s(args[4], &rows, 0, -1, "rows") < 0)
         goto done;
-    if (get_int64s(args[7], &offsets, 1, count + 1, "offsets") < 0)
+    if (get_int64s(args[8], &offsets, 1, count + 1, "offsets") < 0)
         goto done;
-    if (args[8] != Py_None && get_int64s(args[8], &shapes, 1, count * ndim, "shapes") < 0)
+    if (args[9] != Py_None && get_int64s(args[9], &shapes, 1, count * ndim, "shapes") < 0)
         goto done;
 
     starts = PyMem_Malloc((size_t)(count ? count : 1) * sizeof(uint64_t));
@@ -205,7 +206,7 @@ gather(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
                     ok = 0;
             }
             uint64_t extent;
-            if (!ok || __builtin_mul_overflow(n, per_unit, &extent) || start > size || extent > size - start
+            if (!ok || __builtin_mul_overflow(n, per_unit, &extent) || start > size || extent > size - start || start % (uint64_t)align
                 || total_units + n < total_units || total_units + n > (uint64_t)INT64_MAX) {
                 status[k] = ROW_BAD;
                 nbad++;
@@ -248,7 +249,7 @@ gather(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         }
         PyTuple_SET_ITEM(shape, a, d);
     }
-    out = PyObject_CallOneArg(args[9], shape);
+    out = PyObject_CallOneArg(args[10], shape);
     Py_DECREF(shape);
     if (!out)
         goto done;

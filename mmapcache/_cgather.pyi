@@ -10,6 +10,7 @@ def gather(
     rows: Any,
     dims: tuple[int, ...],
     unit: int,
+    align: int,
     offsets: Any,
     shapes: Any,
     alloc: Callable[[tuple[int, ...]], Any],

@@ -96,6 +96,7 @@ class VariableColumn:
     """The descriptors of one variable field in a mapping, and reads and writes through them."""
 
     __slots__ = (
+        "_align",
         "_alloc",
         "_chunk_views",
         "_descriptors",
@@ -157,6 +158,9 @@ class VariableColumn:
         # Whether a descriptor's element count can pass int64 (several variable dims, or a large tail).
         self._may_overflow = MAX_DIMENSION**self._head * max(self._unit, 1) >= 2**63
         self._region, self._size, self._item = region, len(region), field.dtype.itemsize
+        # Every value starts on a multiple of PAYLOAD_ALIGNMENT, so of its itemsize (up to that): an offset
+        # that is not is a damaged descriptor, for every read alike.
+        self._align = math.gcd(self._item, PAYLOAD_ALIGNMENT)
         # A view of the region in the field's dtype, when every value's offset is a multiple of its itemsize.
         usable = len(region) // self._item * self._item
         self._typed = region[:usable].view(field.dtype) if PAYLOAD_ALIGNMENT % self._item == 0 else None
@@ -198,7 +202,7 @@ class VariableColumn:
         shape = self.shape(index)
         offset = self._offset(index)
         nbytes = math.prod(shape) * self._item
-        if offset + nbytes > self._size:
+        if offset + nbytes > self._size or offset % self._align:
             return None
         if self._fixed_axes:
             for axis, d in self._fixed_axes:
@@ -213,7 +217,7 @@ class VariableColumn:
             # The common case (token sequences): two memoryview reads and one copy.
             count = dims[index * self._dim_words + 2]
             offset = self._offsets_mv[index * self._offset_words]
-            if offset + count * self._item > self._size:
+            if offset + count * self._item > self._size or offset % self._item:
                 return None
             start = offset // self._item
             fresh: np.ndarray[Any, Any] = typed[start : start + count].copy()
@@ -257,7 +261,7 @@ class VariableColumn:
             counts = np.where(huge, 0, shapes.prod(axis=1))
         else:
             huge, counts = np.zeros(len(indices), bool), np.ones(len(indices), np.int64)
-        bad = huge | (starts < 0) | (starts > self._size)
+        bad = huge | (starts < 0) | (starts > self._size) | (starts % self._align != 0)
         ends = starts + counts * self._item
         bad |= ends > self._size
         for axis, d in self._fixed_axes:
@@ -289,7 +293,8 @@ class VariableColumn:
         ``rows``: the positions in ``indices`` to read (the READY ones); the
         others, and impossible rows, come back missing (``None``, length 0).
         A row is impossible when a fixed dimension of its descriptor differs
-        from the field's, or its value would not lie within the region.
+        from the field's, its value would not lie within the region, or its
+        offset is not a multiple of the itemsize (every value is stored at one).
         Through the compiled gather when it is there, else :meth:`gather_numpy` (the same result).
         """
         native = _gather.native
@@ -307,6 +312,7 @@ class VariableColumn:
             rows if rows is None or rows.dtype == _INT64 else rows.astype(np.int64),
             self._dims,
             self._unit,
+            self._align,
             offsets,
             shapes,
             self._alloc,
@@ -340,7 +346,7 @@ class VariableColumn:
         units = shapes[:, 0].copy() if head == 1 else shapes[:, :head].prod(axis=1)
         nbytes = units * self._unit
         extent = nbytes if self._unit else units  # a unit of 0 bytes: at most one unit per byte of the region
-        bad = (starts < 0) | (starts > self._size) | (extent > self._size - starts)
+        bad = (starts < 0) | (starts > self._size) | (extent > self._size - starts) | (starts % self._align != 0)
         if self._may_overflow:
             bad |= huge
         for axis, d in self._fixed_axes:

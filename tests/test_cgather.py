@@ -172,7 +172,17 @@ def test_the_compiled_gather_refuses_what_the_cache_never_passes_it(tmp_path: Pa
             assert native is not None
             offsets = np.empty(len(indices) + 1, np.int64)
             return native.gather(
-                column._region, column._descriptors, column._width, indices, rows, column._dims, 4, offsets, None, alloc
+                column._region,
+                column._descriptors,
+                column._width,
+                indices,
+                rows,
+                column._dims,
+                4,
+                4,
+                offsets,
+                None,
+                alloc,
             )
 
         with pytest.raises(IndexError, match="slot 4 is outside a table of 4"):
@@ -331,3 +341,42 @@ def test_the_compiled_pad_refuses_rows_that_do_not_fit_without_writing_anything(
         native.pad(values, np.array([0, 6], np.int64), fill, bytes(24))
     with pytest.raises(TypeError, match="offsets must hold int64"):
         native.pad(values, np.array([0, 6], np.int32), fill, np.empty(6, np.int32))
+
+
+MISALIGNED = """
+import sys
+import numpy as np
+import mmapcache
+from mmapcache import Cache, Field
+
+path, dtype = sys.argv[1], sys.argv[2]
+with Cache.open(path, {"t": Field((None,), dtype)}, 4, max_bytes="64KiB") as cache:
+    values = [np.arange(i * 10, i * 10 + 6).astype(dtype) for i in range(4)]
+    assert cache.put_many(range(4), {"t": values}).all()
+    column = cache._live().variables[0]
+    column.offsets[1] += 1  # a damaged file: the value's offset is not a multiple of the item size
+    arrays, hits = cache.read_many(range(4))
+    try:
+        cache.get_many([1])
+        raised = "no"
+    except KeyError as error:
+        raised = str([int(i) for i in error.missing])
+    print(mmapcache.accelerated, cache.get(1), hits.tolist(), arrays["t"][1], raised, [int(v) for v in arrays["t"][2]])
+mmapcache.remove(path)
+"""
+
+
+@pytest.mark.parametrize("extension", ["0", "1"], ids=["compiled", "numpy"])
+@pytest.mark.parametrize("dtype", ["uint16", "float32", "<f8"])
+def test_a_value_offset_that_is_not_a_multiple_of_the_item_size_is_a_damaged_slot_for_every_read(
+    tmp_path: Path, extension: str, dtype: str
+) -> None:
+    """``get``, ``get_many`` and ``read_many`` agree: the slot is damaged (a miss), the others read as stored."""
+    if extension == "0" and not BUILT:
+        pytest.skip("the compiled gather is not built")
+    script = tmp_path / "misaligned.py"
+    script.write_text(MISALIGNED)
+    out = run_python(str(script), str(tmp_path / "c.mmc"), dtype, MMAPCACHE_NO_EXTENSION=extension)
+    accelerated = str(extension == "0")
+    expected = [accelerated, "None", "[True,", "False,", "True,", "True]", "None", "[1]", "[20,", "21,", "22,"]
+    assert out.split()[: len(expected)] == expected

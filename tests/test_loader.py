@@ -6,6 +6,7 @@ samples more per process (tests/test_pipelines.py tests them).
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
@@ -322,3 +323,160 @@ def test_a_batch_of_indices_is_checked_as_ds_i_checks_each_one(batch: list[Any],
     except (TypeError, IndexError) as error:
         got = (type(error), str(error))
     assert got == expected
+
+
+# -- per-sample transforms and batch transforms on the one-copy path ----------------------------------------
+
+
+def inspect_and_flip(sample: Any) -> Any:
+    """A transform that writes into its input and reports what it got: a row of which batch, where it lives."""
+    image, label, extra = sample
+    base = image._base
+    image.add_(1)  # in place: the transform's own memory, never the cache's
+    report = {
+        "base": torch.tensor(-1 if base is None else base.data_ptr()),
+        "offset": torch.tensor(-1 if base is None else image.data_ptr() - base.data_ptr()),
+        "shared": torch.tensor(image.is_shared()),
+    }
+    return image.flip(-1), label, {**extra, **report}
+
+
+@pytest.mark.parametrize("make", ["DataLoader(ds)", "collate_fn=collate", "ds.loader()"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_transform_gets_writable_rows_of_one_batch_gathered_once_in_its_own_process(
+    make: str, workers: int, cache_dir: Path
+) -> None:
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="rows", transform=inspect_and_flip)
+    ds.fill(progress=False)
+    kwargs: dict[str, Any] = {"batch_size": 8, "shuffle": True, "num_workers": workers}
+    if make == "ds.loader()":
+        loader: Any = ds.loader(**kwargs)
+    else:
+        loader = DataLoader(ds, collate_fn=collate if make == "collate_fn=collate" else None, **kwargs)
+    seen = []
+    for image, label, extra in batches(loader):
+        rows = len(label)
+        # Every sample a consecutive row of one private batch (no copy per sample, no shared segment).
+        assert len(set(extra["base"].tolist())) == 1
+        assert extra["base"][0] > 0
+        assert extra["offset"].tolist() == [k * 3 * 8 * 8 for k in range(rows)]
+        assert not extra["shared"].any()
+        for row, index in enumerate(extra["index"].tolist()):
+            expected = as_collated(index)[0].add(1).flip(-1)
+            assert torch.equal(image[row], expected), "the transform's in-place write and its result"
+            assert label[row] == index % 10
+            seen.append(index)
+    assert sorted(seen) == list(range(N))
+    with ds.cache as cache:
+        assert all(np.array_equal(cache[i]["0"], as_collated(i)[0].numpy()) for i in range(N)), "the file is intact"
+
+
+def test_a_leaf_the_transform_returns_as_it_got_it_stays_in_the_gathered_batch(cache_dir: Path) -> None:
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="pass", transform=inspect_and_flip)
+    ds.fill(progress=False)
+    _image, label, _extra = batches(ds.loader(batch_size=8))[0]
+    assert label.tolist() == [i % 10 for i in range(8)]
+    assert label._base is not None, "rows of the gathered label column, returned as that column (no stack)"
+
+
+def add_one(batch: Any) -> Any:
+    image, label, extra = batch
+    image.add_(1)  # in place: the gathered batch is fresh memory
+    return image, label * 2, {**extra, "pid": torch.tensor(os.getpid())}
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batch_transform_runs_once_on_each_gathered_batch_in_the_main_process(
+    workers: int, context: str, cache_dir: Path
+) -> None:
+    if workers == 0 and context == "spawn":
+        pytest.skip("no workers: no context")
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="batch-transform", check=0)
+    ds.fill(progress=False)
+    kwargs: dict[str, Any] = {"batch_size": 8, "shuffle": True, "num_workers": workers}
+    if workers:
+        kwargs["multiprocessing_context"] = context
+    plain = batches(ds.loader(generator=torch.Generator().manual_seed(4), **kwargs))
+    got = batches(ds.loader(generator=torch.Generator().manual_seed(4), batch_transform=add_one, **kwargs))
+    assert len(got) == len(plain)
+    for (image, label, extra), (image0, label0, _extra0) in zip(got, plain, strict=True):
+        assert torch.equal(image, image0 + 1)
+        assert torch.equal(label, label0 * 2)
+        assert int(extra["pid"]) == os.getpid(), "a gathered batch is finished in the main process"
+        assert not image.is_shared()
+    with ds.cache as cache:
+        assert np.array_equal(cache[3]["0"], as_collated(3)[0].numpy()), "the file is intact"
+
+
+def test_batch_transform_after_a_transform_a_collate_fn_and_uncached_indices(cache_dir: Path) -> None:
+    def plus(batch: Any) -> Any:
+        return [batch[0] + 1, *batch[1:]]
+
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="bt-more", transform=identity_sample, capacity=30)
+    ds.fill(progress=False)
+    for kwargs in ({}, {"collate_fn": default_collate}, {"num_workers": 2}):
+        plain = batches(ds.loader(batch_size=8, **kwargs))
+        got = batches(ds.loader(batch_size=8, batch_transform=plus, **kwargs))
+        assert all(torch.equal(a[0], b[0] + 1) for a, b in zip(got, plain, strict=True)), kwargs
+        assert [check_batch([a[0] - 1, *a[1:]]) for a in got] == [check_batch(b) for b in plain]
+
+
+def identity_sample(sample: Any) -> Any:
+    return sample
+
+
+def test_batch_transform_is_checked(cache_dir: Path) -> None:
+    ds = CachedDataset(Recorded(N), cache_dir / "c.mmc", key="bt-checked")
+    with pytest.raises(TypeError, match="batch_transform must be callable, not int"):
+        ds.loader(batch_size=4, batch_transform=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="batch_transform needs batches"):
+        ds.loader(batch_size=None, batch_transform=add_one)
+
+
+RECIPES = Path(__file__).resolve().parent.parent / "docs" / "recipes.md"
+
+
+def recipe_block(heading: str) -> str:
+    """The Python block of the recipe under ``## <heading>`` in docs/recipes.md."""
+    text = RECIPES.read_text(encoding="utf-8")
+    section = text.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_batch_crop_flip_recipe_prints_what_it_says(cache_dir: Path) -> None:
+    body = recipe_block("Augmenting whole batches: `batch_transform=`")
+    env = {**os.environ, "MMAPCACHE_DIR": str(cache_dir)}
+    out = subprocess.run([sys.executable, "-c", body], env=env, capture_output=True, text=True, check=True, timeout=300)
+    said = [line.split("# ", 1)[1] for line in body.splitlines() if line.startswith("print(")]
+    assert out.stdout.splitlines() == said
+    assert list(cache_dir.iterdir()) == [], "the recipe removes what it made"
+
+
+def test_the_batch_crop_flip_recipe_crops_and_flips_each_sample_on_its_own() -> None:
+    body = recipe_block("Augmenting whole batches: `batch_transform=`")
+    scope: dict[str, Any] = {}
+    exec(body.split("\ndecoded = ", 1)[0], scope)  # the imports and the class, not the run
+    images = torch.randint(0, 256, (64, 3, 20, 20), dtype=torch.uint8)
+    torch.manual_seed(0)
+    out, labels = scope["RandomCropFlip"](12)((images, torch.arange(64)))
+    assert out.shape == (64, 3, 12, 12)
+    assert torch.equal(labels, torch.arange(64))
+    places = set()
+    for k in range(64):
+        found = [
+            (top, left, flip)
+            for top in range(9)
+            for left in range(9)
+            for flip in (False, True)
+            if torch.equal(
+                out[k],
+                images[k, :, top : top + 12, left : left + 12].flip(-1)
+                if flip
+                else images[k, :, top : top + 12, left : left + 12],
+            )
+        ]
+        assert found, f"sample {k} is not a crop of its own image"
+        places.add(found[0])
+    assert len(places) > 30, "every sample draws its own crop and flip"
+    assert {flip for _, _, flip in places} == {False, True}

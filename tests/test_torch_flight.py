@@ -82,6 +82,24 @@ def test_two_jobs_with_two_workers_each_load_each_sample_once_and_check_once_per
         assert cache.usage().total.written == N
 
 
+def test_three_jobs_of_one_seed_starting_before_the_file_exists_load_the_dataset_about_once(
+    cache_dir: Path, procs: list[Any]
+) -> None:
+    """A sweep: every worker of every job starts on a missing file; their first batches go through single flight."""
+    n = 1024
+    path, log = cache_dir / "c.mmc", cache_dir / "loads"
+    order = np.random.default_rng(2).permutation(n).tolist()
+    options = {"batch_size": 32, "workers": 2, "context": "fork", "check": 0}
+    reports = run_jobs(procs, 3, str(path), n, str(log), 0.0005, order, options=options)
+    assert all(sorted(report["seen"]) == list(range(n)) for report in reports)
+    with Cache(path) as cache:
+        total = cache.usage().total
+    assert total.written == n
+    # Each of the six workers may load the one sample that creates the file (or finds it just created).
+    assert total.misses <= 1.01 * n, f"{total.misses} loads for {n} samples"
+    assert sum(loads(log).values()) <= 1.01 * n
+
+
 def test_a_holder_killed_mid_load_leaves_its_samples_to_the_waiting_job(cache_dir: Path, procs: list[Any]) -> None:
     path, log = cache_dir / "c.mmc", cache_dir / "loads"
     CachedDataset(Slow(8), path, key="slow/v1", check=0)[0]

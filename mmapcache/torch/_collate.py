@@ -31,6 +31,7 @@ from ._columns import shared_empty
 __all__ = [
     "Padded",
     "Padder",
+    "Then",
     "adopt",
     "as_is",
     "collate",
@@ -126,6 +127,24 @@ def collate(batch: Any) -> Any:
 def as_is(batch: Any) -> Any:
     """The collate function of ``loader()``: the dataset already returns finished batches."""
     return batch
+
+
+class Then:
+    """A collate function followed by a batch transform: ``then(collate_fn(samples))`` (pickles as the two)."""
+
+    __slots__ = ("collate_fn", "then")
+
+    def __init__(self, collate_fn: Callable[[Any], Any], then: Callable[[Any], Any]) -> None:
+        self.collate_fn, self.then = collate_fn, then
+
+    def __call__(self, samples: Any) -> Any:
+        return self.then(self.collate_fn(samples))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Then, (self.collate_fn, self.then))
+
+    def __repr__(self) -> str:
+        return f"Then({self.collate_fn!r}, {self.then!r})"
 
 
 class Padded(NamedTuple):

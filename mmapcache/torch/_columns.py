@@ -85,14 +85,19 @@ class _ConversionError(Exception):
 
 
 def new_batch(
-    shapes: Sequence[tuple[int, ...]], storage: Sequence[np.dtype[Any]], dtypes: Sequence[torch.dtype | None]
+    shapes: Sequence[tuple[int, ...]],
+    storage: Sequence[np.dtype[Any]],
+    dtypes: Sequence[torch.dtype | None],
+    *,
+    private: bool = False,
 ) -> tuple[list[torch.Tensor], list[np.ndarray[Any, Any]]]:
     """Uninitialised batch tensors (the fields' torch dtypes) and numpy views of their storage dtypes.
 
     Inside a DataLoader worker the tensors live in shared memory, so handing
-    them to the main process copies nothing.
+    them to the main process copies nothing; ``private`` keeps them in this
+    process's memory (a batch that a transform turns into others never leaves it).
     """
-    shared = torch.utils.data.get_worker_info() is not None
+    shared = not private and torch.utils.data.get_worker_info() is not None
     tensors, arrays = [], []
     for shape, dtype, torch_dtype in zip(shapes, storage, dtypes, strict=True):
         if shared:

@@ -18,7 +18,7 @@ import torch.utils.data
 from .._field import FieldsLike
 from ..cache import Cache
 from ._checks import Verdict
-from ._collate import as_is
+from ._collate import Then, as_is
 from ._fill import fill
 from ._loader import Batched, Loader
 from ._ragged import check_ragged
@@ -253,6 +253,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         ragged: str = "pad",
         padding_value: float = 0,
         stateful: bool = False,
+        batch_transform: Callable[[Any], Any] | None = None,
         **dataloader_kwargs: Any,
     ) -> torch.utils.data.DataLoader[Any]:
         """A DataLoader over this dataset that reads each batch of hits with one gather per field.
@@ -265,7 +266,19 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         the workers load and store the misses and the main process gathers
         from the file: one copy, no shared-memory hand-off). Misses are loaded
         from ``dataset`` and stored as usual. With a ``transform`` (it runs per
-        sample) batches are collated from samples.
+        sample) the hits are still gathered once, into memory of the process
+        that runs the transform; the transform receives writable rows of that
+        batch (they are its own: no copy is made for it) and what it returns
+        is collated.
+
+        ``batch_transform`` (augmentation on whole batches: see
+        docs/recipes.md) is called with each finished batch and returns the
+        batch the loop receives. A gathered batch is fresh memory nobody else
+        holds, so it may work in place; it runs where the batch is finished
+        (the main process for gathered batches, with workers too; a worker
+        for a batch collated there from samples: with a ``transform``, a
+        ``collate_fn``, or indices the file does not cache), before
+        ``pin_memory`` pins the result. It must pickle with spawn workers.
 
         ``ragged`` says how a variable-shape field appears in a batch (its
         batch is gathered once, as one :class:`~mmapcache.Jagged`):
@@ -299,14 +312,23 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
             raise TypeError(f"padding_value must be a number, not {type(padding_value).__name__}")
         if not isinstance(stateful, bool):
             raise TypeError(f"stateful must be True or False, not {stateful!r}")
+        if batch_transform is not None and not callable(batch_transform):
+            raise TypeError(f"batch_transform must be callable, not {type(batch_transform).__name__}")
         collate_fn = dataloader_kwargs.pop("collate_fn", None)
         batching = batch_size is not None or dataloader_kwargs.get("batch_sampler") is not None
+        if batch_transform is not None and not batching:
+            raise ValueError(
+                "batch_transform needs batches, and batch_size=None yields samples: give a batch_size "
+                "(or a batch_sampler), or use transform= for a per-sample transform"
+            )
         if collate_fn is None:
             # Without batching DataLoader converts each sample with default_convert, so do we.
             collate_fn = as_is if batching else torch.utils.data.default_convert
             collated = batching
         else:
             collated = False
+            if batch_transform is not None:  # the user's collate finishes the batch, in whichever process
+                collate_fn, batch_transform = Then(collate_fn, batch_transform), None
         if stateful:
             from ._stateful import StatefulLoader
 
@@ -314,7 +336,7 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         else:
             kind = Loader
         return kind(
-            _batched(self, collated, ragged, padding_value),
+            _batched(self, collated, ragged, padding_value, batch_transform),
             batch_size=batch_size,
             shuffle=shuffle,
             sampler=sampler,
@@ -394,8 +416,20 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         return f"CachedDataset({type(self.dataset).__name__}, {str(self.path)!r}, key={self.key!r})"
 
 
-def _batched(dataset: CachedDataset, collated: bool, ragged: str = "pad", padding_value: float = 0) -> Batched:
+def _batched(
+    dataset: CachedDataset,
+    collated: bool,
+    ragged: str = "pad",
+    padding_value: float = 0,
+    batch_transform: Callable[[Any], Any] | None = None,
+) -> Batched:
     """The view of ``dataset`` that ``loader()`` gives DataLoader (also how it unpickles in a worker)."""
     return Batched(
-        dataset, dataset._session, collated=collated, ragged=ragged, padding_value=padding_value, remake=_batched
+        dataset,
+        dataset._session,
+        collated=collated,
+        ragged=ragged,
+        padding_value=padding_value,
+        batch_transform=batch_transform,
+        remake=_batched,
     )

@@ -36,7 +36,7 @@ import torch
 import torch.utils.data
 
 from .._jagged import Jagged
-from ._collate import Padded, Padder, collate_tree
+from ._collate import Padded, Padder, collate, collate_tree
 from ._ragged import Packed, jagged_batch, tensors_batch
 from ._session import Session
 
@@ -74,8 +74,11 @@ class Batched(torch.utils.data.Dataset[Any]):
     the main process to gather — else the samples for the user's collate.
     ``__getitem__`` and ``len`` are the dataset's, so samplers (including
     ``DistributedSampler`` and the ones Lightning injects) work unchanged.
-    ``remake(dataset, collated)`` makes it again from the dataset when it is
-    unpickled (with the unpickled dataset's own session).
+    ``batch_transform`` runs on each finished batch, once, in the process that
+    finishes it: the main process for a gathered batch, a worker for a batch
+    it collated from samples. ``remake(dataset, collated, ragged,
+    padding_value, batch_transform)`` makes it again from the dataset when it
+    is unpickled (with the unpickled dataset's own session).
     """
 
     def __init__(
@@ -86,13 +89,14 @@ class Batched(torch.utils.data.Dataset[Any]):
         collated: bool,
         ragged: str = "pad",
         padding_value: float = 0,
-        remake: Callable[[Any, bool, str, float], Batched],
+        batch_transform: Callable[[Any], Any] | None = None,
+        remake: Callable[..., Batched],
     ) -> None:
         self.dataset, self.session, self.collated, self.remake = dataset, session, collated, remake
-        self.ragged, self.padding_value = ragged, padding_value
+        self.ragged, self.padding_value, self.batch_transform = ragged, padding_value, batch_transform
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (self.remake, (self.dataset, self.collated, self.ragged, self.padding_value))
+        return (self.remake, (self.dataset, self.collated, self.ragged, self.padding_value, self.batch_transform))
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -108,7 +112,18 @@ class Batched(torch.utils.data.Dataset[Any]):
         return self.batch(indices)
 
     def batch(self, indices: Sequence[int]) -> Any:
-        """The batch ``default_collate(dataset.__getitems__(indices))`` is, with one copy for the hits."""
+        """The batch ``default_collate(dataset.__getitems__(indices))`` is, with one copy for the hits.
+
+        With a per-sample ``transform``, the hits are gathered once into this
+        process's memory, the transform gets writable rows of that batch (no
+        copy of its own), and what it returns is collated (a leaf it returns
+        as it got it stays in the gathered batch, unstacked). Then the
+        ``batch_transform``, if any.
+        """
+        finished = self._finished(indices)
+        return finished if self.batch_transform is None else self.batch_transform(finished)
+
+    def _finished(self, indices: Sequence[int]) -> Any:
         session = self.session
         if self.dataset.transform is not None or len(indices) == 0:
             return self._collate_samples(self.dataset.__getitems__(indices))
@@ -121,10 +136,11 @@ class Batched(torch.utils.data.Dataset[Any]):
         return self._collate(session.gather(cache, idx))
 
     def _collate_samples(self, samples: list[Any]) -> Any:
-        """``default_collate``, but the leaves named as the variable fields are batched as ``ragged`` asks."""
+        """``collate`` (``default_collate`` without restacking rows of one gathered batch), but the leaves
+        named as the variable fields are batched as ``ragged`` asks."""
         schema = self.session.schema
         if schema is None or not schema.ragged or not samples:
-            return torch.utils.data.default_collate(samples)
+            return collate(samples)
         names = frozenset(
             name
             for name, variable, text in zip(schema.names, schema.variable, schema.texts, strict=True)
@@ -138,7 +154,8 @@ class Batched(torch.utils.data.Dataset[Any]):
         session = self.session
         cache = session.opened()
         assert cache is not None, "a worker sends a WorkerBatch only once the file exists"
-        return self._collate(session.gather(cache, batch.positions, batch.rows, batch.leaves, counted=True))
+        gathered = self._collate(session.gather(cache, batch.positions, batch.rows, batch.leaves, counted=True))
+        return gathered if self.batch_transform is None else self.batch_transform(gathered)
 
     def _collate(self, columns: list[Any]) -> Any:
         schema = self.session.schema

@@ -260,7 +260,8 @@ class Session:
     def get_many(self, indices: Sequence[int], *, fresh: bool = False) -> list[Any]:
         """The samples at ``indices``: one vectorized read for the hits, one batch write for the misses.
 
-        ``fresh``: fresh tensors even with ``copy=False`` (what a transform gets).
+        ``fresh``: fresh tensors even with ``copy=False`` (what a transform gets): the rows of one batch
+        gathered into this process's memory (in a worker too: what the transform returns is what leaves it).
         """
         given = self.settings.indices(indices)
         idx = self.settings.positions(given)
@@ -272,7 +273,7 @@ class Session:
         schema = self.schema
         assert schema is not None
         if self.views is None or fresh:
-            gathered = self.gather(cache, idx)
+            gathered = self.gather(cache, idx, private=fresh)
             for column in gathered:
                 if isinstance(column, torch.Tensor):
                     adopt(column)  # collate() may return its rows as the batch, without stacking a copy
@@ -314,6 +315,7 @@ class Session:
         leaves: Sequence[list[Any]] = (),
         *,
         counted: bool = False,
+        private: bool = False,
     ) -> list[Any]:
         """One column per field holding the samples at file positions ``idx``: hits read, misses loaded.
 
@@ -321,8 +323,9 @@ class Session:
         memory); a numeric variable field's is one :class:`~mmapcache.Jagged` of storage values,
         gathered at once (no object per sample); a text field's a list of ``str``/``bytes``.
         ``given_rows``/``leaves``: samples a worker already loaded and could not store;
-        ``counted``: the reads were counted in the file already (by that worker). Misses are
-        loaded through :meth:`load` (which counts them).
+        ``counted``: the reads were counted in the file already (by that worker); ``private``: the
+        batch tensors in this process's memory even in a worker. Misses are loaded through :meth:`load`
+        (which counts them).
         """
         schema = self.schema
         assert schema is not None
@@ -331,6 +334,7 @@ class Session:
             [(len(idx), *field.fixed_shape) for field in fixed],
             [field.dtype for field in fixed],
             [schema.dtypes[schema.names.index(name)] for name in schema.fixed],
+            private=private,
         )
         out = dict(zip(schema.fixed, arrays, strict=True))
         read, hits = cache.read_many(idx, out=out, count=False)  # variable fields: Jagged, texts: lists
@@ -447,15 +451,18 @@ class Session:
         when loads are not cheap) and read from the file — counted as a hit and
         as ``waited`` — instead of being loaded again. The first miss of a job
         also loads its first sample twice (the determinism check). Before the
-        file exists, the batch creates it (:meth:`store`).
+        file exists, the batch's first sample creates it (:meth:`store`) and
+        the rest go through single flight: processes that start together
+        (the workers of concurrent jobs) share the first batches too.
         """
         cache = self.cache if self.cache is not None else self.opened()
         if cache is None:
-            self.misses += len(positions)
-            samples = self.store(positions, self.fetch(positions), first_miss=self._first_miss())
+            first = positions[:1]
+            self.misses += len(first)
+            samples = self.store(first, self.fetch(first), first_miss=self._first_miss())
             assert self.cache is not None
-            self.cache.count(misses=len(positions))
-            return samples
+            self.cache.count(misses=len(first))
+            return samples + self.load(positions[1:]) if len(positions) > 1 else samples
         schema = self.schema
         assert schema is not None
         before = _written(cache)
