@@ -158,6 +158,17 @@ class StreamRegion:
         counted: np.ndarray[Any, np.dtype[np.intp]] = slots[np.lexsort((element, partition))]
         return counted
 
+    def elements_of(self, p: int) -> np.ndarray[Any, np.dtype[np.intp]]:
+        """The slots of partition ``p``'s counted elements in element order: element ``j`` in the ``j``-th.
+
+        Empty when they are not exactly elements ``0 .. stored - 1`` (a damaged region: ``verify`` says more).
+        """
+        counted = self.counted()
+        mine = counted[self.partition[counted] == p]
+        if not np.array_equal(self.element[mine], np.arange(len(mine))):
+            return mine[:0]
+        return mine
+
     # -- writing (the caller holds the partition's lock) ----------------------
 
     def lock_offset(self, p: int) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .._errors import SchemaMismatchError
+from .._errors import CacheError, SchemaMismatchError
 from .._field import Field, FieldsLike
 from .._stream import (
     Partition,
@@ -41,6 +41,8 @@ from .._stream import (
 from .._tensors import tensor_to_numpy
 from ..cache import Cache
 from ._elements import ElementPath
+from ._fill_checks import RepeatCheck, StoredCheck
+from ._checks import schema_problem
 from ._leaves import LeafShapeError, convert_leaf, fit
 from ._schema import Schema, declaration, declared_fields, describe, first_fields, storage_dtypes, with_dtypes
 from ._settings import default_path
@@ -205,14 +207,14 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
             return cache
 
     def _adopt(self, cache: Cache) -> None:
-        if self.fields is not None and cache.fields != self.fields and set(cache.fields) != set(self.fields):
+        """Keep ``cache`` as this process's, once its fields are what ``fields=``/``dtypes=`` declare."""
+        problem = schema_problem(cache.fields, self.fields, self.dtypes, self.path)
+        if problem is not None:
             cache.close()
             raise SchemaMismatchError(
-                f"the stream cache at {self.path} (key {self.key!r}) holds fields {describe(cache.fields)}, but "
-                f"fields= declares {describe(self.fields)}: change the key for the new data, or remove the old "
-                f"cache (`mmapcache rm {self.path}`)",
+                f"the stream cache at {self.path} (key {self.key!r}) {problem[0]}",
                 path=self.path,
-                differences={"fields": (self.fields, cache.fields)},
+                differences=problem[1],
             )
         self._cache = cache
         self._schema = Schema(cache.fields, self.path)
@@ -297,6 +299,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         """Stream the partition, yielding each element at once; :class:`_Filler` stores them a batch at a time."""
         filler = None if cache is None else _Filler(self, partition, cache)
         schema = self._schema
+        stored = None if cache is None or schema is None else StoredCheck(cache, schema, partition.index, key=self.key)
         path: ElementPath | None = None
         count = 0
         try:
@@ -312,6 +315,8 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                 if converted is None:
                     leaves = self._leaves(schema, element, count)
                     converted = leaves, self._build(schema, leaves)
+                if stored is not None and count < len(stored):
+                    stored.check(count, converted[1])
                 filler.add(count, converted[0])
                 self._streamed += 1
                 yield converted[1]
@@ -487,6 +492,7 @@ class _Filler:
         self.writer = None if cache is None else PartitionWriter(cache, partition)
         self.fields: dict[str, Field] = cache.fields if cache is not None else plan.fields
         self.batch = _Batch(self.fields)
+        self.repeats = RepeatCheck(list(self.fields), partition.index, key=owner.key, path=owner.path)
         self.spare: list[_Batch] = []  # stored ones, to fill again
         self.waiting: list[_Batch] = []  # full batches the iterating thread stores (small rows)
         self.error: BaseException | None = None
@@ -599,6 +605,11 @@ class _Filler:
     def _store(self, batch: _Batch) -> None:
         writer = self.writer
         if writer is not None and not writer.done:
+            try:
+                self.repeats.add(batch.first, self.repeats.digests(batch.fixed, batch.values, batch.count))
+            except CacheError:
+                writer.close()  # a stream that repeats itself: nothing more of this pass is stored
+                raise
             first, rows, count = batch.take()
             self.owner._written += writer.offer_many(first, rows, count, checked=True)
         batch.clear()
