@@ -164,10 +164,8 @@ class StreamRegion:
         Empty when they are not exactly elements ``0 .. stored - 1`` (a damaged region: ``verify`` says more).
         """
         counted = self.counted()
-        mine = counted[self.partition[counted] == p]
-        if not np.array_equal(self.element[mine], np.arange(len(mine))):
-            return mine[:0]
-        return mine
+        mine: np.ndarray[Any, np.dtype[np.intp]] = counted[self.partition[counted] == p]
+        return mine if np.array_equal(self.element[mine], np.arange(len(mine))) else mine[:0]
 
     # -- writing (the caller holds the partition's lock) ----------------------
 

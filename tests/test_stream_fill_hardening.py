@@ -58,7 +58,8 @@ def test_fields_declaring_other_shapes_or_dtypes_than_the_file_raise_schema_mism
     with pytest.raises(SchemaMismatchError) as raised:
         next(iter(other))
     message = str(raised.value)
-    assert "(4,) float32" in message and "(8,) int64" in message  # the file's and the declaration
+    assert "(4,) float32" in message
+    assert "(8,) int64" in message
     assert raised.value.differences["fields"] == (new, old)
     with pytest.raises(SchemaMismatchError, match="dtypes= asks for"):
         next(iter(CachedStream(Vectors(10), path, key="k", dtypes={"x": "float16"}, max_bytes="1MiB")))
@@ -85,9 +86,12 @@ def test_a_continued_fill_of_a_stream_in_another_order_is_refused_naming_the_idi
         list(ds)
     message = str(raised.value)
     assert "element 0 of partition 0" in message
-    assert "shuffle buffer" in message and "resampled=True" in message
-    assert "'k/v2'" in message and "mmapcache rm" in message
-    assert ds.stats()["stored"] == 500 and not ds.stats()["complete"]  # nothing stored by position
+    assert "shuffle buffer" in message
+    assert "resampled=True" in message
+    assert "'k/v2'" in message
+    assert "mmapcache rm" in message
+    assert ds.stats()["stored"] == 500
+    assert not ds.stats()["complete"]
     assert not ds.cache.verify()  # type: ignore[union-attr]
     ds.close()
 
@@ -137,7 +141,8 @@ def test_a_first_epoch_repeating_its_elements_warns_naming_resampled(
     with caplog.at_level(logging.WARNING, logger="mmapcache"):
         assert len(list(ds)) == 3000
     warned = [r.getMessage() for r in caplog.records if "repeats elements" in r.getMessage()]
-    assert len(warned) == 1 and "resampled=True" in warned[0]
+    assert len(warned) == 1
+    assert "resampled=True" in warned[0]
     ds.close()
 
 
@@ -146,7 +151,8 @@ def test_a_stream_with_few_natural_duplicates_does_not_warn(tmp_path: Path, capl
         def __iter__(self) -> Iterator[Any]:
             for i in range(2000):
                 tokens = torch.arange(i % 50) if i % 33 else torch.zeros(0, dtype=torch.int64)  # 3 % empty
-                yield {"tokens": tokens + i, "boilerplate": torch.arange(40) if i % 100 == 0 else torch.arange(i, i + 40)}
+                boilerplate = torch.arange(40) if i % 100 == 0 else torch.arange(i, i + 40)
+                yield {"tokens": tokens + i, "boilerplate": boilerplate}
 
     fields = {"tokens": Field((None,), "int64"), "boilerplate": Field((40,), "int64")}
     ds = CachedStream(Corpus(), tmp_path / "s.mmc", key="k", fields=fields, max_bytes="8MiB")

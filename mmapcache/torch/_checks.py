@@ -35,8 +35,8 @@ __all__ = [
     "check_sample",
     "check_stale",
     "check_stale_rows",
-    "schema_problem",
     "file_identity",
+    "schema_problem",
     "some_ready",
 ]
 

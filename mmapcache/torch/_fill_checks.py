@@ -77,7 +77,7 @@ class StoredCheck:
         return len(self.slots)
 
     def check(self, j: int, element: Any) -> None:
-        """Element ``j`` as the stream gives it now (as a read returns it) against what is stored; raise if they differ."""
+        """Element ``j`` as the stream gives it now against what is stored: raise if they differ."""
         if j >= len(self.slots):
             return
         if not 0 <= j - self.start < len(self.chunk):
@@ -188,7 +188,8 @@ class RepeatCheck:
                 sizes = [size + a.nbytes for size, a in zip(sizes, arrays, strict=True)]
                 per_field.append([_value_digest(a) for a in arrays])
         small = _SMALL - fixed_size
-        return [hash(parts) if size >= small else None for parts, size in zip(zip(*per_field), sizes, strict=True)]
+        by_row = zip(*per_field, strict=True)
+        return [hash(parts) if size >= small else None for parts, size in zip(by_row, sizes, strict=True)]
 
     @staticmethod
     def _key_digests(column: Any, arrays: list[Any], count: int) -> list[int | None]:
