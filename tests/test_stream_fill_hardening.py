@@ -160,3 +160,119 @@ def test_a_stream_with_few_natural_duplicates_does_not_warn(tmp_path: Path, capl
         assert len(list(ds)) == 2000
     assert not [r for r in caplog.records if "repeats" in r.getMessage()]
     ds.close()
+
+
+# -- Hugging Face token ids: Python lists of ints --------------------------------------------------
+
+TOKENS = {"input_ids": Field((None,), "uint16"), "label": Field((), "int64")}
+
+
+def _token_rows(count: int) -> dict[str, list[Any]]:
+    return {"input_ids": [list(range(i, i + i % 9)) for i in range(count)], "label": list(range(count))}
+
+
+def test_hugging_face_token_lists_fit_a_declared_uint16_field_of_a_stream(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    rows = _token_rows(40)
+    stream = datasets.Dataset.from_dict(rows).to_iterable_dataset()
+    assert isinstance(next(iter(stream))["input_ids"], list)  # what a tokenizer's map gives
+    ds = CachedStream(stream, tmp_path / "s.mmc", key="k", fields=TOKENS, max_bytes="1MiB")
+    for epoch in range(2):  # the stream, then the file
+        got = {int(e["label"]): e["input_ids"] for e in ds}
+        assert sorted(got) == list(range(40)), epoch
+        for i, tokens in got.items():
+            assert tokens.dtype == torch.uint16
+            assert tokens.tolist() == rows["input_ids"][i]  # empty lists too
+    assert ds.stats()["complete"]
+    ds.close()
+
+
+def test_hugging_face_token_lists_fit_a_declared_uint16_field_of_a_dataset(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    from torch.utils.data import DataLoader
+
+    from mmapcache.torch import CachedDataset, ragged_collate
+
+    rows = _token_rows(40)
+    table = datasets.Dataset.from_dict(rows)
+    ds = CachedDataset(table, tmp_path / "d.mmc", key="k", fields=TOKENS, max_bytes="1MiB")
+    assert ds[3]["input_ids"].tolist() == rows["input_ids"][3]
+    loader = DataLoader(ds, batch_size=8, collate_fn=ragged_collate("list", leaves="input_ids"))
+    for _ in range(2):  # misses, then hits
+        got = [(int(label), tokens.tolist()) for batch in loader for label, tokens in zip(*_pair(batch), strict=True)]
+        assert got == list(zip(rows["label"], rows["input_ids"], strict=True))
+    ds.close()
+
+
+def _pair(batch: Any) -> tuple[Any, Any]:
+    return batch["label"], batch["input_ids"]
+
+
+def test_token_lists_that_do_not_fit_give_a_short_error_naming_with_format_numpy(tmp_path: Path) -> None:
+    class Tokens(torch.utils.data.IterableDataset[Any]):
+        def __init__(self, first: int) -> None:
+            self.first = first
+
+        def __iter__(self) -> Iterator[Any]:
+            for i in range(10):
+                yield {"input_ids": list(range(self.first + i, self.first + 2 * i + 600)), "label": i}
+
+    too_large = CachedStream(Tokens(70000), tmp_path / "a.mmc", key="k", fields=TOKENS, max_bytes="1MiB")
+    with pytest.raises(ValueError, match="out of range for uint16") as raised:
+        list(too_large)
+    assert 'with_format("numpy")' in str(raised.value)
+    assert len(str(raised.value)) < 400
+    undeclared = CachedStream(Tokens(0), tmp_path / "b.mmc", key="k", max_bytes="1MiB")
+    with pytest.raises(ValueError, match="a Python list of 601 numbers, where the first sample's had 600") as raised:
+        list(undeclared)
+    message = str(raised.value)
+    assert len(message) < 700
+    assert 'with_format("numpy")' in message
+    assert '"input_ids": Field((None,), "int64")' in message  # the declaration to use
+
+
+# -- a first try refuted by its second element -------------------------------------------------------
+
+
+class Growing(torch.utils.data.IterableDataset[Any]):
+    """Token sequences whose length varies from the second element on: fields inferred from the first do not fit."""
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(100):
+            yield {"tokens": torch.arange(i % 7 + 3), "label": i}
+
+
+GROWING = {"tokens": Field((None,), "int64"), "label": Field((), "int64")}
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_first_try_refuted_by_its_second_element_is_replaced_by_the_corrected_rerun(
+    tmp_path: Path, held: bool
+) -> None:
+    from mmapcache import Cache
+
+    path = tmp_path / "s.mmc"
+    first = CachedStream(Growing(), path, key="k", max_bytes="1MiB")
+    holder = None
+    if held:  # another process of the first try still has the file open
+        _interrupted(first, 1)
+        holder = Cache(path, key="k")
+    with pytest.raises(ValueError, match="fields=") as raised:
+        list(first)
+    left = path.exists()
+    rerun = CachedStream(Growing(), path, key="k", fields=GROWING, max_bytes="1MiB")
+    assert [int(e["label"]) for e in rerun] == list(range(100))
+    assert sorted(int(e["label"]) for e in rerun) == list(range(100))  # from the new file
+    assert rerun.stats()["complete"]
+    assert rerun.stats()["stored"] == 100
+    rerun.close()
+    if held:
+        assert "the next try replaces it" in str(raised.value)
+        assert left
+    else:
+        assert "was removed: the next try starts afresh" in str(raised.value)
+        assert not left
+    first.close()
+    if holder is not None:
+        assert holder.refuted  # its nameless copy
+        holder.close()

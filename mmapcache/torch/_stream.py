@@ -22,8 +22,9 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .._errors import CacheError, SchemaMismatchError
+from .._errors import CacheError, CacheInUseError, SchemaMismatchError
 from .._field import Field, FieldsLike
+from .._removal import remove
 from .._stream import (
     Partition,
     PartitionWriter,
@@ -302,6 +303,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         stored = None if cache is None or schema is None else StoredCheck(cache, schema, partition.index, key=self.key)
         path: ElementPath | None = None
         count = 0
+        unfit: TypeError | ValueError | None = None  # an element the fields inferred from a first one do not fit
         try:
             for element in self.stream:
                 if filler is None:  # the first element, and no file yet: it is made while the stream goes on
@@ -313,7 +315,13 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                     path = ElementPath(schema, self.dtypes)
                 converted = path.convert(element)
                 if converted is None:
-                    leaves = self._leaves(schema, element, count)
+                    try:
+                        leaves = self._leaves(schema, element, count)
+                    except (TypeError, ValueError) as error:
+                        if self.fields is not None:
+                            raise
+                        unfit = error
+                        break
                     converted = leaves, self._build(schema, leaves)
                 if stored is not None and count < len(stored):
                     stored.check(count, converted[1])
@@ -321,14 +329,39 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                 self._streamed += 1
                 yield converted[1]
                 count += 1
-            if filler is None:  # an empty partition: it ends once somebody made the file
-                cache = self._opened(partition)
-                filler = None if cache is None else _Filler(self, partition, cache)
-            if filler is not None:
-                filler.finish(count)
+            else:
+                if filler is None:  # an empty partition: it ends once somebody made the file
+                    cache = self._opened(partition)
+                    filler = None if cache is None else _Filler(self, partition, cache)
+                if filler is not None:
+                    filler.finish(count)
         finally:
             if filler is not None:
                 filler.close()
+        if unfit is not None:  # once what was yielded is stored: the file exists, if it could be made
+            raise type(unfit)(f"{str(unfit).rstrip('.')}. {self._refute()}") from None
+
+    def _refute(self) -> str:
+        """Mark the file, whose fields a stream element does not fit, refuted; remove it if nobody else has it open.
+
+        What became of it, for the message: the next try replaces a refuted file (:func:`open_stream`).
+        """
+        cache, path = self._cache, self.path
+        if cache is None or cache.closed:
+            return f"If a cache was made at {path}, remove it (`mmapcache rm {path}`) before the next try."
+        cache.refute()
+        self.close()
+        try:
+            remove(path)
+        except CacheInUseError:
+            return (
+                f"The cache at {path}, made with the first element's fields, is marked as not fitting the stream: "
+                "the next try replaces it, even while the processes using it now still hold it (nothing to "
+                "remove by hand)."
+            )
+        except FileNotFoundError:
+            pass
+        return f"The cache at {path}, made with the first element's fields, was removed: the next try starts afresh."
 
     def _plan(self, first: Any, index: int, partition: Partition) -> StreamPlan:
         fields = self._first_fields(first, index)
@@ -379,8 +412,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                 f"stream element {index}: field {error.name!r} has shape {error.shape}, but the cache's field has "
                 f"the fixed shape {error.field.shape}: without fields=, every field keeps the shape of the first "
                 f"element. Declare the dimensions that vary as None: CachedStream(..., "
-                f"fields={declaration(schema, [element])}, max_bytes=...), with Field from mmapcache; then use "
-                f"a new key or remove the cache (`mmapcache rm {self.path}`)"
+                f"fields={declaration(schema, [element])}, max_bytes=...), with Field from mmapcache."
             ) from None
         except (TypeError, ValueError) as error:
             raise type(error)(
