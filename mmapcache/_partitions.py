@@ -158,6 +158,15 @@ class StreamRegion:
         counted: np.ndarray[Any, np.dtype[np.intp]] = slots[np.lexsort((element, partition))]
         return counted
 
+    def elements_of(self, p: int) -> np.ndarray[Any, np.dtype[np.intp]]:
+        """The slots of partition ``p``'s counted elements in element order: element ``j`` in the ``j``-th.
+
+        Empty when they are not exactly elements ``0 .. stored - 1`` (a damaged region: ``verify`` says more).
+        """
+        counted = self.counted()
+        mine: np.ndarray[Any, np.dtype[np.intp]] = counted[self.partition[counted] == p]
+        return mine if np.array_equal(self.element[mine], np.arange(len(mine))) else mine[:0]
+
     # -- writing (the caller holds the partition's lock) ----------------------
 
     def lock_offset(self, p: int) -> int:

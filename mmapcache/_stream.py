@@ -32,7 +32,7 @@ from ._heap import extent_size_for
 from ._holders import held_by
 from ._partitions import ENDED, FULL, PartitionState, StreamRegion, read_region
 from ._plan import creation_info
-from ._removal import remove
+from ._removal import open_unrefuted, remove
 from ._sizes import parse_bytes
 from ._validation import Expected
 from .cache import Cache, attach_opened, writer_of
@@ -273,12 +273,12 @@ def open_stream(
     """
     deadline = time.monotonic() + _RESTART_SECONDS
     while True:
-        try:
-            cache = Cache(path, fields=fields, key=key, timeout=timeout)
-        except FileNotFoundError:
+        opened = open_unrefuted(path, lambda: Cache(path, fields=fields, key=key, timeout=timeout), timeout=timeout)
+        if opened is None:  # missing, or refuted by a first try (then removed)
             if plan is None:
                 return None
-            cache = _create(path, key, partition, plan(), timeout)
+            opened = _create(path, key, partition, plan(), timeout)
+        cache = opened
         stale = _why_restart(cache, partition)
         if stale is None:
             return cache

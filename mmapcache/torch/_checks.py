@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,7 @@ __all__ = [
     "check_stale",
     "check_stale_rows",
     "file_identity",
+    "schema_problem",
     "some_ready",
 ]
 
@@ -128,27 +131,39 @@ def check_file(cache: Cache, settings: Settings) -> None:
             "key for the whole dataset",
             {"dataset_indices": (None, "an index table")},
         )
-    elif settings.fields is not None and cache.fields != settings.fields:
-        problem = (
-            f"holds samples with fields {describe(cache.fields)}, but fields= declares "
-            f"{describe(settings.fields)}. If the data or its preprocessing changed, change the key; if the old "
-            f"cache is stale, remove it (`mmapcache rm {path}`)",
-            {"fields": (settings.fields, cache.fields)},
-        )
-    elif settings.dtypes is not None:
-        wanted = {name: Field((), dtype).dtype_name for name, dtype in settings.dtypes.items()}
-        found = {name: cache.fields[name].dtype_name if name in cache.fields else None for name in wanted}
-        if found != wanted:
-            problem = (
-                f"stores the fields {found}, but dtypes= asks for {wanted}. Change the key for the new "
-                f"storage dtypes, or remove the old cache (`mmapcache rm {path}`)",
-                {"dtypes": (wanted, found)},
-            )
+    else:
+        problem = schema_problem(cache.fields, settings.fields, settings.dtypes, path)
     if problem is not None:
         cache.close()
         raise SchemaMismatchError(
             f"the cache at {path} (key {settings.key!r}) {problem[0]}", path=path, differences=problem[1]
         )
+
+
+def schema_problem(
+    found: dict[str, Field], fields: dict[str, Field] | None, dtypes: Mapping[str, Any] | None, path: Path
+) -> tuple[str, dict[str, tuple[Any, Any]]] | None:
+    """How a file's fields ``found`` differ from what ``fields=`` / ``dtypes=`` declare (``None``: they agree).
+
+    ``(what the file holds against the declaration, differences)``, the words of a :class:`SchemaMismatchError`.
+    """
+    if fields is not None and found != fields:
+        return (
+            f"holds samples with fields {describe(found)}, but fields= declares "
+            f"{describe(fields)}. If the data or its preprocessing changed, change the key; if the old "
+            f"cache is stale, remove it (`mmapcache rm {path}`)",
+            {"fields": (fields, found)},
+        )
+    if dtypes is not None:
+        wanted = {name: Field((), dtype).dtype_name for name, dtype in dtypes.items()}
+        stored = {name: found[name].dtype_name if name in found else None for name in wanted}
+        if stored != wanted:
+            return (
+                f"stores the fields {stored}, but dtypes= asks for {wanted}. Change the key for the new "
+                f"storage dtypes, or remove the old cache (`mmapcache rm {path}`)",
+                {"dtypes": (wanted, stored)},
+            )
+    return None
 
 
 def check_sample(sample: Any, index: int, found: dict[str, Field], settings: Settings) -> None:

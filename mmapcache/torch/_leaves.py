@@ -34,8 +34,11 @@ __all__ = [
     "check_declared",
     "convert_leaf",
     "converted",
+    "declared_leaves",
     "fit",
+    "is_field_value",
     "is_leaf",
+    "is_numbers",
     "leaf_field",
     "leaf_hint",
     "leaf_shape",
@@ -53,6 +56,42 @@ SUPPORTED = (
 def is_leaf(value: Any) -> bool:
     """Whether ``value`` is one field of a CachedDataset sample (a leaf of its structure)."""
     return isinstance(value, (torch.Tensor, np.ndarray, np.generic, bool, int, float, str, bytes))
+
+
+def is_numbers(value: Any) -> bool:
+    """Whether ``value`` is a Python list of numbers (Hugging Face's token ids): one leaf where a field is declared.
+
+    Only the first item is looked at; :func:`fit` judges the whole list.
+    """
+    return type(value) is list and (not value or isinstance(value[0], (int, float, np.number, np.bool_)))
+
+
+def is_field_value(value: Any) -> bool:
+    """Whether ``value`` can be the value of a field: a leaf, or a list of numbers (see :func:`declared_leaves`)."""
+    return is_leaf(value) or is_numbers(value)
+
+
+def declared_leaves(sample: Any, fields: Mapping[str, Field]) -> dict[str, Any]:
+    """``sample``'s leaves named as ``fields`` (``fields=``) names them.
+
+    A list of numbers is one leaf where the fields declare one (``{"input_ids": [101, 2023]}`` with
+    ``fields={"input_ids": Field((None,), "uint16")}``), and a structure of one leaf per position where
+    they name its positions (``[0]``, ``[1]``). When neither matches, the leaves with each list of numbers
+    as one (their names are what an error lists, one per field rather than one per number).
+    """
+    try:
+        as_values: dict[str, Any] | None = name_leaves(sample, is_field_value, supported=SUPPORTED, hint=leaf_hint)
+    except (TypeError, ValueError):
+        as_values = None
+    if as_values is not None and set(as_values) == set(fields):
+        return as_values
+    try:
+        plain = name_leaves(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
+    except (TypeError, ValueError):
+        if as_values is None:
+            raise
+        return as_values
+    return plain if set(plain) == set(fields) or as_values is None else as_values
 
 
 def leaf_field(value: Any, name: str) -> Field:
@@ -261,12 +300,32 @@ def fit(leaf: Any, field: Field, name: str, *, convert: bool = False) -> Any:
     """
     if convert:
         leaf = converted(leaf, field, name)
+    if type(leaf) is list:
+        return _numbers(leaf, field, name)
     if field.text is not None:
         text = as_text(leaf)
         return coerce_value(leaf if text is None else text, field, name)
     if isinstance(leaf, (torch.Tensor, np.ndarray, np.generic)):
         return _exact(leaf, field, name)
     return coerce_value(leaf, field, name)
+
+
+_AS_ARRAYS = (
+    "; a Python list of numbers is one value of a field of one or more dimensions (a Hugging Face dataset "
+    'gives arrays instead with .with_format("numpy"))'
+)
+
+
+def _numbers(leaf: list[Any], field: Field, name: str) -> np.ndarray[Any, Any]:
+    """A Python list of numbers for ``field``: the core's casting rules for Python numbers (an int that the
+    field's dtype cannot hold is refused, never wrapped), as an array of the field's dtype and shape."""
+    if field.text is not None or not field.shape:
+        what = f"{field.text} values" if field.text is not None else "single values (shape ())"
+        raise TypeError(f"field {name!r} holds {what}, but the sample gave a list of {len(leaf)} items{_AS_ARRAYS}")
+    try:
+        return coerce_value(leaf if leaf else np.zeros(0, field.dtype), field, name)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{error}{_AS_ARRAYS}") from None
 
 
 def misfit(sample: Any, fields: Mapping[str, Field], *, convert: bool = False) -> tuple[type[Exception], str] | None:
@@ -276,7 +335,7 @@ def misfit(sample: Any, fields: Mapping[str, Field], *, convert: bool = False) -
     field (``convert``: after an exact conversion to the field's dtype, for ``fields=``).
     """
     try:
-        leaves = name_leaves(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
+        leaves = declared_leaves(sample, fields)
     except (TypeError, ValueError) as error:
         return type(error), str(error)
     if list(leaves) != list(fields) and set(leaves) != set(fields):

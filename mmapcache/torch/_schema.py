@@ -10,6 +10,7 @@ against it — and spell them in messages.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,14 +21,17 @@ import torch
 from .._errors import SchemaMismatchError
 from .._field import Field, FieldsLike, normalize_fields
 from .._jagged import Jagged
-from .._structure import Structure, name_leaves
+from .._structure import BARE, Structure, name_leaves
 from .._tensors import torch_dtype
 from .._variable import text_value
 from ._leaves import (
     SUPPORTED,
     check_declared,
+    declared_leaves,
     fit,
+    is_field_value,
     is_leaf,
+    is_numbers,
     leaf_field,
     leaf_hint,
     leaf_shape,
@@ -102,9 +106,12 @@ class Schema:
     def flatten(self, sample: Any) -> list[Any]:
         """``sample``'s leaves in field order; ValueError/TypeError naming the first part that does not fit."""
         leaves = self.structure.candidates(sample)
-        if leaves is not None and all(map(is_leaf, leaves)):
+        if leaves is not None and all(map(is_field_value, leaves)):
             return leaves
-        return self.structure.flatten(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
+        try:
+            return self.structure.flatten(sample, is_field_value, supported=SUPPORTED, hint=leaf_hint)
+        except ValueError as error:
+            raise ValueError(_numbers_advice(self, sample) or str(error)) from None
 
     def rows(self, columns: list[Any]) -> list[Any]:
         """Gathered columns (a batch tensor, a :class:`~mmapcache.Jagged` or a list per field) as leaves per sample."""
@@ -145,9 +152,67 @@ class Schema:
         )
 
 
+_POSITION = re.compile(r"(.*)\[(0|[1-9][0-9]*)\]")
+
+
+def _numbers_advice(schema: Schema, sample: Any) -> str | None:
+    """For a sample whose list of numbers has another length than the first sample's (whose fields, without
+    ``fields=``, are one per position): what to declare instead. ``None`` for any other sample."""
+    try:
+        leaves = name_leaves(sample, is_field_value, supported=SUPPORTED, hint=leaf_hint)
+    except (TypeError, ValueError):
+        return None
+    lists = [name for name, leaf in leaves.items() if is_numbers(leaf) and f"{name}/[0]" in schema.fields]
+    lists += [name for name, leaf in leaves.items() if is_numbers(leaf) and name == BARE and "[0]" in schema.fields]
+    if not lists:
+        return None
+    name = lists[0]
+    prefix = "[" if name == BARE else f"{name}/["
+    first = sum(1 for field in schema.fields if field.startswith(prefix))
+    spelled = {
+        other: 'Field((None,), "int64")'
+        if is_numbers(leaf)
+        else f"Field({schema.fields[other].shape!r}, {json.dumps(schema.fields[other].dtype_name)})"
+        if other in schema.fields
+        else "..."
+        for other, leaf in leaves.items()
+    }
+    declaration = "{" + ", ".join(f"{json.dumps(other)}: {field}" for other, field in spelled.items()) + "}"
+    return (
+        f"field {name!r}: a Python list of {len(leaves[name])} numbers, where the first sample's had "
+        f"{first}: without fields=, a list is a structure of one field per position. Declare it as one field "
+        f"whose length varies (fields={declaration}, with Field from mmapcache and max_bytes=), or give arrays "
+        '(a Hugging Face dataset does with .with_format("numpy"))'
+    )
+
+
+def _positions(stem: str, first: int, last: int) -> str:
+    return f"{stem}[{first}]" if first == last else f"{stem}[{first}..{last}]"
+
+
 def describe(fields: Mapping[str, Field]) -> str:
-    """``{'0': (3, 32, 32) uint8, ...}``: fields as messages show them."""
-    return "{" + ", ".join(f"{name!r}: {field.shape} {field.dtype_name}" for name, field in fields.items()) + "}"
+    """``{'0': (3, 32, 32) uint8, ...}``: fields as messages show them.
+
+    Consecutive list positions of one field (what a list of numbers makes without ``fields=``) are shown
+    once: ``'input_ids/[0..511]': () int64``.
+    """
+    parts: list[tuple[str, int, int, str]] = []  # (list, first position, last position, field) or (name, -1, -1, ..)
+    for name, field in fields.items():
+        spelled = f"{field.shape} {field.dtype_name}"
+        position = _POSITION.fullmatch(name)
+        if position is not None:
+            stem, k = position.group(1), int(position.group(2))
+            if parts and parts[-1][0] == stem and parts[-1][2] == k - 1 and parts[-1][3] == spelled:
+                parts[-1] = (stem, parts[-1][1], k, spelled)
+                continue
+            parts.append((stem, k, k, spelled))
+        else:
+            parts.append((name, -1, -1, spelled))
+    shown = [
+        f"{stem!r}: {spelled}" if first < 0 else f"{_positions(stem, first, last)!r}: {spelled}"
+        for stem, first, last, spelled in parts
+    ]
+    return "{" + ", ".join(shown) + "}"
 
 
 def declared_fields(fields: FieldsLike) -> dict[str, Field]:
@@ -221,7 +286,7 @@ def first_fields(
         return sample_fields(sample, index, dtypes)
     check_declared_sample(sample, index, declared)
     # The sample's order (dict keys keep theirs).
-    order = name_leaves(sample, is_leaf, supported=SUPPORTED, hint=leaf_hint)
+    order = declared_leaves(sample, declared)
     return {name: declared[name] for name in order}
 
 

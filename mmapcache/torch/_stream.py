@@ -22,8 +22,9 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .._errors import SchemaMismatchError
+from .._errors import CacheError, CacheInUseError, SchemaMismatchError
 from .._field import Field, FieldsLike
+from .._removal import remove
 from .._stream import (
     Partition,
     PartitionWriter,
@@ -40,7 +41,9 @@ from .._stream import (
 )
 from .._tensors import tensor_to_numpy
 from ..cache import Cache
+from ._checks import schema_problem
 from ._elements import ElementPath
+from ._fill_checks import RepeatCheck, StoredCheck
 from ._leaves import LeafShapeError, convert_leaf, fit
 from ._schema import Schema, declaration, declared_fields, describe, first_fields, storage_dtypes, with_dtypes
 from ._settings import default_path
@@ -205,14 +208,14 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
             return cache
 
     def _adopt(self, cache: Cache) -> None:
-        if self.fields is not None and cache.fields != self.fields and set(cache.fields) != set(self.fields):
+        """Keep ``cache`` as this process's, once its fields are what ``fields=``/``dtypes=`` declare."""
+        problem = schema_problem(cache.fields, self.fields, self.dtypes, self.path)
+        if problem is not None:
             cache.close()
             raise SchemaMismatchError(
-                f"the stream cache at {self.path} (key {self.key!r}) holds fields {describe(cache.fields)}, but "
-                f"fields= declares {describe(self.fields)}: change the key for the new data, or remove the old "
-                f"cache (`mmapcache rm {self.path}`)",
+                f"the stream cache at {self.path} (key {self.key!r}) {problem[0]}",
                 path=self.path,
-                differences={"fields": (self.fields, cache.fields)},
+                differences=problem[1],
             )
         self._cache = cache
         self._schema = Schema(cache.fields, self.path)
@@ -297,8 +300,10 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         """Stream the partition, yielding each element at once; :class:`_Filler` stores them a batch at a time."""
         filler = None if cache is None else _Filler(self, partition, cache)
         schema = self._schema
+        stored = None if cache is None or schema is None else StoredCheck(cache, schema, partition.index, key=self.key)
         path: ElementPath | None = None
         count = 0
+        unfit: TypeError | ValueError | None = None  # an element the fields inferred from a first one do not fit
         try:
             for element in self.stream:
                 if filler is None:  # the first element, and no file yet: it is made while the stream goes on
@@ -310,20 +315,53 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                     path = ElementPath(schema, self.dtypes)
                 converted = path.convert(element)
                 if converted is None:
-                    leaves = self._leaves(schema, element, count)
+                    try:
+                        leaves = self._leaves(schema, element, count)
+                    except (TypeError, ValueError) as error:
+                        if self.fields is not None:
+                            raise
+                        unfit = error
+                        break
                     converted = leaves, self._build(schema, leaves)
+                if stored is not None and count < len(stored):
+                    stored.check(count, converted[1])
                 filler.add(count, converted[0])
                 self._streamed += 1
                 yield converted[1]
                 count += 1
-            if filler is None:  # an empty partition: it ends once somebody made the file
-                cache = self._opened(partition)
-                filler = None if cache is None else _Filler(self, partition, cache)
-            if filler is not None:
-                filler.finish(count)
+            else:
+                if filler is None:  # an empty partition: it ends once somebody made the file
+                    cache = self._opened(partition)
+                    filler = None if cache is None else _Filler(self, partition, cache)
+                if filler is not None:
+                    filler.finish(count)
         finally:
             if filler is not None:
                 filler.close()
+        if unfit is not None:  # once what was yielded is stored: the file exists, if it could be made
+            raise type(unfit)(f"{str(unfit).rstrip('.')}. {self._refute()}") from None
+
+    def _refute(self) -> str:
+        """Mark the file, whose fields a stream element does not fit, refuted; remove it if nobody else has it open.
+
+        What became of it, for the message: the next try replaces a refuted file (:func:`open_stream`).
+        """
+        cache, path = self._cache, self.path
+        if cache is None or cache.closed:
+            return f"If a cache was made at {path}, remove it (`mmapcache rm {path}`) before the next try."
+        cache.refute()
+        self.close()
+        try:
+            remove(path)
+        except CacheInUseError:
+            return (
+                f"The cache at {path}, made with the first element's fields, is marked as not fitting the stream: "
+                "the next try replaces it, even while the processes using it now still hold it (nothing to "
+                "remove by hand)."
+            )
+        except FileNotFoundError:
+            pass
+        return f"The cache at {path}, made with the first element's fields, was removed: the next try starts afresh."
 
     def _plan(self, first: Any, index: int, partition: Partition) -> StreamPlan:
         fields = self._first_fields(first, index)
@@ -374,8 +412,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                 f"stream element {index}: field {error.name!r} has shape {error.shape}, but the cache's field has "
                 f"the fixed shape {error.field.shape}: without fields=, every field keeps the shape of the first "
                 f"element. Declare the dimensions that vary as None: CachedStream(..., "
-                f"fields={declaration(schema, [element])}, max_bytes=...), with Field from mmapcache; then use "
-                f"a new key or remove the cache (`mmapcache rm {self.path}`)"
+                f"fields={declaration(schema, [element])}, max_bytes=...), with Field from mmapcache."
             ) from None
         except (TypeError, ValueError) as error:
             raise type(error)(
@@ -487,6 +524,7 @@ class _Filler:
         self.writer = None if cache is None else PartitionWriter(cache, partition)
         self.fields: dict[str, Field] = cache.fields if cache is not None else plan.fields
         self.batch = _Batch(self.fields)
+        self.repeats = RepeatCheck(list(self.fields), partition.index, key=owner.key, path=owner.path)
         self.spare: list[_Batch] = []  # stored ones, to fill again
         self.waiting: list[_Batch] = []  # full batches the iterating thread stores (small rows)
         self.error: BaseException | None = None
@@ -599,6 +637,11 @@ class _Filler:
     def _store(self, batch: _Batch) -> None:
         writer = self.writer
         if writer is not None and not writer.done:
+            try:
+                self.repeats.add(batch.first, self.repeats.digests(batch.fixed, batch.values, batch.count))
+            except CacheError:
+                writer.close()  # a stream that repeats itself: nothing more of this pass is stored
+                raise
             first, rows, count = batch.take()
             self.owner._written += writer.offer_many(first, rows, count, checked=True)
         batch.clear()
