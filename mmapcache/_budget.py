@@ -17,8 +17,8 @@ The ledger has no counter to drift. It is derived, whenever it is needed, from
 
 Admission (:func:`admitted`, the one function every creation path calls where the file size is
 decided: ``open_or_create`` for ``Cache.open``, ``CachedDataset`` and ``CachedStream``, and
-``resize``) runs under the directory's lock ``.mmapcache-budget.lock`` (never deleted): two
-creators never both take the last bytes. A file that does not fit is planned smaller — fewer
+``resize``) runs under the directory's lock, an exclusive ``flock`` on the directory itself
+(never deleted while a cache is in it): two creators never both take the last bytes. A file that does not fit is planned smaller — fewer
 slots, a smaller variable region, so the first indices are cached — with one warning; when not
 even a header and one slot (and one page of variable region) fit, :class:`CacheSpaceError`.
 With ``reclaim_unused_after`` set, caches that nobody has open and that were last opened longer
@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._errors import CacheError, CacheSpaceError
-from ._file import creation_lock
+from ._errors import CacheError, CacheSpaceError, CacheTimeoutError
+from ._file import creation_lock, remove_leftovers
 from ._format import Header, compute_layout
 from ._header import new_header
 from ._heap import extent_size_for
@@ -51,7 +51,6 @@ from ._names import (
     BUDGET_NAME,
     is_cache_name,
     is_reservation_name,
-    lock_path_for,
     new_reservation_name,
     side_stem,
     temp_stem,
@@ -63,6 +62,7 @@ from ._sizes import format_age, format_bytes, parse_bytes, parse_duration
 __all__ = [
     "BUDGET_ENV",
     "DEFAULT_CGROUP_FRACTION",
+    "RECLAIM_GRACE",
     "Admission",
     "Budget",
     "CacheShare",
@@ -79,6 +79,9 @@ BUDGET_ENV = "MMAPCACHE_BUDGET"
 # limit (the rest is for the processes that share the limit), and never more than the tmpfs holds.
 DEFAULT_CGROUP_FRACTION = 0.5
 _PAGE = 4096
+# A cache opened this recently is never reclaimed, whatever the setting: its creator links it and
+# only then opens it (takes the in-use lock), and must find it there.
+RECLAIM_GRACE = 5.0
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,7 @@ def set_budget(
     limit = None if max_bytes is None else parse_bytes(max_bytes, name="max_bytes")
     after = _seconds(reclaim_unused_after)
     path = base / BUDGET_NAME
-    with creation_lock(path, 60.0):
+    with _directory_lock(base, 60.0):
         if limit is None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -229,7 +232,8 @@ def admitted(
         yield Admission(header)
         return
     wanted = _allocated(compute_layout(header).file_size)
-    with creation_lock(directory / BUDGET_NAME, timeout):
+    with _directory_lock(directory, timeout):
+        _remove_dead_temps(directory)
         ledger = _ledger(directory, settings, collect=True)
         removed: tuple[CacheShare, ...] = ()
         if wanted > _room(ledger) and ledger.reclaim_unused_after is not None:
@@ -239,7 +243,7 @@ def admitted(
         room = _room(ledger)
         chosen = header if wanted <= room else _smaller(header, room, floor, directory)
         if chosen is None:
-            raise _no_budget(path, header, wanted, ledger)
+            raise _no_budget(path, wanted, ledger, grow=floor is not None)
         size = _allocated(compute_layout(chosen).file_size)
         reservation = _reserve(directory, path, size)
     try:
@@ -320,9 +324,10 @@ def _shrunk_message(path: Path, asked: Header, chosen: Header, ledger: Budget, r
     )
 
 
-def _no_budget(path: Path, header: Header, wanted: int, ledger: Budget) -> CacheSpaceError:
+def _no_budget(path: Path, wanted: int, ledger: Budget, *, grow: bool) -> CacheSpaceError:
+    what = "no room to grow it in" if grow else "not even its header and one slot fit"
     return CacheSpaceError(
-        f"cannot create {path}: not even its header and one slot fit {ledger.describe()}, "
+        f"cannot {'resize' if grow else 'create'} {path}: {what} {ledger.describe()}, "
         f"{format_bytes(max(_room(ledger), 0))} left (the whole file takes {format_bytes(wanted)}). "
         + _how_to_raise(ledger),
         path=path,
@@ -364,11 +369,11 @@ def _reclaim(ledger: Budget, needed: int, after: float, path: Path) -> tuple[Cac
     for share in ledger.caches:  # least recently used first
         if freed >= needed:
             break
-        if share.in_use or share.last_used > cutoff or share.path == path:
+        if share.in_use or share.last_used > min(cutoff, time.time() - RECLAIM_GRACE) or share.path == path:
             continue
         try:
             st = os.stat(share.path, follow_symlinks=False)
-            if st.st_mtime > cutoff:
+            if st.st_mtime > min(cutoff, time.time() - RECLAIM_GRACE):
                 continue  # opened since the ledger was read
             # A creator or resizer of it holds its creation lock: wait for nobody (timeout 0).
             remove(share.path, timeout=0, same_as=st)
@@ -385,6 +390,21 @@ def _reclaim(ledger: Budget, needed: int, after: float, path: Path) -> tuple[Cac
         removed.append(share)
         freed += share.bytes
     return tuple(removed)
+
+
+def _remove_dead_temps(directory: Path) -> None:
+    """Delete the temp files of creators that died (their cache's creation lock is free): bytes nobody will use."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    stems = {stem for name in names if (stem := temp_stem(name, directory)) is not None and is_cache_name(stem)}
+    for stem in sorted(stems):
+        try:
+            with creation_lock(directory / stem, 0):  # a live creator holds it: its temp file stays
+                remove_leftovers(directory / stem)
+        except (CacheError, OSError):
+            continue
 
 
 # -- the ledger ------------------------------------------------------------------------
@@ -560,6 +580,31 @@ def _directory(directory: str | os.PathLike[str] | None) -> Path:
     return base
 
 
-def lock_file(directory: Path) -> Path:
-    """The directory's admission lock file (never deleted)."""
-    return lock_path_for(directory / BUDGET_NAME)
+@contextmanager
+def _directory_lock(directory: Path, timeout: float) -> Iterator[None]:
+    """Hold the directory's admission lock: an exclusive ``flock`` on the directory itself.
+
+    The directory is the lock file that is never deleted while anything in it
+    is: no side file to plant, to delete under a waiter, or to leave behind.
+    """
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        deadline, delay = time.monotonic() + timeout, 0.0005
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as error:
+                if error.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                    raise
+            if time.monotonic() >= deadline:
+                raise CacheTimeoutError(
+                    f"waited {timeout:g} s for the budget lock of {directory} (another process is admitting a "
+                    "new cache there); pass a larger timeout= if that process needs longer",
+                    path=directory,
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+        yield
+    finally:
+        os.close(fd)  # drops the lock

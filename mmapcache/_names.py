@@ -21,7 +21,6 @@ A directory holding caches may also hold its byte budget (:mod:`mmapcache._budge
 that are neither caches nor side files of one (``ls`` and ``gc`` pass them by):
 
 - ``.mmapcache-budget`` (``BUDGET_NAME``): the budget set for the directory, one line of JSON;
-- ``.mmapcache-budget.lock``: the directory's admission lock (never deleted);
 - ``.mmapcache-reserve-<pid>-<8 hex>`` (``RESERVATION_PREFIX``): the bytes one live creator reserved,
   exclusively ``flock``-ed by it while it lives (a reservation whose lock is free is dead).
 

@@ -108,21 +108,21 @@ def resize(path: str | os.PathLike[str], *, max_bytes: int | str, timeout: float
             if not os.path.samestat(os.stat(target, follow_symlinks=False), os.fstat(old._handle.fd)):
                 raise FileNotFoundError(errno.ENOENT, f"{target} was replaced while resizing it", str(target))
             planned = _plan(header, layout, budget, max_bytes, plan_capacity, plan_variable, target)
+            try:
+                check_space(target, compute_layout(planned).file_size)
+            except CacheSpaceError as error:
+                raise CacheSpaceError(
+                    f"cannot resize {target} to {format_bytes(compute_layout(planned).file_size)}: the new file is "
+                    f"built next to the old one ({format_bytes(layout.file_size)}), which stays until every process "
+                    f"that has it open closes it, and {target.parent} has {format_bytes(error.free or 0)} free. "
+                    "Free some space (`mmapcache ls`, `mmapcache gc`) or give a smaller max_bytes",
+                    path=target,
+                    needed=compute_layout(planned).file_size,
+                    free=error.free,
+                ) from None
             with admitted(target, planned, timeout=timeout, floor=header, stacklevel=5) as admission:
                 new = admission.header
                 new_layout = compute_layout(new)
-                try:
-                    check_space(target, new_layout.file_size)
-                except CacheSpaceError as error:
-                    raise CacheSpaceError(
-                        f"cannot resize {target} to {format_bytes(new_layout.file_size)}: the new file is built "
-                        f"next to the old one ({format_bytes(layout.file_size)}), which stays until every process "
-                        f"that has it open closes it, and {target.parent} has {format_bytes(error.free or 0)} free. "
-                        "Free some space (`mmapcache ls`, `mmapcache gc`) or give a smaller max_bytes",
-                        path=target,
-                        needed=new_layout.file_size,
-                        free=error.free,
-                    ) from None
                 kept, dropped = _build(target, old, new, new_layout)
     log.info(
         "resized %s from %d to %d bytes (%d samples kept, %d dropped)",
