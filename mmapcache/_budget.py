@@ -317,10 +317,13 @@ def _shrunk_message(path: Path, asked: Header, chosen: Header, ledger: Budget, r
         what += f" and {format_bytes(chosen.variable_size)} of the {format_bytes(asked.variable_size)} variable region"
     first = "" if asked.stream is not None else f" (the first {chosen.capacity} indices are cached, the rest read"
     first += "" if asked.stream is not None else " from the dataset every time)"
+    made, wanted = _allocated(compute_layout(chosen).file_size), _allocated(compute_layout(asked).file_size)
+    sizes = (format_bytes(made), format_bytes(wanted))
+    if sizes[0] == sizes[1]:
+        sizes = (f"{made} bytes", f"{wanted}")
     return (
         f"{path} does not fit {ledger.describe()}{_removed_text(removed)}; it was made with {what}{first}, "
-        f"{format_bytes(_allocated(compute_layout(chosen).file_size))} instead of "
-        f"{format_bytes(_allocated(compute_layout(asked).file_size))}. {_how_to_raise(ledger)}"
+        f"{sizes[0]} instead of {sizes[1]}. {_how_to_raise(ledger)}"
     )
 
 
