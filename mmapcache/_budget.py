@@ -18,9 +18,10 @@ The ledger has no counter to drift. It is derived, whenever it is needed, from
 Admission (:func:`admitted`, the one function every creation path calls where the file size is
 decided: ``open_or_create`` for ``Cache.open``, ``CachedDataset`` and ``CachedStream``, and
 ``resize``) runs under the directory's lock, an exclusive ``flock`` on the directory itself
-(never deleted while a cache is in it): two creators never both take the last bytes. A file that does not fit is planned smaller — fewer
-slots, a smaller variable region, so the first indices are cached — with one warning; when not
-even a header and one slot (and one page of variable region) fit, :class:`CacheSpaceError`.
+(never deleted while a cache is in it): two creators never both take the last bytes. A file
+that does not fit is planned smaller — fewer slots, a smaller variable region, so the first
+indices are cached — with one warning; when not even a header and one slot (and one page of
+variable region) fit, :class:`CacheSpaceError`.
 With ``reclaim_unused_after`` set, caches that nobody has open and that were last opened longer
 ago than that are removed first, least recently used first; a cache in use is never removed.
 """

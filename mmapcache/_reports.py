@@ -20,7 +20,15 @@ from ._stream import describe as describe_stream
 from ._times import iso_time
 from .cache import Problem
 
-__all__ = ["MAX_PROBLEMS_SHOWN", "format_budget", "format_df", "format_gc", "format_info", "format_ls", "format_problems"]
+__all__ = [
+    "MAX_PROBLEMS_SHOWN",
+    "format_budget",
+    "format_df",
+    "format_gc",
+    "format_info",
+    "format_ls",
+    "format_problems",
+]
 
 # verify lists at most this many problems one by one, then counts the rest.
 MAX_PROBLEMS_SHOWN = 20

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -156,7 +157,8 @@ def test_the_ledger_lists_each_cache_with_its_bytes_use_and_last_use(cache_dir: 
         found = mmapcache.budget(cache_dir)
     by_name = {share.path.name: share for share in found.caches}
     assert set(by_name) == {"a.mmc", "b.mmc"}
-    assert by_name["a.mmc"].in_use and not by_name["b.mmc"].in_use
+    assert by_name["a.mmc"].in_use
+    assert not by_name["b.mmc"].in_use
     assert by_name["a.mmc"].bytes == file_bytes(cache_dir / "a.mmc")
     assert abs(by_name["b.mmc"].last_used - time.time()) < 60
     assert found.used == allocated(cache_dir)
@@ -185,7 +187,9 @@ def test_a_cache_that_does_not_fit_is_made_smaller_with_one_warning(cache_dir: P
         assert 0 < cache.capacity < 1000
         assert f"{cache.capacity} of the 1000 slots" in message
         assert f"the first {cache.capacity} indices are cached" in message
-        assert "the budget of" in message and "1.0 MiB" in message and BUDGET_NAME in message
+        assert "the budget of" in message
+        assert "1.0 MiB" in message
+        assert BUDGET_NAME in message
         assert f"mmapcache budget {cache_dir} --set SIZE" in message
         assert allocated(cache_dir) <= 1 * MiB
         assert allocated(cache_dir) > 1 * MiB - 2 * (ROW + 64)  # the whole room, to a slot
@@ -208,7 +212,8 @@ def test_variable_fields_get_a_smaller_region_and_fewer_slots(cache_dir: Path) -
         cache = Cache.open(cache_dir / "v.mmc", fields, length=1000, max_bytes="4MiB")
     with cache:
         assert cache.capacity < 1000
-        assert cache.variable_region is not None and 4096 <= cache.variable_region.size < 3 * MiB
+        assert cache.variable_region is not None
+        assert 4096 <= cache.variable_region.size < 3 * MiB
     assert allocated(cache_dir) <= 1 * MiB
 
 
@@ -235,7 +240,8 @@ def test_resize_grows_within_the_budget_only(cache_dir: Path) -> None:
         fill(cache, range(20))
     with pytest.warns(RuntimeWarning, match="the budget of"):
         done = mmapcache.resize(cache_dir / "a.mmc", max_bytes="4MiB")
-    assert 20 < done.new_capacity < 1000 and done.kept == 20
+    assert 20 < done.new_capacity < 1000
+    assert done.kept == 20
     assert allocated(cache_dir) <= 1 * MiB
     with pytest.raises(CacheSpaceError, match="no room to grow"):
         mmapcache.resize(cache_dir / "a.mmc", max_bytes="8MiB")
@@ -251,7 +257,11 @@ def run_jobs(directory: Path, procs: list[Any], *, length: int, budget: int) -> 
     sampler = Sampler(directory)
     sampler.start()
     try:
-        jobs = [start(helper("job", directory, f"c{k}.mmc", length, ROW, role, stop), procs) for k in range(3) for role in (0, 1)]
+        jobs = [
+            start(helper("job", directory, f"c{k}.mmc", length, ROW, role, stop), procs)
+            for k in range(3)
+            for role in (0, 1)
+        ]
         reports = []
         for proc in jobs:
             line = proc.stdout.readline() if proc.stdout else ""
@@ -300,7 +310,8 @@ def kill_creators(directory: Path, procs: list[Any], rounds: int) -> int:
             for side in "ab"
         ]
         for proc in pair:
-            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == "ready\n"
         time.sleep(random.uniform(0, 0.04))
         for proc in pair:
             proc.send_signal(signal.SIGKILL)
@@ -372,10 +383,8 @@ def memory_cgroup() -> Iterator[Path]:
 
 
 def with_suppress_write(path: Path, text: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         path.write_text(text)
-    except OSError:
-        pass
 
 
 def fill_in_cgroup(group: Path, directory: Path, *, extra_env: dict[str, str] | None = None) -> tuple[int, str]:
@@ -404,7 +413,8 @@ def test_filling_every_cache_to_the_budget_triggers_no_oom_kill(cache_dir: Path,
     (memory_cgroup / "memory.limit_in_bytes").write_text(str(budget * 5 // 4))
     # The test bites: three full caches (384 MiB) past the limit get the filler OOM-killed.
     status, _ = fill_in_cgroup(memory_cgroup, cache_dir, extra_env={BUDGET_ENV: "1TiB"})
-    assert status == -signal.SIGKILL and oom_kills(memory_cgroup) >= 1
+    assert status == -signal.SIGKILL
+    assert oom_kills(memory_cgroup) >= 1
     empty(cache_dir)
     before = oom_kills(memory_cgroup)
     mmapcache.set_budget(cache_dir, budget)
@@ -444,9 +454,9 @@ def test_partial_caching_at_40_percent_keeps_the_hit_rate_at_40_percent(cache_di
         full = probe.nbytes
     mmapcache.remove(cache_dir / "probe.mmc")
     mmapcache.set_budget(cache_dir, int(0.4 * full) + 4096)  # the budget's own file takes a page
+    ds = CachedDataset(Rows(n), cache_dir / "d.mmc", key="rows", check=0)
     with pytest.warns(RuntimeWarning, match="the budget of"):
-        ds = CachedDataset(Rows(n), cache_dir / "d.mmc", key="rows", check=0)
-        ds[0]
+        ds[0]  # creates the file
     rng = np.random.default_rng(0)
     for i in range(n):  # the first epoch fills what fits
         ds[i]
@@ -480,20 +490,22 @@ def test_reclaim_removes_the_least_recently_used_unused_cache(
         warnings.simplefilter("error", RuntimeWarning)  # admitted whole: no warning
         with Cache.open(cache_dir / "new.mmc", FIELDS, length=230) as cache:
             assert cache.capacity == 230
-    assert not paths[0].exists() and paths[1].exists() and paths[2].exists()
-    assert f"removed {paths[0]}" in caplog.text and "last used 1w ago" in caplog.text
+    assert not paths[0].exists()
+    assert paths[1].exists()
+    assert paths[2].exists()
+    assert f"removed {paths[0]}" in caplog.text
+    assert "last used 1w ago" in caplog.text
     assert "after removing the unused caches c0.mmc" in caplog.text  # listed by the call that made room
 
 
-def test_reclaim_never_removes_a_cache_in_use_and_admits_the_new_one_smaller(
-    cache_dir: Path, procs: list[Any]
-) -> None:
+def test_reclaim_never_removes_a_cache_in_use_and_admits_the_new_one_smaller(cache_dir: Path, procs: list[Any]) -> None:
     paths = three_caches(cache_dir, reclaim="7d")
     stop = cache_dir.parent / f"{cache_dir.name}-stop"
     holders = [start(helper("job", cache_dir, path.name, 230, ROW, 0, stop), procs) for path in paths]
     try:
         for proc in holders:
-            assert proc.stdout is not None and proc.stdout.readline()
+            assert proc.stdout is not None
+            assert proc.stdout.readline()
         for path in paths:
             old = time.time() - 30 * 86400
             os.utime(path, (old, old))
