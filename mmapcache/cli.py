@@ -35,7 +35,7 @@ from ._paths import default_dir
 from ._removal import remove
 from ._reports import format_budget, format_df, format_gc, format_info, format_ls, format_problems
 from ._resize import resize
-from ._sizes import format_bytes, parse_duration
+from ._sizes import format_bytes, parse_bytes, parse_duration
 from ._version import __version__
 from .cache import Cache, Problem
 
@@ -215,6 +215,13 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text, name="SIZE")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 _DESCRIPTION = f"""\
 See, check and clean up mmapcache cache files (*{SUFFIX}).
 
@@ -387,7 +394,7 @@ def _add_arguments(name: str, sub: argparse.ArgumentParser) -> None:
         sub.add_argument("-n", "--dry-run", action="store_true", help="show what would be removed, remove nothing")
     if name == "budget":
         change = sub.add_mutually_exclusive_group()
-        change.add_argument("--set", metavar="SIZE", help="keep this budget in DIR: 8GiB, 500MB, bytes")
+        change.add_argument("--set", type=_size, metavar="SIZE", help="keep this budget in DIR: 8GiB, 500MB, bytes")
         change.add_argument("--unset", action="store_true", help="remove the budget kept in DIR")
         sub.add_argument(
             "--reclaim-unused-after",
