@@ -235,12 +235,13 @@ def admitted(
     wanted = _allocated(compute_layout(header).file_size)
     with _directory_lock(directory, timeout):
         _remove_dead_temps(directory)
-        ledger = _ledger(directory, settings, collect=True)
+        reclaim = isinstance(settings.get("reclaim_unused_after"), (int, float))
+        ledger = _ledger(directory, settings, collect=True, probe=reclaim)
         removed: tuple[CacheShare, ...] = ()
         if wanted > _room(ledger) and ledger.reclaim_unused_after is not None:
             removed = _reclaim(ledger, wanted - _room(ledger), ledger.reclaim_unused_after, path)
             if removed:
-                ledger = _ledger(directory, settings, collect=True)
+                ledger = _ledger(directory, settings, collect=True, probe=True)
         room = _room(ledger)
         chosen = header if wanted <= room else _smaller(header, room, floor, directory)
         if chosen is None:
@@ -259,8 +260,9 @@ def admitted(
 
 
 def _room(ledger: Budget) -> int:
+    """What a new file may take: what is free, less the page of the reservation file that admits it."""
     assert ledger.limit is not None
-    return ledger.limit - ledger.used - ledger.reserved
+    return ledger.limit - ledger.used - ledger.reserved - _PAGE
 
 
 def _allocated(size: int) -> int:
@@ -454,7 +456,7 @@ class _Scan:
     reservations: list[Path] = field(default_factory=list)
 
 
-def _scan(directory: Path) -> _Scan:
+def _scan(directory: Path, *, probe: bool) -> _Scan:
     scan, seen = _Scan(), set()
     with os.scandir(directory) as listing:
         for entry in listing:
@@ -472,7 +474,8 @@ def _scan(directory: Path) -> _Scan:
             if is_reservation_name(entry.name):
                 scan.reservations.append(Path(entry.path))
             elif is_cache_name(entry.name):
-                scan.caches.append(CacheShare(Path(entry.path), nbytes, _in_use(Path(entry.path)), st.st_mtime))
+                used = _in_use(Path(entry.path)) if probe else False
+                scan.caches.append(CacheShare(Path(entry.path), nbytes, used, st.st_mtime))
     scan.caches.sort(key=lambda share: share.last_used)
     return scan
 
@@ -484,10 +487,14 @@ def _in_use(path: Path) -> bool:
         return True  # cannot tell: never a candidate for removal
 
 
-def _ledger(directory: Path, settings: dict[str, Any], *, collect: bool) -> Budget:
-    """The budget's ledger, read from the files; ``collect``: delete dead reservations (under the directory lock)."""
+def _ledger(directory: Path, settings: dict[str, Any], *, collect: bool, probe: bool = True) -> Budget:
+    """The budget's ledger, read from the files.
+
+    ``collect``: delete dead reservations (under the directory lock); ``probe``: ask whether each cache
+    is in use (else every ``in_use`` is ``False``: admission asks only when it may reclaim).
+    """
     limit, source = _limit(directory, settings)
-    scan = _scan(directory)
+    scan = _scan(directory, probe=probe)
     reserved = sum(_outstanding(path, scan, directory, collect=collect) for path in scan.reservations)
     free = None if limit is None else max(0, limit - scan.used - reserved)
     after = settings.get("reclaim_unused_after")
