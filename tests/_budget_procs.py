@@ -2,9 +2,10 @@
 
 Each imports only numpy and mmapcache and speaks over stdout, one line at a time:
 
-- ``job DIR NAME LENGTH ROW ROLE STOP``: a job using the cache ``DIR/NAME`` (``LENGTH`` rows of ``ROW``
-  bytes): opens (or creates) it, fills the slots ``i % 2 == ROLE`` of its capacity, reads them back,
-  prints one JSON line (``capacity``, ``filled``, ``bad``), and keeps the cache open until ``STOP`` exists.
+- ``job DIR NAME LENGTH ROW ROLE STOP [GO]``: a job using the cache ``DIR/NAME`` (``LENGTH`` rows of
+  ``ROW`` bytes): prints ``ready`` and once ``GO`` exists opens (or creates) it, fills the slots
+  ``i % 2 == ROLE`` of its capacity, reads them back, prints one JSON line (``capacity``, ``filled``,
+  ``bad``), and keeps the cache open until ``STOP`` exists.
 - ``create DIR NAME LENGTH ROW``: prints ``ready``, creates the cache, prints ``done`` and exits (killed
   at random points by the crash test).
 - ``fill DIR LENGTH ROW NAME...``: creates every cache and fills all its slots, printing one JSON line
@@ -41,8 +42,12 @@ def bad_rows(cache: Cache, indices: list[int], row: int) -> int:
     return sum(not np.array_equal(cache.get(i)["x"], row_of(i, row)) for i in indices)
 
 
-def job(directory: str, name: str, length: str, row: str, role: str, stop: str) -> None:
+def job(directory: str, name: str, length: str, row: str, role: str, stop: str, go: str = "") -> None:
     width = int(row)
+    if go:
+        print("ready", flush=True)
+    while go and not Path(go).exists():  # every job opens at once
+        time.sleep(0.001)
     with Cache.open(Path(directory) / name, fields(width), length=int(length), timeout=120) as cache:
         mine = [i for i in range(cache.capacity) if i % 2 == int(role)]
         fill(cache, mine, width)

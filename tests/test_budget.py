@@ -254,14 +254,19 @@ def run_jobs(directory: Path, procs: list[Any], *, length: int, budget: int) -> 
     """3 caches x 2 jobs made and filled at once under ``budget``, caches held open until all reported."""
     mmapcache.set_budget(directory, budget, reclaim_unused_after=0)  # reclaim on: still no cache in use goes
     stop = directory.parent / f"{directory.name}-stop"
+    go = directory.parent / f"{directory.name}-go"
     sampler = Sampler(directory)
     sampler.start()
     try:
         jobs = [
-            start(helper("job", directory, f"c{k}.mmc", length, ROW, role, stop), procs)
+            start(helper("job", directory, f"c{k}.mmc", length, ROW, role, stop, go), procs)
             for k in range(3)
             for role in (0, 1)
         ]
+        for proc in jobs:  # every interpreter started: then all open at once
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == "ready\n"
+        go.touch()
         reports = []
         for proc in jobs:
             line = proc.stdout.readline() if proc.stdout else ""
@@ -276,6 +281,7 @@ def run_jobs(directory: Path, procs: list[Any], *, length: int, budget: int) -> 
     finally:
         sampler.stop()
         stop.unlink(missing_ok=True)
+        go.unlink(missing_ok=True)
     return sampler, reports
 
 
