@@ -25,7 +25,7 @@ import pytest
 
 import mmapcache
 from mmapcache import Cache, CacheSpaceError, Field
-from mmapcache._budget import BUDGET_ENV, RECLAIM_GRACE, default_limit
+from mmapcache._budget import BUDGET_ENV, DEFAULT_CGROUP_FRACTION, RECLAIM_GRACE, default_limit
 from mmapcache._disk_usage import memory_limit
 from mmapcache._names import BUDGET_NAME, is_reservation_name
 
@@ -138,7 +138,8 @@ def test_the_environment_overrides_the_directory_s_budget(cache_dir: Path, monke
 def test_a_tmpfs_without_a_budget_gets_the_smaller_of_its_size_and_half_the_cgroup_limit(cache_dir: Path) -> None:
     st = os.statvfs(cache_dir)
     cgroup = memory_limit()
-    expected = st.f_blocks * st.f_frsize if cgroup is None else min(st.f_blocks * st.f_frsize, cgroup // 2)
+    size = st.f_blocks * st.f_frsize
+    expected = size if cgroup is None else min(size, int(cgroup * DEFAULT_CGROUP_FRACTION))
     assert mmapcache.budget(cache_dir).limit == expected
     assert "default" in mmapcache.budget(cache_dir).source
 
