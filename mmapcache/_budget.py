@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -217,9 +218,7 @@ class Admission:
 
 
 @contextmanager
-def admitted(
-    path: Path, header: Header, *, timeout: float, floor: Header | None = None, stacklevel: int = 2
-) -> Iterator[Admission]:
+def admitted(path: Path, header: Header, *, timeout: float, floor: Header | None = None) -> Iterator[Admission]:
     """Reserve the bytes of the file ``header`` plans at ``path`` against its directory's budget.
 
     Yields the header to create (the one asked for, or a smaller one that
@@ -251,12 +250,24 @@ def admitted(
     try:
         admission = Admission(chosen, chosen is not header, removed, ledger)
         if admission.shrunk:
-            warnings.warn(_shrunk_message(path, header, chosen, ledger, removed), RuntimeWarning, stacklevel=stacklevel)
+            message = _shrunk_message(path, header, chosen, ledger, removed)
+            warnings.warn(message, RuntimeWarning, stacklevel=_outside_level())
         elif removed:
             log.warning("made room for %s under %s", path, ledger.describe() + _removed_text(removed))
         yield admission
     finally:
         _release(reservation, directory)
+
+
+def _outside_level() -> int:
+    """The ``stacklevel`` of the first caller outside mmapcache (and contextlib), for a warning of the caller."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename == contextlib.__file__
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _room(ledger: Budget) -> int:

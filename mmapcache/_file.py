@@ -163,7 +163,7 @@ def open_or_create(
                         remove_leftovers(path)
                         from ._budget import admitted  # the directory's byte budget decides the size
 
-                        with admitted(path, planned[0], timeout=timeout, stacklevel=5) as admission:
+                        with admitted(path, planned[0], timeout=timeout) as admission:
                             chosen = admission.header
                             _create(path, chosen, compute_layout(chosen), new.dataset_indices)
                         created_now = True

@@ -120,7 +120,7 @@ def resize(path: str | os.PathLike[str], *, max_bytes: int | str, timeout: float
                     needed=compute_layout(planned).file_size,
                     free=error.free,
                 ) from None
-            with admitted(target, planned, timeout=timeout, floor=header, stacklevel=5) as admission:
+            with admitted(target, planned, timeout=timeout, floor=header) as admission:
                 new = admission.header
                 new_layout = compute_layout(new)
                 kept, dropped = _build(target, old, new, new_layout)
