@@ -4,6 +4,7 @@
 >>> cache = Cache.open("/dev/shm/x.mmc", {"x": Field((3,), "float32")}, length=10)  # doctest: +SKIP
 """
 
+from ._budget import Budget, CacheShare, budget, set_budget
 from ._collect import GcReport, gc
 from ._counters import Counts, Usage
 from ._disk_usage import DiskUsage, disk_usage
@@ -32,12 +33,14 @@ from ._version import __version__
 from .cache import Cache, Problem
 
 __all__ = [
+    "Budget",
     "Cache",
     "CacheError",
     "CacheFormatError",
     "CacheInUseError",
     "CacheInfo",
     "CacheMissError",
+    "CacheShare",
     "CacheSpaceError",
     "CacheTimeoutError",
     "Claims",
@@ -56,6 +59,7 @@ __all__ = [
     "VariableRegion",
     "__version__",
     "accelerated",
+    "budget",
     "default_dir",
     "disk_usage",
     "gc",
@@ -64,4 +68,5 @@ __all__ = [
     "list_caches",
     "remove",
     "resize",
+    "set_budget",
 ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ._budget import Budget, budget
 from ._inspect import directory_of, entries
 from ._names import is_cache_name, leftover_stem
 from ._paths import filesystem_type, is_network_filesystem
@@ -83,6 +84,7 @@ class DiskUsage:
     memory_limit: int | None
     warnings: tuple[str, ...]
     resident: tuple[Resident, ...] = ()
+    budget: Budget | None = None  # the directory's byte budget (not looked up for a recursive listing)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +99,7 @@ class DiskUsage:
             "memory_limit": self.memory_limit,
             "warnings": list(self.warnings),
             "resident": [item.to_dict() for item in self.resident],
+            "budget": None if self.budget is None else self.budget.to_dict(),
         }
 
 
@@ -106,7 +109,8 @@ def disk_usage(directory: str | os.PathLike[str] | None = None, *, recursive: bo
     Warns when the location is a small tmpfs (Docker's default /dev/shm is
     64 MB), nearly full, on a network file system, charged to a memory cgroup
     limit, or holds leftovers of interrupted creations. ``resident`` says how
-    much of each cache is in memory now (see :class:`Resident`).
+    much of each cache is in memory now (see :class:`Resident`), ``budget`` the
+    directory's byte budget and what holds it (:func:`mmapcache.budget`).
     """
     base = directory_of(directory)
     st = os.statvfs(base)
@@ -124,7 +128,18 @@ def disk_usage(directory: str | os.PathLike[str] | None = None, *, recursive: bo
     fs_type = filesystem_type(base)
     limit = memory_limit() if fs_type == "tmpfs" else None
     usage = DiskUsage(
-        base, fs_type, total, free, caches, cache_bytes, leftovers, leftover_bytes, limit, (), tuple(resident)
+        base,
+        fs_type,
+        total,
+        free,
+        caches,
+        cache_bytes,
+        leftovers,
+        leftover_bytes,
+        limit,
+        (),
+        tuple(resident),
+        None if recursive else budget(base),
     )
     return replace(usage, warnings=tuple(disk_warnings(usage)))
 

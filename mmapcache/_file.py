@@ -161,7 +161,11 @@ def open_or_create(
                 with creation_lock(path, timeout):
                     if not os.path.lexists(path):
                         remove_leftovers(path)
-                        _create(path, *planned, new.dataset_indices)
+                        from ._budget import admitted  # the directory's byte budget decides the size
+
+                        with admitted(path, planned[0], timeout=timeout) as admission:
+                            chosen = admission.header
+                            _create(path, chosen, compute_layout(chosen), new.dataset_indices)
                         created_now = True
         except FileNotFoundError:
             # The directory was deleted under us (a job-end cleanup of /dev/shm,

@@ -17,6 +17,13 @@ enough that every side name fits. The side files are:
 - ``<stem>.tmp-<pid>-<8 hex>``: the file a creator builds before linking it
   to ``N``; only a holder of the creation lock makes or deletes one.
 
+A directory holding caches may also hold its byte budget (:mod:`mmapcache._budget`), in hidden files
+that are neither caches nor side files of one (``ls`` and ``gc`` pass them by):
+
+- ``.mmapcache-budget`` (``BUDGET_NAME``): the budget set for the directory, one line of JSON;
+- ``.mmapcache-reserve-<pid>-<8 hex>`` (``RESERVATION_PREFIX``): the bytes one live creator reserved,
+  exclusively ``flock``-ed by it while it lives (a reservation whose lock is free is dead).
+
 A stem is its own stem, so ``lock_path_for(directory / temp_stem(name,
 directory))`` is the creation lock that guards the temp file ``name``:
 ``mmapcache gc`` can collect the leftovers of killed creators without knowing
@@ -31,17 +38,21 @@ import secrets
 from pathlib import Path
 
 __all__ = [
+    "BUDGET_NAME",
     "CHECK_OWNER",
     "CHECK_PREFIX",
     "LOCK_SUFFIX",
+    "RESERVATION_PREFIX",
     "SUFFIX",
     "TEMP_MARK",
     "is_cache_name",
+    "is_reservation_name",
     "is_temp_name_of",
     "leftover_stem",
     "lock_path_for",
     "lock_stem",
     "name_max",
+    "new_reservation_name",
     "new_temp_path",
     "side_stem",
     "temp_stem",
@@ -53,6 +64,10 @@ SUFFIX = ".mmc"
 # the running check keeps an exclusive flock on (free once it died: `mmapcache gc` then removes the directory).
 CHECK_PREFIX = "check-"
 CHECK_OWNER = ".owner"
+
+# A directory's byte budget (see the module docstring): hidden names, so never a cache's or a side file's.
+BUDGET_NAME = ".mmapcache-budget"
+RESERVATION_PREFIX = ".mmapcache-reserve-"
 
 LOCK_SUFFIX = ".lock"
 TEMP_MARK = ".tmp-"
@@ -123,6 +138,16 @@ def _is_temp_tail(tail: str) -> bool:
 def is_cache_name(name: str) -> bool:
     """Whether ``name`` is named like a cache (``*.mmc``, not hidden)."""
     return name.endswith(SUFFIX) and not name.startswith(".")
+
+
+def new_reservation_name() -> str:
+    """A fresh name for a creator's reservation: ``.mmapcache-reserve-<pid>-<8 hex>``."""
+    return f"{RESERVATION_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def is_reservation_name(name: str) -> bool:
+    """Whether ``name`` is named like a creator's reservation of budget bytes."""
+    return name.startswith(RESERVATION_PREFIX) and _is_temp_tail(name[len(RESERVATION_PREFIX) :])
 
 
 def leftover_stem(path: Path) -> str | None:

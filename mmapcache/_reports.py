@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ._budget import Budget
 from ._collect import GcReport
 from ._disk_usage import DiskUsage
 from ._holders import spelled_pids
@@ -19,7 +20,15 @@ from ._stream import describe as describe_stream
 from ._times import iso_time
 from .cache import Problem
 
-__all__ = ["MAX_PROBLEMS_SHOWN", "format_df", "format_gc", "format_info", "format_ls", "format_problems"]
+__all__ = [
+    "MAX_PROBLEMS_SHOWN",
+    "format_budget",
+    "format_df",
+    "format_gc",
+    "format_info",
+    "format_ls",
+    "format_problems",
+]
 
 # verify lists at most this many problems one by one, then counts the rest.
 MAX_PROBLEMS_SHOWN = 20
@@ -81,11 +90,32 @@ def _name(path: Path, base: Path) -> str:
         return str(path)
 
 
-def _ls_row(item: CacheInfo, base: Path, now: float) -> list[str]:
+def _ls_row(item: CacheInfo, base: Path, now: float, budget: Budget | None) -> list[str]:
     name, size, used = _name(item.path, base), format_bytes(item.nbytes), _age(item.last_used, now)
+    share = [] if budget is None else [_share(budget, item.path)]
     if item.ok:
-        return [name, size, _fill(item), used, _in_use(item), repr(item.key), _fields(item)]
-    return [name, size, item.status.upper(), used, _in_use(item), "", ""]
+        return [name, size, _fill(item), used, _in_use(item), *share, repr(item.key), _fields(item)]
+    return [name, size, item.status.upper(), used, _in_use(item), *share, "", ""]
+
+
+def _share(budget: Budget, path: Path) -> str:
+    """A cache's allocated bytes as a percentage of the budget (``-``: not among the budget's caches)."""
+    held = [share.bytes for share in budget.caches if share.path == path]
+    if not held or not budget.limit:
+        return "-"
+    return f"{100 * held[0] / budget.limit:.0f}%"
+
+
+def _budget_line(budget: Budget) -> str:
+    """``budget 1.0 GiB (set in DIR/.mmapcache-budget): 600.0 MiB used (60%), 400.0 MiB free``."""
+    if budget.limit is None:
+        return "no budget (`mmapcache budget DIR --set SIZE` sets one)"
+    percent = f" ({100 * budget.used / budget.limit:.0f}%)" if budget.limit else ""
+    reserved = f", {format_bytes(budget.reserved)} reserved by creators" if budget.reserved else ""
+    return (
+        f"budget {format_bytes(budget.limit)} ({budget.source}): {format_bytes(budget.used)} used{percent}"
+        f"{reserved}, {format_bytes(budget.free or 0)} free"
+    )
 
 
 def _ls_footer(caches: Sequence[CacheInfo], base: Path) -> str:
@@ -99,18 +129,24 @@ def _ls_footer(caches: Sequence[CacheInfo], base: Path) -> str:
     return f"{len(caches)} cache{plural}{damaged}, {total} in {base}{fs}"
 
 
-def format_ls(caches: Sequence[CacheInfo], base: Path, now: float) -> str:
-    """The ``ls`` table: one row per cache; under a damaged file's row, what is wrong with it."""
+def format_ls(caches: Sequence[CacheInfo], base: Path, now: float, *, budget: Budget | None = None) -> str:
+    """The ``ls`` table: one row per cache; under a damaged file's row, what is wrong with it.
+
+    With the directory's ``budget`` (one with a limit), a ``BUDGET`` column gives each cache's share
+    of it and the last line the budget's use.
+    """
+    if budget is not None and budget.limit is None:
+        budget = None
     if not caches:
-        return f"no caches (*.mmc) in {base}"
-    header = ["NAME", "SIZE", "FILLED", "LAST USED", "IN USE", "KEY", "FIELDS"]
-    lines = _table(header, [_ls_row(item, base, now) for item in caches])
+        return f"no caches (*.mmc) in {base}" + ("" if budget is None else f"; {_budget_line(budget)}")
+    header = ["NAME", "SIZE", "FILLED", "LAST USED", "IN USE", *([] if budget is None else ["BUDGET"]), "KEY", "FIELDS"]
+    lines = _table(header, [_ls_row(item, base, now, budget) for item in caches])
     out = [lines[0]]
     for item, line in zip(caches, lines[1:], strict=True):
         out.append(line)
         if item.error is not None:
             out.append(f"  {item.error}")
-    out.append(_ls_footer(caches, base))
+    out.append(_ls_footer(caches, base) + ("" if budget is None else f"; {_budget_line(budget)}"))
     return "\n".join(out)
 
 
@@ -287,10 +323,45 @@ def format_df(usage: DiskUsage) -> str:
         rows.append(("leftovers", f"{usage.leftovers} temporary file(s), {format_bytes(usage.leftover_bytes)}"))
     if usage.memory_limit is not None:
         rows.append(("memory limit", f"{format_bytes(usage.memory_limit)} (memory cgroup; tmpfs files count)"))
+    budget = usage.budget if usage.budget is not None and usage.budget.limit is not None else None
+    if budget is not None:
+        rows.append(("budget", _budget_line(budget).removeprefix("budget ")))
     for item in usage.resident:
         share = f" ({100 * item.resident / item.nbytes:.0f}%)" if item.nbytes else ""
-        rows.append((item.path.name, f"{format_bytes(item.resident)} of {format_bytes(item.nbytes)} in memory{share}"))
+        part = "" if budget is None else f", {_share(budget, item.path)} of the budget"
+        rows.append(
+            (item.path.name, f"{format_bytes(item.resident)} of {format_bytes(item.nbytes)} in memory{share}{part}")
+        )
     width = max(len(label) for label, _ in rows)
     lines = [f"{label.ljust(width)}  {value}" for label, value in rows]
     lines += [f"warning: {warning}" for warning in usage.warnings]
+    return "\n".join(lines)
+
+
+def format_budget(budget: Budget, now: float) -> str:
+    """``mmapcache budget DIR``: the limit, where it comes from, what holds it, and each cache's share."""
+    if budget.reclaim_unused_after is None:
+        reclaim = "never: a cache that does not fit is made smaller (opt in with --reclaim-unused-after 7d)"
+    else:
+        reclaim = (
+            f"caches nobody has open and unused for {_span(budget.reclaim_unused_after)} are removed, least "
+            "recently used first, to admit a new one"
+        )
+    rows = [("directory", str(budget.directory)), ("budget", _budget_line(budget).removeprefix("budget "))]
+    if budget.limit is not None:
+        rows.append(("reclaim", reclaim))
+    width = max(len(label) for label, _ in rows)
+    lines = [f"{label.ljust(width)}  {value}" for label, value in rows]
+    if budget.caches:
+        table = [
+            [
+                share.path.name,
+                format_bytes(share.bytes),
+                _share(budget, share.path),
+                "yes" if share.in_use else "no",
+                _age(share.last_used, now),
+            ]
+            for share in budget.caches
+        ]
+        lines += _table(["NAME", "BYTES", "SHARE", "IN USE", "LAST USED"], table)
     return "\n".join(lines)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ._boot import boot_page
+from ._budget import admitted
 from ._errors import CacheSpaceError
 from ._file import check_space, creation_lock, fsync_dir, preallocate, write_all
 from ._format import Header, Layout, compute_layout, descriptor_nbytes
@@ -106,21 +107,23 @@ def resize(path: str | os.PathLike[str], *, max_bytes: int | str, timeout: float
         with creation_lock(target, timeout):
             if not os.path.samestat(os.stat(target, follow_symlinks=False), os.fstat(old._handle.fd)):
                 raise FileNotFoundError(errno.ENOENT, f"{target} was replaced while resizing it", str(target))
-            new = _plan(header, layout, budget, max_bytes, plan_capacity, plan_variable, target)
-            new_layout = compute_layout(new)
+            planned = _plan(header, layout, budget, max_bytes, plan_capacity, plan_variable, target)
             try:
-                check_space(target, new_layout.file_size)
+                check_space(target, compute_layout(planned).file_size)
             except CacheSpaceError as error:
                 raise CacheSpaceError(
-                    f"cannot resize {target} to {format_bytes(new_layout.file_size)}: the new file is built next "
-                    f"to the old one ({format_bytes(layout.file_size)}), which stays until every process that has "
-                    f"it open closes it, and {target.parent} has {format_bytes(error.free or 0)} free. Free some "
-                    "space (`mmapcache ls`, `mmapcache gc`) or give a smaller max_bytes",
+                    f"cannot resize {target} to {format_bytes(compute_layout(planned).file_size)}: the new file is "
+                    f"built next to the old one ({format_bytes(layout.file_size)}), which stays until every process "
+                    f"that has it open closes it, and {target.parent} has {format_bytes(error.free or 0)} free. "
+                    "Free some space (`mmapcache ls`, `mmapcache gc`) or give a smaller max_bytes",
                     path=target,
-                    needed=new_layout.file_size,
+                    needed=compute_layout(planned).file_size,
                     free=error.free,
                 ) from None
-            kept, dropped = _build(target, old, new, new_layout)
+            with admitted(target, planned, timeout=timeout, floor=header) as admission:
+                new = admission.header
+                new_layout = compute_layout(new)
+                kept, dropped = _build(target, old, new, new_layout)
     log.info(
         "resized %s from %d to %d bytes (%d samples kept, %d dropped)",
         target,

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._budget import budget, set_budget
 from ._collect import DEFAULT_GC_AGE, gc, is_lock_name, orphan_lock, remove_orphan_lock
 from ._disk_usage import disk_usage
 from ._errors import CacheError, CacheFormatError
@@ -32,9 +33,9 @@ from ._inspect import error_message, info, list_caches
 from ._names import LOCK_SUFFIX, SUFFIX, TEMP_MARK
 from ._paths import default_dir
 from ._removal import remove
-from ._reports import format_df, format_gc, format_info, format_ls, format_problems
+from ._reports import format_budget, format_df, format_gc, format_info, format_ls, format_problems
 from ._resize import resize
-from ._sizes import format_bytes, parse_duration
+from ._sizes import format_bytes, parse_bytes, parse_duration
 from ._version import __version__
 from .cache import Cache, Problem
 
@@ -99,7 +100,11 @@ def _resolve(argument: str) -> Path:
 def _cmd_ls(args: argparse.Namespace) -> int:
     base = Path(os.path.abspath(args.dir)) if args.dir else default_dir()
     caches = list_caches(base, recursive=args.recursive)
-    print(_json([item.to_dict() for item in caches]) if args.json else format_ls(caches, base, time.time()))
+    if args.json:
+        print(_json([item.to_dict() for item in caches]))
+    else:
+        shown = None if args.recursive else budget(base)
+        print(format_ls(caches, base, time.time(), budget=shown))
     return EXIT_OK
 
 
@@ -188,12 +193,31 @@ def _cmd_df(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_budget(args: argparse.Namespace) -> int:
+    base = Path(os.path.abspath(args.dir)) if args.dir else default_dir()
+    if args.set is not None or args.unset:
+        found = set_budget(base, None if args.unset else args.set, reclaim_unused_after=args.reclaim_unused_after)
+    else:
+        if args.reclaim_unused_after is not None:
+            raise CacheError("--reclaim-unused-after is set together with the budget: give --set SIZE too")
+        found = budget(base)
+    print(_json(found.to_dict()) if args.json else format_budget(found, time.time()))
+    return EXIT_OK
+
+
 # -- the parser -----------------------------------------------------------------------------
 
 
 def _duration(text: str) -> float:
     try:
         return parse_duration(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text, name="SIZE")
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -213,7 +237,8 @@ examples:
   mmapcache ls
   mmapcache info train.mmc
   mmapcache gc --older-than 7d --dry-run
-  mmapcache df"""
+  mmapcache df
+  mmapcache budget --set 8GiB"""
 
 _COMMANDS: list[tuple[str, str, str, Command]] = [
     (
@@ -319,15 +344,36 @@ examples:
   mmapcache df /local/nvme/caches --json""",
         _cmd_df,
     ),
+    (
+        "budget",
+        "show or set the byte budget of a cache directory",
+        """\
+Show the byte budget of DIR (default: the default cache directory): its limit
+and where it comes from (--set, MMAPCACHE_BUDGET, or on a tmpfs the default:
+the smaller of its size and half the memory cgroup's limit), what the files
+there take, what live creators reserved, what is free, and each cache's share.
+--set SIZE keeps a budget in the directory: every new cache there is admitted
+against it, and one that does not fit is made smaller (the first indices are
+cached). --reclaim-unused-after AGE lets a new cache remove caches that no
+process has open and none has opened for AGE, least recently used first.
+--unset removes the budget.
+
+examples:
+  mmapcache budget
+  mmapcache budget /dev/shm/caches --set 8GiB --reclaim-unused-after 7d
+  mmapcache budget /dev/shm/caches --json""",
+        _cmd_budget,
+    ),
 ]
 
 
 def _add_arguments(name: str, sub: argparse.ArgumentParser) -> None:
-    if name in ("ls", "gc", "df"):
+    if name in ("ls", "gc", "df", "budget"):
         sub.add_argument(
             "dir", nargs="?", metavar="DIR", help="directory to look in (default: the default cache directory)"
         )
-        sub.add_argument("-r", "--recursive", action="store_true", help="also look in subdirectories")
+        if name != "budget":
+            sub.add_argument("-r", "--recursive", action="store_true", help="also look in subdirectories")
     if name in ("info", "verify", "resize"):
         sub.add_argument("path", metavar="PATH", help="a cache file, or a name in the default directory")
     if name == "resize":
@@ -346,7 +392,17 @@ def _add_arguments(name: str, sub: argparse.ArgumentParser) -> None:
             help="remove caches not used for this long: 90s, 30m, 12h, 7d, 2w (default: %(default)s)",
         )
         sub.add_argument("-n", "--dry-run", action="store_true", help="show what would be removed, remove nothing")
-    if name in ("ls", "info", "gc", "df", "resize"):
+    if name == "budget":
+        change = sub.add_mutually_exclusive_group()
+        change.add_argument("--set", type=_size, metavar="SIZE", help="keep this budget in DIR: 8GiB, 500MB, bytes")
+        change.add_argument("--unset", action="store_true", help="remove the budget kept in DIR")
+        sub.add_argument(
+            "--reclaim-unused-after",
+            type=_duration,
+            metavar="AGE",
+            help="with --set: new caches may remove caches unused for this long (90s, 30m, 12h, 7d, 2w)",
+        )
+    if name in ("ls", "info", "gc", "df", "resize", "budget"):
         sub.add_argument("--json", action="store_true", help="print JSON for scripts instead of text")
 
 

@@ -24,7 +24,7 @@ from mmapcache._validation import read_header
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = shutil.which("mmapcache")
-COMMANDS = ["ls", "info", "verify", "rm", "gc", "df"]
+COMMANDS = ["ls", "info", "verify", "rm", "gc", "df", "budget"]
 
 
 @pytest.fixture(autouse=True)
@@ -486,6 +486,52 @@ def test_df_warns_about_leftovers(cache_dir: Path) -> None:
     result = run("df", str(cache_dir))
     assert "leftovers    1 temporary file(s)" in result.stdout
     assert "warning: 1 temporary file(s)" in result.stdout
+
+
+# -- budget ---------------------------------------------------------------------------------
+
+
+def test_budget_sets_shows_and_unsets_the_budget_of_a_directory(cache_dir: Path) -> None:
+    result = run("budget", str(cache_dir), "--set", "8MiB", "--reclaim-unused-after", "7d")
+    assert result.returncode == 0, result.stderr
+    assert (cache_dir / ".mmapcache-budget").is_file()
+    make_cache(cache_dir / "a.mmc")
+    shown = run("budget", env_dir=cache_dir)
+    assert shown.returncode == 0
+    assert f"directory  {cache_dir}" in shown.stdout
+    assert "budget     8.0 MiB (set in " in shown.stdout
+    assert "caches nobody has open and unused for 7d are removed" in shown.stdout
+    header, row = shown.stdout.splitlines()[-2:]
+    assert header.split() == ["NAME", "BYTES", "SHARE", "IN", "USE", "LAST", "USED"]
+    assert row.startswith("a.mmc ")
+    data = json.loads(run("budget", str(cache_dir), "--json").stdout)
+    assert data["limit"] == 8 * 2**20
+    assert data["reclaim_unused_after"] == 7 * 86400
+    assert [entry["path"] for entry in data["caches"]] == [str(cache_dir / "a.mmc")]
+    assert data["used"] == data["limit"] - data["free"] - data["reserved"]
+    assert {"bytes", "in_use", "last_used"} <= set(data["caches"][0])
+    assert run("budget", str(cache_dir), "--unset").returncode == 0
+    assert not (cache_dir / ".mmapcache-budget").exists()
+
+
+def test_budget_refuses_a_size_it_cannot_read(cache_dir: Path) -> None:
+    result = run("budget", str(cache_dir), "--set", "lots")
+    assert result.returncode == mmapcache.cli.EXIT_USAGE
+    assert "cannot read SIZE 'lots' as a byte size" in result.stderr
+
+
+def test_ls_and_df_show_each_cache_s_share_of_the_budget(cache_dir: Path) -> None:
+    mmapcache.set_budget(cache_dir, "4MiB")
+    make_cache(cache_dir / "a.mmc")
+    share = f"{100 * (os.stat(cache_dir / 'a.mmc').st_blocks * 512) / 2**22:.0f}%"
+    listed = run("ls", str(cache_dir)).stdout.splitlines()
+    assert "BUDGET" in listed[0].split()
+    assert f"  {share}  " in listed[1]
+    assert "; budget 4.0 MiB (set in " in listed[-1]
+    df = run("df", str(cache_dir)).stdout
+    assert "budget       4.0 MiB (set in " in df
+    assert f"{share} of the budget" in df
+    assert json.loads(run("df", str(cache_dir), "--json").stdout)["budget"]["limit"] == 2**22
 
 
 # -- the operating guide: its examples run --------------------------------------------------
