@@ -72,8 +72,12 @@ def above(n: int, start_phase: int, threshold: int) -> int:
 
 def counts(n: int, start_phase: int, cuts: Ints) -> Ints:
     """The draws of each source among ``n`` consecutive positions (the first of phase ``start_phase``)."""
-    tails = np.array([above(n, start_phase, int(t)) for t in cuts], dtype=np.int64)
-    out: Ints = tails[:-1] - tails[1:]
+    base = floor_sum(n, MODULUS, STEP, start_phase)  # the term every threshold's count shares
+    tails = [n]  # T[0] = 0: every phase is >= 0
+    for t in cuts[1:-1].tolist():
+        tails.append(floor_sum(n, MODULUS, STEP, start_phase + MODULUS - t) - base if t else n)
+    tails.append(0)  # T[S] = M: no phase is >= M
+    out: Ints = -np.diff(np.array(tails, dtype=np.int64))
     return out
 
 

@@ -35,6 +35,7 @@ _PHASE_KEY = 0x70686173  # spawn-key words: what each seeded draw is for
 _ORDER_KEY = 0x6F726472
 _DRAWS_KEY = 0x64726177
 _KEPT_PASSES = 2  # permutations kept per source: the pass being read and the next (a batch can straddle both)
+_RECENT_BLOCKS = 64  # a schedule's blocks whose thresholds are kept
 _PER_POSITION = 4  # a spread of positions up to this many times their number is drawn as one range
 
 _U64 = np.uint64
@@ -92,6 +93,7 @@ class Mixture(torch.utils.data.Dataset[Any]):
         self._keys = [_name_words(name) for name in self.names]
         self._orders: dict[tuple[int, int], Callable[[Ints], Ints]] = {}
         self._cumulative: list[Ints] = [np.zeros(len(self.names), dtype=np.int64)]  # schedules: draws before block b
+        self._recent: dict[int, Ints] = {}  # schedules: the thresholds of blocks read lately
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_remake, (self.datasets, self.weights, self.seed, self.replacement))
@@ -109,10 +111,17 @@ class Mixture(torch.utils.data.Dataset[Any]):
         return {name: float(hi - lo) / _draws.MODULUS for name, lo, hi in zip(self.names, cuts[:-1], cuts[1:])}
 
     def _cuts(self, block: int) -> Ints:
+        """The thresholds of block ``block`` (a schedule's remembered for the last few blocks read)."""
         if self._static is not None:
             return self._static
-        assert self.schedule is not None
-        return self._cuts_of(self.schedule(block * BLOCK), block * BLOCK)
+        cuts = self._recent.get(block)
+        if cuts is None:
+            assert self.schedule is not None
+            cuts = self._cuts_of(self.schedule(block * BLOCK), block * BLOCK)
+            if len(self._recent) >= _RECENT_BLOCKS:
+                del self._recent[next(iter(self._recent))]
+            self._recent[block] = cuts
+        return cuts
 
     def _cuts_of(self, weights: Any, position: int | None) -> Ints:
         where = "" if position is None else f" (the schedule's, at position {position})"
@@ -153,8 +162,12 @@ class Mixture(torch.utils.data.Dataset[Any]):
     def _block_counts(self, block: int, n: int) -> Ints:
         return _draws.counts(n, _draws.phase(self.offset, block * BLOCK), self._cuts(block))
 
-    def _codes(self, start: int, stop: int) -> Ints:
+    def codes(self, start: int, stop: int) -> Ints:
         """The source drawn (its place in :attr:`names`) for each position ``start .. stop - 1``."""
+        start, stop = _position(start), _position(stop)
+        return self._codes(start, stop) if stop > start else np.empty(0, np.int64)
+
+    def _codes(self, start: int, stop: int) -> Ints:
         if self._static is not None:
             return _draws.codes(_draws.phase(self.offset, start), stop - start, self._static)
         parts = []

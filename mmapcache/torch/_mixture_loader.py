@@ -99,8 +99,7 @@ class StepSampler:
 
 def grouped(mixture: Mixture, lo: int, hi: int) -> list[int]:
     """Positions ``lo .. hi - 1`` grouped by source (in the order of ``datasets``), in order within each."""
-    codes, _ = mixture.draws(lo, hi)
-    order = np.argsort(codes, kind="stable")
+    order = np.argsort(mixture.codes(lo, hi), kind="stable")
     order += lo
     positions: list[int] = order.tolist()
     return positions
