@@ -88,15 +88,15 @@ def main() -> None:
             extra: dict[str, Any] = {"num_workers": workers}
             if workers:
                 extra |= {"persistent_workers": True, "multiprocessing_context": "fork"}
-            baseline = one.loader(
-                args.batch, shuffle=True, generator=torch.Generator().manual_seed(0), **extra
-            )
+            baseline = one.loader(args.batch, shuffle=True, generator=torch.Generator().manual_seed(0), **extra)
             mixed = mixture.loader(args.batch, **extra)
             times = run_rounds(
                 {"one CachedDataset.loader()": _epoch(baseline, batches), "Mixture.loader()": _epoch(mixed, batches)},
                 rounds=rounds,
             )
-            ratios = [b / m for b, m in zip(times["one CachedDataset.loader()"], times["Mixture.loader()"], strict=True)]
+            ratios = [
+                b / m for b, m in zip(times["one CachedDataset.loader()"], times["Mixture.loader()"], strict=True)
+            ]
             results[f"workers_{workers}"] = {
                 "ratio": spread(ratios),
                 "seconds": {name: spread(values) for name, values in times.items()},

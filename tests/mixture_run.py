@@ -112,7 +112,9 @@ def main() -> None:
         for step, batch in enumerate(loader, start=1):
             got = ids(batch)
             if distributed:
-                torch.distributed.all_reduce(torch.zeros(1))  # the ranks step together, as a gradient all-reduce makes them
+                torch.distributed.all_reduce(
+                    torch.zeros(1)
+                )  # the ranks step together, as a gradient all-reduce makes them
             out.write(json.dumps({"world": world, "rank": rank, "step": step, "ids": got}) + "\n")
             out.flush()
             if args.save_at is not None and step == args.save_at:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from mixture_run import SIZES, WEIGHTS, Corpus, expected_ids, ids, make_mixture, schedule
+from mixture_run import SIZES, WEIGHTS, Corpus, expected_ids, ids, make_mixture
 
 from mmapcache.torch import CachedDataset, Mixture
 from mmapcache.torch._draws import BLOCK, floor_sum
@@ -188,7 +188,9 @@ def test_a_pass_over_the_loader_reads_every_position_once_grouped_by_source(cach
     mixture = make_mixture(cache_dir)
     batches = _run(mixture.loader(8, num_samples=400))
     expected = expected_ids(400)
-    assert [i for batch in batches for i in batch] == [i for k in range(0, 400, 8) for i in _grouped(expected[k : k + 8])]
+    assert [i for batch in batches for i in batch] == [
+        i for k in range(0, 400, 8) for i in _grouped(expected[k : k + 8])
+    ]
     assert all(_grouped(batch) == batch for batch in batches), "a batch's sources come in the order of datasets"
     # The next pass reads the next positions.
     more = _run(mixture.loader(8, num_samples=400))
@@ -305,6 +307,6 @@ def test_sources_of_different_fields_are_refused_in_one_batch(cache_dir: Path) -
         "b": CachedDataset(Other(1, 50), cache_dir / "b.mmc", key="b"),
     }
     mixture = Mixture(sources, {"a": 1, "b": 1})
-    sources["a"][0], sources["b"][0]  # noqa: B018 - creates both files: batches are gathered from them
+    sources["a"][0], sources["b"][0]
     with pytest.raises(ValueError, match="different fields"):
         _run(mixture.loader(8, num_samples=8))

@@ -36,6 +36,8 @@ HERE = Path(__file__).resolve().parent
 def dirs(cache_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
     """Where the caches go (memory) and where the jobs write what they read and their checkpoint."""
     return cache_dir, tmp_path
+
+
 RUN = HERE / "mixture_run.py"
 
 
@@ -120,7 +122,9 @@ def _kill_and_resume(
     second = _lines(resumed)
     seen = Counter(i for line in first + second for i in line["ids"])
     expected = Counter(expected_ids(samples, scheduled=scheduled))
-    assert seen == expected, f"twice: {list((seen - expected).items())[:5]}, skipped: {list((expected - seen).items())[:5]}"
+    assert seen == expected, (
+        f"twice: {list((seen - expected).items())[:5]}, skipped: {list((expected - seen).items())[:5]}"
+    )
     if before == after:
         whole = _uninterrupted(after, samples, scheduled=scheduled)
         for rank, batches in whole.items():
@@ -129,7 +133,9 @@ def _kill_and_resume(
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_run_killed_mid_pass_resumes_with_exactly_the_remaining_batches(dirs: tuple[Path, Path], workers: int) -> None:
+def test_a_run_killed_mid_pass_resumes_with_exactly_the_remaining_batches(
+    dirs: tuple[Path, Path], workers: int
+) -> None:
     _kill_and_resume(dirs, 0, 0, samples=400, save_at=random.Random(workers).randint(3, 20), workers=workers)
 
 

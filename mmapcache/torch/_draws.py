@@ -77,7 +77,8 @@ def counts(n: int, start_phase: int, cuts: Ints) -> Ints:
     for t in cuts[1:-1].tolist():
         tails.append(floor_sum(n, MODULUS, STEP, start_phase + MODULUS - t) - base if t else n)
     tails.append(0)  # T[S] = M: no phase is >= M
-    out: Ints = -np.diff(np.array(tails, dtype=np.int64))
+    ends = np.array(tails, dtype=np.int64)
+    out: Ints = ends[:-1] - ends[1:]
     return out
 
 

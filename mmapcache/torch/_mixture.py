@@ -17,7 +17,7 @@ import hashlib
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -99,8 +99,10 @@ class Mixture(torch.utils.data.Dataset[Any]):
         return (_remake, (self.datasets, self.weights, self.seed, self.replacement))
 
     def __repr__(self) -> str:
-        weights = "a schedule" if self.schedule is not None else dict(self.weights)  # type: ignore[call-overload]
-        return f"Mixture({dict(zip(self.names, self.lengths, strict=True))} samples, weights {weights}, seed {self.seed})"
+        weights = "a schedule" if self.schedule is not None else dict(cast(Mapping[str, float], self.weights))
+        return (
+            f"Mixture({dict(zip(self.names, self.lengths, strict=True))} samples, weights {weights}, seed {self.seed})"
+        )
 
     # -- the weights -----------------------------------------------------------------
 
@@ -108,7 +110,9 @@ class Mixture(torch.utils.data.Dataset[Any]):
         """The weights in force at ``position``, normalised to sum to 1 (a schedule's, for its block)."""
         position = _position(position)
         cuts = self._cuts(position // BLOCK)
-        return {name: float(hi - lo) / _draws.MODULUS for name, lo, hi in zip(self.names, cuts[:-1], cuts[1:])}
+        return {
+            name: float(hi - lo) / _draws.MODULUS for name, lo, hi in zip(self.names, cuts[:-1], cuts[1:], strict=True)
+        }
 
     def _cuts(self, block: int) -> Ints:
         """The thresholds of block ``block`` (a schedule's remembered for the last few blocks read)."""
@@ -216,8 +220,13 @@ class Mixture(torch.utils.data.Dataset[Any]):
         """The indices of source ``code``'s draws number ``ks`` (a run of consecutive draws)."""
         n = self.lengths[code]
         if self.replacement:
-            key = _U64(np.random.SeedSequence(self.seed, spawn_key=(_DRAWS_KEY, *self._keys[code])).generate_state(1, np.uint64)[0])
-            return (_mix64(ks.astype(np.uint64) * _GOLDEN64 + key) % _U64(n)).astype(np.int64)
+            key = _U64(
+                np.random.SeedSequence(self.seed, spawn_key=(_DRAWS_KEY, *self._keys[code])).generate_state(
+                    1, np.uint64
+                )[0]
+            )
+            drawn: Ints = (_mix64(ks.astype(np.uint64) * _GOLDEN64 + key) % _U64(n)).astype(np.int64)
+            return drawn
         passes, places = np.divmod(ks, n)
         out = np.empty(len(ks), np.int64)
         for number in np.unique(passes).tolist():
@@ -273,7 +282,7 @@ class Mixture(torch.utils.data.Dataset[Any]):
     ) -> Any:
         """A DataLoader over the mixture's positions, dealt to the ranks a step at a time; resumable anywhere.
 
-        Step ``t`` of a run reads the next ``world_size × batch_size`` global
+        Step ``t`` of a run reads the next ``world_size x batch_size`` global
         positions; rank ``r`` takes the ``r``-th ``batch_size`` of them. One
         pass over the loader reads ``num_samples`` positions (all ranks
         together; ``None``: without end) and the next pass continues with the

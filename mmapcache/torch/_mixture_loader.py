@@ -19,7 +19,7 @@ them (:class:`Pending`), as ``CachedDataset.loader()`` does.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from ._collate import as_is, collate_tree
 from ._columns import new_batch
 from ._dataset import CachedDataset
 from ._loader import Loader
-from ._mixture import Mixture, read_samples
+from ._mixture import Mixture
 
 __all__ = ["MixtureBatches", "MixtureLoader", "Pending", "StepSampler", "make_loader"]
 
@@ -266,21 +266,25 @@ def _described(fields: Mapping[str, Any]) -> str:
     return "{" + ", ".join(f"{name}: {field}" for name, field in fields.items()) + "}"
 
 
-class _Positions:
-    """What a mixture loader adds to its DataLoader class: its iterators advance a position; the state is it."""
+class MixtureLoader(Loader):
+    """What ``Mixture.loader()`` returns: a DataLoader whose state is the position its run reached.
 
-    dataset: MixtureBatches
-    batch_sampler: StepSampler
+    Its iterators advance the position as they hand out batches, and gather the
+    batches its workers left in the files (:class:`Pending`).
+    """
 
-    def __iter__(self) -> Iterator[Any]:
-        sampler = self.batch_sampler
+    def _parts(self) -> tuple[StepSampler, MixtureBatches]:
+        return cast(StepSampler, self.batch_sampler), cast(MixtureBatches, self.dataset)
+
+    def __iter__(self) -> Any:
+        sampler, batches = self._parts()
         start, stop = sampler.begin()
-        inner = super().__iter__()  # type: ignore[misc]
-        return _Stepping(inner, self.dataset, sampler, sampler.steps(start, stop))
+        return _Stepping(super().__iter__(), batches, sampler, sampler.steps(start, stop))
 
     def state_dict(self) -> dict[str, Any]:
         """Where the run is: the next global position, the end of the pass it is in, and what fixes the draws."""
-        sampler, mixture = self.batch_sampler, self.dataset.mixture
+        sampler, batches = self._parts()
+        mixture = batches.mixture
         return {
             "version": STATE_VERSION,
             "position": sampler.frontier.position,
@@ -302,7 +306,8 @@ class _Positions:
             raise ValueError(
                 f"the state is of version {state.get('version')!r}, and this mmapcache reads version {STATE_VERSION}"
             )
-        mixture = self.dataset.mixture
+        sampler, batches = self._parts()
+        mixture = batches.mixture
         here = {"seed": mixture.seed, "sources": list(mixture.names), "replacement": mixture.replacement}
         differ = {key: (state.get(key), value) for key, value in here.items() if state.get(key) != value}
         if differ:
@@ -313,7 +318,7 @@ class _Positions:
             )
         position = _integer("the state's position", state["position"], _END)
         end = state.get("end")
-        frontier = self.batch_sampler.frontier
+        frontier = sampler.frontier
         frontier.position = position
         frontier.end = None if end is None else _integer("the state's end", end, _END)
 
@@ -354,10 +359,6 @@ class _Stepping:
         return getattr(self.inner, name)
 
 
-class MixtureLoader(_Positions, Loader):
-    """What ``Mixture.loader()`` returns: a DataLoader whose state is the position its run reached."""
-
-
 _stateful: type[MixtureLoader] | None = None
 
 
@@ -366,7 +367,7 @@ def _stateful_kind() -> type[MixtureLoader]:
     if _stateful is None:
         from ._stateful import StatefulLoader
 
-        _stateful = type("StatefulMixtureLoader", (_Positions, StatefulLoader), {"__module__": __name__})  # type: ignore[assignment]
+        _stateful = type("StatefulMixtureLoader", (MixtureLoader, StatefulLoader), {"__module__": __name__})
     assert _stateful is not None
     return _stateful
 
