@@ -36,6 +36,8 @@ _ORDER_KEY = 0x6F726472
 _DRAWS_KEY = 0x64726177
 _KEPT_PASSES = 2  # permutations kept per source: the pass being read and the next (a batch can straddle both)
 _RECENT_BLOCKS = 64  # a schedule's blocks whose thresholds are kept
+_RECENT_RANGES = 16  # ranges of positions whose draws are kept
+_COUNTED = 1 << 16  # positions after the last range drawn that are counted rather than computed
 _PER_POSITION = 4  # a spread of positions up to this many times their number is drawn as one range
 
 _U64 = np.uint64
@@ -91,9 +93,16 @@ class Mixture(torch.utils.data.Dataset[Any]):
         offset = np.random.SeedSequence(self.seed, spawn_key=(_PHASE_KEY,)).generate_state(1, np.uint64)[0]
         self.offset = int(offset) % _draws.MODULUS
         self._keys = [_name_words(name) for name in self.names]
+        self._draw_keys = [
+            _U64(np.random.SeedSequence(self.seed, spawn_key=(_DRAWS_KEY, *key)).generate_state(1, np.uint64)[0])
+            for key in self._keys
+        ]
         self._orders: dict[tuple[int, int], Callable[[Ints], Ints]] = {}
         self._cumulative: list[Ints] = [np.zeros(len(self.names), dtype=np.int64)]  # schedules: draws before block b
         self._recent: dict[int, Ints] = {}  # schedules: the thresholds of blocks read lately
+        # The draws of the last ranges asked for: a loader's sampler draws a batch's positions, then its reader.
+        self._drawn: dict[tuple[int, int], tuple[Ints, Ints]] = {}
+        self._anchor: tuple[int, Ints] = (0, np.zeros(len(self.names), dtype=np.int64))  # draws before a position
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_remake, (self.datasets, self.weights, self.seed, self.replacement))
@@ -152,7 +161,17 @@ class Mixture(torch.utils.data.Dataset[Any]):
     # -- draws -----------------------------------------------------------------------
 
     def _before(self, position: int) -> Ints:
-        """How many times each source was drawn at positions ``0 .. position - 1``."""
+        """How many times each source was drawn at positions ``0 .. position - 1``.
+
+        Counted from the end of the last range drawn when ``position`` is a little after it (a
+        loader's next batch), else computed (floor sums; a schedule's blocks, remembered).
+        """
+        anchor, counted = self._anchor
+        if anchor <= position <= anchor + _COUNTED:
+            if position == anchor:
+                return counted.copy()
+            walked: Ints = counted + np.bincount(self._codes(anchor, position), minlength=len(self.names))
+            return walked
         if self._static is not None:
             return _draws.counts(position, self.offset, self._static)
         block, within = divmod(position, BLOCK)
@@ -186,13 +205,26 @@ class Mixture(torch.utils.data.Dataset[Any]):
         start, stop = _position(start), _position(stop)
         if stop <= start:
             return np.empty(0, np.int64), np.empty(0, np.int64)
+        drawn = self._drawn.get((start, stop))
+        if drawn is None:
+            drawn = self._draw(start, stop)
+            if len(self._drawn) >= _RECENT_RANGES:
+                del self._drawn[next(iter(self._drawn))]
+            self._drawn[(start, stop)] = drawn
+        return drawn[0].copy(), drawn[1].copy()
+
+    def _draw(self, start: int, stop: int) -> tuple[Ints, Ints]:
         codes = self._codes(start, stop)
-        indices = np.empty(len(codes), np.int64)
+        counts = np.bincount(codes, minlength=len(self.names))
         before = self._before(start)
-        for code in np.unique(codes).tolist():
-            rows = np.flatnonzero(codes == code)
-            ks = np.arange(int(before[code]), int(before[code]) + len(rows), dtype=np.int64)
-            indices[rows] = self._indices(code, ks)
+        order = np.argsort(codes, kind="stable")  # the rows of each source, in position order
+        indices = np.empty(len(codes), np.int64)
+        first = 0
+        for code, count in enumerate(counts.tolist()):
+            if count:
+                indices[order[first : first + count]] = self._indices(code, int(before[code]), count)
+                first += count
+        self._anchor = (stop, before + counts)
         return codes, indices
 
     def draws_at(self, positions: Sequence[int] | Ints) -> tuple[Ints, Ints]:
@@ -216,22 +248,20 @@ class Mixture(torch.utils.data.Dataset[Any]):
         codes = np.array([int(c[0]) for c, _ in pairs], np.int64)
         return codes, np.array([int(i[0]) for _, i in pairs], np.int64)
 
-    def _indices(self, code: int, ks: Ints) -> Ints:
-        """The indices of source ``code``'s draws number ``ks`` (a run of consecutive draws)."""
+    def _indices(self, code: int, first: int, count: int) -> Ints:
+        """The indices source ``code``'s draws number ``first .. first + count - 1`` read."""
         n = self.lengths[code]
         if self.replacement:
-            key = _U64(
-                np.random.SeedSequence(self.seed, spawn_key=(_DRAWS_KEY, *self._keys[code])).generate_state(
-                    1, np.uint64
-                )[0]
-            )
-            drawn: Ints = (_mix64(ks.astype(np.uint64) * _GOLDEN64 + key) % _U64(n)).astype(np.int64)
+            ks = np.arange(first, first + count, dtype=np.uint64)
+            drawn: Ints = (_mix64(ks * _GOLDEN64 + self._draw_keys[code]) % _U64(n)).astype(np.int64)
             return drawn
-        passes, places = np.divmod(ks, n)
-        out = np.empty(len(ks), np.int64)
-        for number in np.unique(passes).tolist():
-            rows = passes == number
-            out[rows] = self._order(code, number)(places[rows])
+        out = np.empty(count, np.int64)
+        k, end = first, first + count
+        while k < end:  # a pass at a time (a run of draws spans two passes at most, but for tiny sources)
+            number, place = divmod(k, n)
+            take = min(end - k, n - place)
+            out[k - first : k - first + take] = self._order(code, number)(np.arange(place, place + take))
+            k += take
         return out
 
     def _order(self, code: int, number: int) -> Callable[[Ints], Ints]:

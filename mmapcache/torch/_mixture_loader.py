@@ -18,6 +18,7 @@ them (:class:`Pending`), as ``CachedDataset.loader()`` does.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -99,7 +100,8 @@ class StepSampler:
 
 def grouped(mixture: Mixture, lo: int, hi: int) -> list[int]:
     """Positions ``lo .. hi - 1`` grouped by source (in the order of ``datasets``), in order within each."""
-    order = np.argsort(mixture.codes(lo, hi), kind="stable")
+    codes, _ = mixture.draws(lo, hi)  # kept: the batch's reader draws the same range next
+    order = np.argsort(codes, kind="stable")
     order += lo
     positions: list[int] = order.tolist()
     return positions
@@ -123,39 +125,31 @@ class Pending:
         return f"Pending({len(self.positions)} mixture positions to gather in the main process)"
 
 
-class _Part:
-    """One source's rows of a batch: its dataset, the indices read and where they go in the batch."""
+class _Source:
+    """How a batch reads one source: from a :class:`CachedDataset`'s file (through a ``Subset``'s indices), or not."""
 
-    __slots__ = ("cached", "dataset", "indices", "name", "start", "stop")
+    __slots__ = ("cached", "lookup")
 
-    def __init__(self, name: str, dataset: Any, indices: list[int], start: int, stop: int) -> None:
-        self.name, self.dataset, self.indices, self.start, self.stop = name, dataset, indices, start, stop
-        self.cached = _cached_of(dataset, indices)
+    def __init__(self, dataset: Any) -> None:
+        self.lookup: np.ndarray[Any, np.dtype[np.intp]] | None = None
+        if isinstance(dataset, torch.utils.data.Subset) and isinstance(dataset.dataset, CachedDataset):
+            self.lookup = np.asarray(dataset.indices, dtype=np.intp)
+            dataset = dataset.dataset
+        self.cached = dataset if isinstance(dataset, CachedDataset) and dataset.transform is None else None
+
+    def positions(self, indices: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.intp]] | None:
+        """The file positions of the source's ``indices``; ``None`` when they are not one gather from a file."""
+        cached = self.cached
+        if cached is None:
+            return None
+        session = cached._session
+        if session.opened() is None or session.schema is None or session.schema.ragged:
+            return None
+        idx = indices.astype(np.intp, copy=False) if self.lookup is None else self.lookup[indices]
+        return session.settings.positions(idx)
 
 
-class _Cached:
-    """A part read from a :class:`CachedDataset`'s file: the dataset and the file positions."""
-
-    __slots__ = ("dataset", "idx")
-
-    def __init__(self, dataset: CachedDataset, idx: np.ndarray[Any, np.dtype[np.intp]]) -> None:
-        self.dataset, self.idx = dataset, idx
-
-
-def _cached_of(dataset: Any, indices: list[int]) -> _Cached | None:
-    """The file positions ``indices`` of ``dataset`` sit at, when a batch of them is one gather from a file."""
-    if isinstance(dataset, torch.utils.data.Subset) and isinstance(dataset.dataset, CachedDataset):
-        indices = np.asarray(dataset.indices)[indices].tolist()
-        dataset = dataset.dataset
-    if not isinstance(dataset, CachedDataset) or dataset.transform is not None:
-        return None
-    session = dataset._session
-    cache = session.opened()
-    schema = session.schema
-    if cache is None or schema is None or schema.ragged:
-        return None
-    idx = session.settings.positions(session.settings.indices(indices))
-    return None if idx is None else _Cached(dataset, idx)
+_Part = tuple[int, np.ndarray[Any, np.dtype[np.intp]], int, int]  # source code, file positions, rows start, stop
 
 
 class MixtureBatches(torch.utils.data.Dataset[Any]):
@@ -166,6 +160,14 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
 
     def __init__(self, mixture: Mixture, *, collated: bool) -> None:
         self.mixture, self.collated = mixture, collated
+        self._sources: list[_Source] | None = None  # made in each process on first use
+        self._alike: set[int] = set()  # sources whose fields were found those of the first source
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"mixture": self.mixture, "collated": self.collated}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["mixture"], collated=state["collated"])  # type: ignore[misc]
 
     def __getitem__(self, position: int) -> Any:
         return self.mixture[position]
@@ -178,88 +180,95 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
         return self.batch(list(positions))
 
     def _parts(self, positions: list[int]) -> list[_Part] | None:
-        """The batch's sources, one run of rows each; ``None`` when its positions are not grouped by source."""
+        """The batch's sources as runs of rows read from files; ``None`` when that is not how it is read."""
         mixture = self.mixture
         codes, indices = mixture.draws_at(positions)
         if not len(codes):
-            return []
-        edges = np.flatnonzero(np.diff(codes)) + 1
-        starts = [0, *edges.tolist()]
-        stops = [*edges.tolist(), len(codes)]
-        if len(set(codes[starts].tolist())) != len(starts):
             return None
-        parts = []
-        for a, b in zip(starts, stops, strict=True):
-            name = mixture.names[int(codes[a])]
-            parts.append(_Part(name, mixture.datasets[name], indices[a:b].tolist(), a, b))
+        if self._sources is None:
+            self._sources = [_Source(mixture.datasets[name]) for name in mixture.names]
+        edges = np.flatnonzero(codes[1:] != codes[:-1])
+        edges += 1
+        bounds = [0, *edges.tolist(), len(codes)]
+        parts: list[_Part] = []
+        for a, b in itertools.pairwise(bounds):
+            code = int(codes[a])
+            idx = self._sources[code].positions(indices[a:b])
+            if idx is None:
+                return None
+            parts.append((code, idx, a, b))
+        if len({part[0] for part in parts}) != len(parts):
+            return None  # a source in two runs: not grouped by source
         return parts
 
     def batch(self, positions: list[int]) -> Any:
         """The batch ``default_collate`` makes of the samples at ``positions``; one gather per cached source."""
         parts = self._parts(positions)
-        if parts is None or not parts or any(part.cached is None for part in parts):
+        if parts is None:
             return torch.utils.data.default_collate(self.mixture.__getitems__(positions))
-        return _gathered(parts, len(positions))
+        return self._gathered(parts, len(positions))
 
     def in_worker(self, positions: list[int]) -> Any:
         """In a worker: store the batch's misses in the files and leave the gather to the main process."""
         parts = self._parts(positions)
-        if parts is None or not parts or any(part.cached is None for part in parts):
+        if parts is None:
             return self.batch(positions)
-        for part in parts:
-            cached = part.cached
-            assert cached is not None
-            cache = cached.dataset._session.opened()
+        for code, idx, _, _ in parts:
+            session = self._session(code)
+            cache = session.opened()
             assert cache is not None
-            ready = cache.contains_many(cached.idx)
+            ready = cache.contains_many(idx)
             if not ready.all():
-                cached.dataset._session.load(cached.idx[~ready].tolist())
-                if not cache.contains_many(cached.idx).all():  # beyond the capacity, or being written
+                session.load(idx[~ready].tolist())
+                if not cache.contains_many(idx).all():  # beyond the capacity, or being written
                     return self.batch(positions)
         return Pending(positions)
 
-    def __repr__(self) -> str:
-        return f"MixtureBatches({self.mixture!r})"
+    def _session(self, code: int) -> Any:
+        assert self._sources is not None
+        cached = self._sources[code].cached
+        assert cached is not None
+        return cached._session
 
+    def _gathered(self, parts: list[_Part], size: int) -> Any:
+        """The batch of ``size`` rows: each part's rows gathered from its file straight into the batch tensors."""
+        schema = self._session(parts[0][0]).schema
+        for code, _, _, _ in parts[1:]:
+            if code not in self._alike:
+                self._check_alike(parts[0][0], code)
+        fixed = [schema.fields[name] for name in schema.fixed]
+        tensors, arrays = new_batch(
+            [(size, *field.fixed_shape) for field in fixed],
+            [field.dtype for field in fixed],
+            [schema.dtypes[schema.names.index(name)] for name in schema.fixed],
+        )
+        for code, idx, start, stop in parts:
+            session = self._session(code)
+            cache = session.cache
+            out = {name: array[start:stop] for name, array in zip(schema.fixed, arrays, strict=True)}
+            _, hits = cache.read_many(idx, out=out, count=False)
+            if hits.all():
+                session.hits += len(hits)
+                cache.count(hits=len(hits))
+                continue
+            columns = session.gather(cache, idx)  # loads and stores the misses, counts the reads
+            for array, column in zip(arrays, columns, strict=True):
+                array[start:stop] = column.numpy()
+        return collate_tree(schema.tree, tensors)
 
-def _gathered(parts: list[_Part], size: int) -> Any:
-    """The batch of ``size`` rows from cached parts: each part's rows gathered straight into the batch tensors."""
-    first = parts[0].cached
-    assert first is not None
-    schema = first.dataset._session.schema
-    assert schema is not None
-    for part in parts[1:]:
-        assert part.cached is not None
-        other = part.cached.dataset._session.schema
-        assert other is not None
-        if other.fields != schema.fields:
+    def _check_alike(self, first: int, code: int) -> None:
+        ours, theirs = self._session(first).schema, self._session(code).schema
+        if theirs.fields != ours.fields:
+            names = self.mixture.names
             raise ValueError(
-                f"the sources of a mixture batch give samples of different fields: {parts[0].name!r} has "
-                f"{_described(schema.fields)} and {part.name!r} {_described(other.fields)}; a batch stacks "
+                f"the sources of a mixture batch give samples of different fields: {names[first]!r} has "
+                f"{_described(ours.fields)} and {names[code]!r} {_described(theirs.fields)}; a batch stacks "
                 "samples of one structure, shape and dtype"
             )
-    fixed = [schema.fields[name] for name in schema.fixed]
-    tensors, arrays = new_batch(
-        [(size, *field.fixed_shape) for field in fixed],
-        [field.dtype for field in fixed],
-        [schema.dtypes[schema.names.index(name)] for name in schema.fixed],
-    )
-    for part in parts:
-        cached = part.cached
-        assert cached is not None
-        session = cached.dataset._session
-        cache = session.opened()
-        assert cache is not None
-        out = {name: array[part.start : part.stop] for name, array in zip(schema.fixed, arrays, strict=True)}
-        _, hits = cache.read_many(cached.idx, out=out, count=False)
-        if hits.all():
-            session.hits += len(hits)
-            cache.count(hits=len(hits))
-            continue
-        columns = session.gather(cache, cached.idx)  # loads and stores the misses, counts the reads
-        for array, column in zip(arrays, columns, strict=True):
-            array[part.start : part.stop] = column.numpy()
-    return collate_tree(schema.tree, tensors)
+        self._alike.add(code)
+
+    def __repr__(self) -> str:
+        return f"MixtureBatches({self.mixture!r})"
 
 
 def _described(fields: Mapping[str, Any]) -> str:
