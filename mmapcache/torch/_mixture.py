@@ -168,8 +168,6 @@ class Mixture(torch.utils.data.Dataset[Any]):
         """
         anchor, counted = self._anchor
         if anchor <= position <= anchor + _COUNTED:
-            if position == anchor:
-                return counted.copy()
             walked: Ints = counted + np.bincount(self._codes(anchor, position), minlength=len(self.names))
             return walked
         if self._static is not None:
