@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from mmapcache.torch import CachedDataset, Mixture
+from mmapcache.torch import CachedDataset, Mixture, NodeShardSampler
 
 BATCH = 8
 SIZES = {"web": 300, "code": 90, "math": 30}  # math's first pass ends after ~300 positions
@@ -70,6 +70,25 @@ def make_mixture(directory: str | os.PathLike[str] | None, *, cached: bool = Tru
     return Mixture(sources, schedule if scheduled else WEIGHTS, seed=SEED)
 
 
+def node_mixture(
+    directory: str | os.PathLike[str] | None, node_rank: int, num_nodes: int, *, cached: bool = True
+) -> Mixture:
+    """Node ``node_rank``'s mixture: every corpus's node shard (cached in ``directory``), mixed as one run is."""
+    shards: dict[str, Any] = {}
+    for code, (name, size) in enumerate(SIZES.items()):
+        corpus = Corpus(code, size)
+        node = NodeShardSampler(
+            corpus, seed=SEED, num_nodes=num_nodes, node_rank=node_rank, local_world_size=1, local_rank=0
+        ).node_indices
+        source: Any = corpus
+        if cached:
+            assert directory is not None
+            path = Path(directory) / f"{name}.mmc"
+            source = CachedDataset(corpus, path, key=f"mixture/{name}", cached_indices=node, check=0)
+        shards[name] = torch.utils.data.Subset(source, node.tolist())
+    return Mixture(shards, WEIGHTS, seed=SEED)
+
+
 def ids(batch: dict[str, torch.Tensor]) -> list[int]:
     """The batch's sample ids, after checking every sample's bytes are its own."""
     got: list[int] = batch["id"].tolist()
@@ -96,12 +115,19 @@ def main() -> None:
     parser.add_argument("--saved")
     parser.add_argument("--save-at", type=int)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--nodes", type=int, help="each node mixes its shards; its ranks deal its positions")
     args = parser.parse_args()
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
         torch.distributed.init_process_group("gloo")
-    mixture = make_mixture(args.dir, scheduled=args.scheduled)
     options: dict[str, Any] = {"num_samples": args.samples, "num_workers": args.workers, "stateful": True}
+    if args.nodes:
+        node = int(os.environ["GROUP_RANK"])
+        mixture = node_mixture(args.dir, node, args.nodes)
+        options |= {"rank": int(os.environ["LOCAL_RANK"]), "world_size": int(os.environ["LOCAL_WORLD_SIZE"])}
+    else:
+        node = 0
+        mixture = make_mixture(args.dir, scheduled=args.scheduled)
     if args.workers:
         options["multiprocessing_context"] = "fork"
     loader = mixture.loader(BATCH, **options)
@@ -115,7 +141,7 @@ def main() -> None:
                 torch.distributed.all_reduce(
                     torch.zeros(1)
                 )  # the ranks step together, as a gradient all-reduce makes them
-            out.write(json.dumps({"world": world, "rank": rank, "step": step, "ids": got}) + "\n")
+            out.write(json.dumps({"world": world, "node": node, "rank": rank, "step": step, "ids": got}) + "\n")
             out.flush()
             if args.save_at is not None and step == args.save_at:
                 if distributed:

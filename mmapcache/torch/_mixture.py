@@ -189,6 +189,8 @@ class Mixture(torch.utils.data.Dataset[Any]):
         return self._codes(start, stop) if stop > start else np.empty(0, np.int64)
 
     def _codes(self, start: int, stop: int) -> Ints:
+        if stop <= start:
+            return np.empty(0, np.int64)
         if self._static is not None:
             return _draws.codes(_draws.phase(self.offset, start), stop - start, self._static)
         parts = []
