@@ -310,3 +310,9 @@ def test_sources_of_different_fields_are_refused_in_one_batch(cache_dir: Path) -
     sources["a"][0], sources["b"][0]
     with pytest.raises(ValueError, match="different fields"):
         _run(mixture.loader(8, num_samples=8))
+
+
+def test_spawned_workers_get_the_mixture_by_pickle(cache_dir: Path) -> None:
+    mixture = make_mixture(cache_dir, scheduled=True)
+    loader = mixture.loader(8, num_samples=64, num_workers=1, multiprocessing_context="spawn")
+    assert _run(loader) == _run(mixture.loader(8, num_samples=64))

@@ -36,7 +36,6 @@ _ORDER_KEY = 0x6F726472
 _DRAWS_KEY = 0x64726177
 _KEPT_PASSES = 2  # permutations kept per source: the pass being read and the next (a batch can straddle both)
 _RECENT_BLOCKS = 64  # a schedule's blocks whose thresholds are kept
-_RECENT_RANGES = 16  # ranges of positions whose draws are kept
 _COUNTED = 1 << 16  # positions after the last range drawn that are counted rather than computed
 _PER_POSITION = 4  # a spread of positions up to this many times their number is drawn as one range
 
@@ -100,8 +99,6 @@ class Mixture(torch.utils.data.Dataset[Any]):
         self._orders: dict[tuple[int, int], Callable[[Ints], Ints]] = {}
         self._cumulative: list[Ints] = [np.zeros(len(self.names), dtype=np.int64)]  # schedules: draws before block b
         self._recent: dict[int, Ints] = {}  # schedules: the thresholds of blocks read lately
-        # The draws of the last ranges asked for: a loader's sampler draws a batch's positions, then its reader.
-        self._drawn: dict[tuple[int, int], tuple[Ints, Ints]] = {}
         self._anchor: tuple[int, Ints] = (0, np.zeros(len(self.names), dtype=np.int64))  # draws before a position
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -205,27 +202,35 @@ class Mixture(torch.utils.data.Dataset[Any]):
         start, stop = _position(start), _position(stop)
         if stop <= start:
             return np.empty(0, np.int64), np.empty(0, np.int64)
-        drawn = self._drawn.get((start, stop))
-        if drawn is None:
-            drawn = self._draw(start, stop)
-            if len(self._drawn) >= _RECENT_RANGES:
-                del self._drawn[next(iter(self._drawn))]
-            self._drawn[(start, stop)] = drawn
-        return drawn[0].copy(), drawn[1].copy()
+        positions, counts, grouped = self.by_source(start, stop)
+        codes = np.repeat(np.arange(len(self.names), dtype=np.int64), counts)
+        rows = positions - start
+        in_order = np.empty_like(codes), np.empty_like(grouped)
+        in_order[0][rows] = codes
+        in_order[1][rows] = grouped
+        return in_order
 
-    def _draw(self, start: int, stop: int) -> tuple[Ints, Ints]:
+    def by_source(self, start: int, stop: int) -> tuple[Ints, Ints, Ints]:
+        """Positions ``start .. stop - 1`` grouped by source: ``(positions, counts, indices)``.
+
+        ``positions`` are grouped by source (in the order of :attr:`names`), each source's in
+        position order; ``counts`` says how many each source has; ``indices`` are the indices
+        drawn for ``positions``.
+        """
+        start, stop = _position(start), _position(stop)
         codes = self._codes(start, stop)
         counts = np.bincount(codes, minlength=len(self.names))
         before = self._before(start)
-        order = np.argsort(codes, kind="stable")  # the rows of each source, in position order
+        positions = np.argsort(codes, kind="stable")
         indices = np.empty(len(codes), np.int64)
         first = 0
         for code, count in enumerate(counts.tolist()):
             if count:
-                indices[order[first : first + count]] = self._indices(code, int(before[code]), count)
+                indices[first : first + count] = self._indices(code, int(before[code]), count)
                 first += count
         self._anchor = (stop, before + counts)
-        return codes, indices
+        positions += start
+        return positions, counts, indices
 
     def draws_at(self, positions: Sequence[int] | Ints) -> tuple[Ints, Ints]:
         """``(codes, indices)`` of any positions, in their order (as :meth:`draws`)."""

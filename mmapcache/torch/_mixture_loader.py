@@ -33,7 +33,7 @@ from ._dataset import CachedDataset
 from ._loader import Loader
 from ._mixture import Mixture
 
-__all__ = ["MixtureBatches", "MixtureLoader", "Pending", "StepSampler", "make_loader"]
+__all__ = ["Drawn", "MixtureBatches", "MixtureLoader", "Pending", "StepSampler", "make_loader"]
 
 STATE_VERSION = 1
 _END = 2**63  # a pass without end
@@ -98,13 +98,22 @@ class StepSampler:
         return sum(1 for lo, hi, _ in self.steps(0, left) if hi > lo)
 
 
-def grouped(mixture: Mixture, lo: int, hi: int) -> list[int]:
+def grouped(mixture: Mixture, lo: int, hi: int) -> Drawn:
     """Positions ``lo .. hi - 1`` grouped by source (in the order of ``datasets``), in order within each."""
-    codes, _ = mixture.draws(lo, hi)  # kept: the batch's reader draws the same range next
-    order = np.argsort(codes, kind="stable")
-    order += lo
-    positions: list[int] = order.tolist()
-    return positions
+    positions, counts, indices = mixture.by_source(lo, hi)
+    return Drawn(positions.tolist(), counts.tolist(), indices)
+
+
+class Drawn(list[int]):
+    """A batch's positions grouped by source, with their draws: how many each source has, and the indices.
+
+    The batch sampler's batches: the batch's reader (in a worker or not) reads the draws
+    instead of drawing them again.
+    """
+
+    def __init__(self, positions: list[int], counts: list[int], indices: np.ndarray[Any, np.dtype[np.int64]]) -> None:
+        super().__init__(positions)
+        self.counts, self.indices = counts, indices
 
 
 class Pending:
@@ -175,30 +184,38 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
     def __getitems__(self, positions: Sequence[int]) -> Any:
         if not self.collated:
             return self.mixture.__getitems__(positions)
+        if type(positions) is not Drawn:
+            positions = list(positions)
         if torch.utils.data.get_worker_info() is not None:
-            return self.in_worker(list(positions))
-        return self.batch(list(positions))
+            return self.in_worker(positions)
+        return self.batch(positions)
 
     def _parts(self, positions: list[int]) -> list[_Part] | None:
         """The batch's sources as runs of rows read from files; ``None`` when that is not how it is read."""
         mixture = self.mixture
-        codes, indices = mixture.draws_at(positions)
-        if not len(codes):
+        if not positions:
             return None
         if self._sources is None:
             self._sources = [_Source(mixture.datasets[name]) for name in mixture.names]
-        edges = np.flatnonzero(codes[1:] != codes[:-1])
-        edges += 1
-        bounds = [0, *edges.tolist(), len(codes)]
+        if type(positions) is Drawn:
+            indices = positions.indices
+            runs = [(code, count) for code, count in enumerate(positions.counts) if count]
+        else:
+            codes, indices = mixture.draws_at(positions)
+            edges = np.flatnonzero(codes[1:] != codes[:-1])
+            edges += 1
+            bounds = [0, *edges.tolist(), len(codes)]
+            runs = [(int(codes[a]), b - a) for a, b in itertools.pairwise(bounds)]
+            if len({code for code, _ in runs}) != len(runs):
+                return None  # a source in two runs: not grouped by source
         parts: list[_Part] = []
-        for a, b in itertools.pairwise(bounds):
-            code = int(codes[a])
-            idx = self._sources[code].positions(indices[a:b])
+        start = 0
+        for code, count in runs:
+            idx = self._sources[code].positions(indices[start : start + count])
             if idx is None:
                 return None
-            parts.append((code, idx, a, b))
-        if len({part[0] for part in parts}) != len(parts):
-            return None  # a source in two runs: not grouped by source
+            parts.append((code, idx, start, start + count))
+            start += count
         return parts
 
     def batch(self, positions: list[int]) -> Any:
