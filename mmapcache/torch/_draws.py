@@ -41,6 +41,7 @@ BLOCK = 1024
 """A schedule's weights hold for blocks of this many positions, read at each block's first position."""
 
 Ints = np.ndarray[Any, np.dtype[np.int64]]
+_CHUNK = 1 << 24  # positions whose phases are computed at once
 
 
 def floor_sum(n: int, m: int, a: int, b: int) -> int:
@@ -84,13 +85,13 @@ def counts(n: int, start_phase: int, cuts: Ints) -> Ints:
 
 def codes(start_phase: int, n: int, cuts: Ints) -> Ints:
     """The source (its place in ``datasets``) of ``n`` consecutive positions, the first of phase ``start_phase``."""
-    steps = np.arange(n, dtype=np.int64)
-    steps %= MODULUS
-    steps *= STEP  # < 2**62
-    steps += start_phase
-    steps %= MODULUS
-    out: Ints = np.searchsorted(cuts, steps, side="right").astype(np.int64)
-    out -= 1
+    if n > _CHUNK:  # an arange of phases stays below 2**63 for n < 2**33: longer ranges a chunk at a time
+        parts = [codes((start_phase + k * STEP) % MODULUS, min(_CHUNK, n - k), cuts) for k in range(0, n, _CHUNK)]
+        return np.concatenate(parts)
+    phases = np.arange(start_phase, start_phase + n * STEP, STEP, dtype=np.int64)[:n]
+    phases %= MODULUS
+    # The number of interval ends T[1..S] at or below a phase is the place of the interval that holds it.
+    out: Ints = np.searchsorted(cuts[1:], phases, side="right")
     return out
 
 
