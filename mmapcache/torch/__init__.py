@@ -42,7 +42,8 @@ rule for whether it fits a field) · ``_columns.py`` (batches as per-field
 columns) · ``_loader.py`` (``loader()``) · ``_ragged.py`` (``ragged=``: variable
 fields in a batch, ``Packed``) · ``_collate.py`` (``pad_collate``,
 ``Padded``) · ``_fill.py`` (``fill()``) · ``_stream.py`` (:class:`CachedStream`, over the
-core's ``mmapcache._stream``). :class:`NodeShardSampler` is
+core's ``mmapcache._stream``) · ``_mixture.py`` (:class:`Mixture`, whose draws
+are ``_draws.py``'s and whose ``loader()`` is ``_mixture_loader.py``). :class:`NodeShardSampler` is
 :mod:`mmapcache._sampler`'s.
 """
 
@@ -51,6 +52,7 @@ from __future__ import annotations
 from .._sampler import NodeShardSampler
 from ._collate import Padded, collate, pad_collate
 from ._dataset import CachedDataset
+from ._mixture import Mixture
 from ._ragged import Packed, ragged_collate
 from ._schema import infer_fields
 from ._stream import CachedStream
@@ -58,6 +60,7 @@ from ._stream import CachedStream
 __all__ = [
     "CachedDataset",
     "CachedStream",
+    "Mixture",
     "NodeShardSampler",
     "Packed",
     "Padded",
@@ -69,6 +72,7 @@ __all__ = [
 # Pickles name the public module, whatever file the class lives in.
 CachedDataset.__module__ = __name__
 CachedStream.__module__ = __name__
+Mixture.__module__ = __name__
 Padded.__module__ = __name__
 Packed.__module__ = __name__
 _ = infer_fields  # mmapcache.torch.infer_fields, as in 0.3.0

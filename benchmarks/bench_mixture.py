@@ -1,0 +1,116 @@
+"""Warm throughput of ``Mixture.loader()`` over three caches against one ``CachedDataset.loader()``, same bytes.
+
+Three warm caches in /dev/shm (``web``, ``code``, ``math``: 70 / 20 / 10 % of
+``--n`` samples of ``--row`` bytes each, uint8 plus an int64 label) are mixed
+0.7 / 0.2 / 0.1 and read through ``mixture.loader(batch)``; the baseline is one
+warm cache of all ``--n`` samples (the same bytes) read through
+``ds.loader(batch, shuffle=True)``. Each variant reads ``--samples`` samples per
+round, in rotated order over ``--rounds`` rounds, with 0 workers and with 2
+(persistent). Reported: the median over rounds of the per-round throughput
+ratio mixture / baseline (target >= 0.95), and the seconds of each.
+
+``python benchmarks/bench_mixture.py [--quick] [--json PATH] [--rounds R] [--n N] [--row BYTES]``
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+from _common import bench_parser, machine_info, run_rounds, spread, table, write_results
+
+from mmapcache.torch import CachedDataset, Mixture
+
+WEIGHTS = {"web": 0.7, "code": 0.2, "math": 0.1}
+
+
+class Rows(torch.utils.data.Dataset[Any]):
+    """``(uint8 row of `row` bytes, int64 label)``: sample ``i`` of corpus ``code``."""
+
+    def __init__(self, code: int, length: int, row: int) -> None:
+        self.code, self.length, self.row = code, length, row
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        return torch.full((self.row,), (self.code * 7 + index) % 251, dtype=torch.uint8), self.code * 10**6 + index
+
+
+def _epoch(loader: Any, batches: int) -> Callable[[int], float]:
+    """Seconds to read ``batches`` batches from a fresh iterator of ``loader`` (each round continues the run)."""
+
+    def run(_: int) -> float:
+        start = time.perf_counter()
+        for k, _batch in enumerate(loader, start=1):
+            if k == batches:
+                break
+        return time.perf_counter() - start
+
+    return run
+
+
+def main() -> None:
+    parser = bench_parser(__doc__ or "", quick="fewer, smaller samples and rounds", rounds=(7, 3))
+    parser.add_argument("--n", type=int, help="samples over the three caches (default 40000, quick 8000)")
+    parser.add_argument("--row", type=int, default=12 * 1024, help="bytes per sample (default 12 KiB)")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--samples", type=int, help="samples read per round (default 32768, quick 7680)")
+    args = parser.parse_args()
+    n = args.n or (8000 if args.quick else 40_000)
+    rounds = args.rounds or (3 if args.quick else 7)
+    samples = args.samples or (7680 if args.quick else 32_768)
+    batches = samples // args.batch
+    directory = Path(tempfile.mkdtemp(prefix="bench-mixture-", dir=args.dir))
+    results: dict[str, Any] = {"machine": machine_info(), "quick": args.quick, "n": n, "row": args.row}
+    try:
+        sizes = {name: int(n * weight) for name, weight in WEIGHTS.items()}
+        sources = {
+            name: CachedDataset(Rows(code, size, args.row), directory / f"{name}.mmc", key=name, check=0)
+            for code, (name, size) in enumerate(sizes.items())
+        }
+        one = CachedDataset(Rows(9, sum(sizes.values()), args.row), directory / "one.mmc", key="one", check=0)
+        for ds in (*sources.values(), one):
+            ds.fill()
+        mixture = Mixture(sources, WEIGHTS, seed=0)
+        rows = []
+        for workers in (0, 2):
+            extra: dict[str, Any] = {"num_workers": workers}
+            if workers:
+                extra |= {"persistent_workers": True, "multiprocessing_context": "fork"}
+            baseline = one.loader(args.batch, shuffle=True, generator=torch.Generator().manual_seed(0), **extra)
+            mixed = mixture.loader(args.batch, **extra)
+            times = run_rounds(
+                {"one CachedDataset.loader()": _epoch(baseline, batches), "Mixture.loader()": _epoch(mixed, batches)},
+                rounds=rounds,
+            )
+            ratios = [
+                b / m for b, m in zip(times["one CachedDataset.loader()"], times["Mixture.loader()"], strict=True)
+            ]
+            results[f"workers_{workers}"] = {
+                "ratio": spread(ratios),
+                "seconds": {name: spread(values) for name, values in times.items()},
+            }
+            gbps = samples * args.row / min(times["Mixture.loader()"]) / 1e9
+            rows.append([workers, float(np.median(ratios)), min(ratios), max(ratios), gbps])
+        print(f"{n} samples of {args.row} B, batch {args.batch}, {samples} samples a round, {rounds} rounds")
+        print(table(["workers", "mixture/one (median)", "min", "max", "mixture GB/s (best)"], rows))
+        print(f"load average at the end: {os.getloadavg()}")
+        path = write_results("bench_mixture", results, quick=args.quick, path=args.json)
+        print(f"results: {path}")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

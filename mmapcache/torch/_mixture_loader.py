@@ -1,0 +1,445 @@
+"""``Mixture.loader()``: global positions dealt to the ranks a step at a time, each source gathered once a batch.
+
+The run is a sequence of global positions. Step ``t`` from the position
+``f`` the loader reached reads positions ``f .. f + W·B - 1`` (``W`` ranks, batch
+size ``B``); rank ``r`` takes ``f + r·B .. f + (r + 1)·B - 1``. The last step of a
+pass with fewer positions left splits them into ``W`` near-equal parts. Every
+rank is at the same step when it hands out a batch (DDP's collectives make it
+so), so the position after the step is the frontier of the whole job: a state
+saved as that one number resumes on any number of ranks, which deal what is
+left among themselves.
+
+A batch's positions are grouped by source, so that each cached source is read
+with one gather from its file straight into its rows of the batch tensors
+(:class:`MixtureBatches`). In a DataLoader worker, the batch's misses are loaded
+and stored and only its positions cross to the main process, which gathers
+them (:class:`Pending`), as ``CachedDataset.loader()`` does.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, cast
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from .._sampler import _integer, node_topology
+from ._collate import as_is, collate_tree
+from ._columns import new_batch
+from ._dataset import CachedDataset
+from ._loader import Loader
+from ._mixture import Mixture
+
+__all__ = ["Drawn", "MixtureBatches", "MixtureLoader", "Pending", "StepSampler", "make_loader"]
+
+STATE_VERSION = 1
+_END = 2**63  # a pass without end
+
+
+class Frontier:
+    """Where a loader's run is: the next global position to read and where the current pass ends."""
+
+    __slots__ = ("end", "position")
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.end: int | None = 0  # no pass started yet
+
+
+class StepSampler:
+    """The batch sampler: this rank's positions of each step from the frontier on, grouped by source."""
+
+    def __init__(
+        self, mixture: Mixture, batch_size: int, *, num_samples: int | None, rank: int, world_size: int
+    ) -> None:
+        self.mixture, self.batch_size, self.num_samples = mixture, batch_size, num_samples
+        self.rank, self.world_size = rank, world_size
+        self.frontier = Frontier()
+        self.start = 0  # where the pass the last iterator reads began
+
+    def begin(self) -> tuple[int, int]:
+        """The positions the next iterator reads: the rest of the current pass, or the next pass."""
+        frontier = self.frontier
+        if frontier.end is None or frontier.position < frontier.end:
+            return frontier.position, _END if frontier.end is None else frontier.end
+        frontier.end = None if self.num_samples is None else frontier.position + self.num_samples
+        return frontier.position, _END if frontier.end is None else frontier.end
+
+    def steps(self, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
+        """``(first, last + 1, step's end)``: this rank's share of each step from ``start`` to ``stop``."""
+        width = self.world_size * self.batch_size
+        f = start
+        while f < stop:
+            size = min(width, stop - f)
+            if size == width:
+                lo = f + self.rank * self.batch_size
+                yield lo, lo + self.batch_size, f + size
+            else:
+                yield f + self.rank * size // self.world_size, f + (self.rank + 1) * size // self.world_size, f + size
+            f += size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start, stop = self.begin()
+        for lo, hi, _ in self.steps(start, stop):
+            if hi > lo:
+                yield grouped(self.mixture, lo, hi)
+
+    def __len__(self) -> int:
+        if self.num_samples is None:
+            raise TypeError("a mixture loader without num_samples has no end, and no len()")
+        frontier = self.frontier
+        if frontier.end is not None and frontier.position < frontier.end:
+            left = frontier.end - frontier.position
+        else:
+            left = self.num_samples
+        return sum(1 for lo, hi, _ in self.steps(0, left) if hi > lo)
+
+
+def grouped(mixture: Mixture, lo: int, hi: int) -> Drawn:
+    """Positions ``lo .. hi - 1`` grouped by source (in the order of ``datasets``), in order within each."""
+    positions, counts, indices = mixture.by_source(lo, hi)
+    return Drawn(positions.tolist(), counts.tolist(), indices)
+
+
+class Drawn(list[int]):
+    """A batch's positions grouped by source, with their draws: how many each source has, and the indices.
+
+    The batch sampler's batches: the batch's reader (in a worker or not) reads the draws
+    instead of drawing them again.
+    """
+
+    def __init__(self, positions: list[int], counts: list[int], indices: np.ndarray[Any, np.dtype[np.int64]]) -> None:
+        super().__init__(positions)
+        self.counts, self.indices = counts, indices
+
+
+class Pending:
+    """A batch a worker made ready in the files (misses stored): the main process gathers its positions."""
+
+    __slots__ = ("positions",)
+
+    def __init__(self, positions: list[int]) -> None:
+        self.positions = positions
+
+    def __getstate__(self) -> list[int]:
+        return self.positions
+
+    def __setstate__(self, state: list[int]) -> None:
+        self.positions = state
+
+    def __repr__(self) -> str:
+        return f"Pending({len(self.positions)} mixture positions to gather in the main process)"
+
+
+class _Source:
+    """How a batch reads one source: from a :class:`CachedDataset`'s file (through a ``Subset``'s indices), or not."""
+
+    __slots__ = ("cached", "lookup")
+
+    def __init__(self, dataset: Any) -> None:
+        self.lookup: np.ndarray[Any, np.dtype[np.intp]] | None = None
+        if isinstance(dataset, torch.utils.data.Subset) and isinstance(dataset.dataset, CachedDataset):
+            self.lookup = np.asarray(dataset.indices, dtype=np.intp)
+            dataset = dataset.dataset
+        self.cached = dataset if isinstance(dataset, CachedDataset) and dataset.transform is None else None
+
+    def positions(self, indices: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.intp]] | None:
+        """The file positions of the source's ``indices``; ``None`` when they are not one gather from a file."""
+        cached = self.cached
+        if cached is None:
+            return None
+        session = cached._session
+        if session.opened() is None or session.schema is None or session.schema.ragged:
+            return None
+        idx = indices.astype(np.intp, copy=False) if self.lookup is None else self.lookup[indices]
+        return session.settings.positions(idx)
+
+
+_Part = tuple[int, np.ndarray[Any, np.dtype[np.intp]], int, int]  # source code, file positions, rows start, stop
+
+
+class MixtureBatches(torch.utils.data.Dataset[Any]):
+    """A :class:`Mixture` as its loader shows it to DataLoader: ``__getitems__`` returns finished batches.
+
+    With a ``collate_fn`` of the user's (``collated=False``) it returns the samples instead.
+    """
+
+    def __init__(self, mixture: Mixture, *, collated: bool) -> None:
+        self.mixture, self.collated = mixture, collated
+        self._sources: list[_Source] | None = None  # made in each process on first use
+        self._alike: set[int] = set()  # sources whose fields were found those of the first source
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"mixture": self.mixture, "collated": self.collated}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["mixture"], collated=state["collated"])  # type: ignore[misc]
+
+    def __getitem__(self, position: int) -> Any:
+        return self.mixture[position]
+
+    def __getitems__(self, positions: Sequence[int]) -> Any:
+        if not self.collated:
+            return self.mixture.__getitems__(positions)
+        if type(positions) is not Drawn:
+            positions = list(positions)
+        if torch.utils.data.get_worker_info() is not None:
+            return self.in_worker(positions)
+        return self.batch(positions)
+
+    def _parts(self, positions: list[int]) -> list[_Part] | None:
+        """The batch's sources as runs of rows read from files; ``None`` when that is not how it is read."""
+        mixture = self.mixture
+        if not positions:
+            return None
+        if self._sources is None:
+            self._sources = [_Source(mixture.datasets[name]) for name in mixture.names]
+        if type(positions) is Drawn:
+            indices = positions.indices
+            runs = [(code, count) for code, count in enumerate(positions.counts) if count]
+        else:
+            codes, indices = mixture.draws_at(positions)
+            edges = np.flatnonzero(codes[1:] != codes[:-1])
+            edges += 1
+            bounds = [0, *edges.tolist(), len(codes)]
+            runs = [(int(codes[a]), b - a) for a, b in itertools.pairwise(bounds)]
+            if len({code for code, _ in runs}) != len(runs):
+                return None  # a source in two runs: not grouped by source
+        parts: list[_Part] = []
+        start = 0
+        for code, count in runs:
+            idx = self._sources[code].positions(indices[start : start + count])
+            if idx is None:
+                return None
+            parts.append((code, idx, start, start + count))
+            start += count
+        return parts
+
+    def batch(self, positions: list[int]) -> Any:
+        """The batch ``default_collate`` makes of the samples at ``positions``; one gather per cached source."""
+        parts = self._parts(positions)
+        if parts is None:
+            return torch.utils.data.default_collate(self.mixture.__getitems__(positions))
+        return self._gathered(parts, len(positions))
+
+    def in_worker(self, positions: list[int]) -> Any:
+        """In a worker: store the batch's misses in the files and leave the gather to the main process."""
+        parts = self._parts(positions)
+        if parts is None:
+            return self.batch(positions)
+        for code, idx, _, _ in parts:
+            session = self._session(code)
+            cache = session.opened()
+            assert cache is not None
+            ready = cache.contains_many(idx)
+            if not ready.all():
+                session.load(idx[~ready].tolist())
+                if not cache.contains_many(idx).all():  # beyond the capacity, or being written
+                    return self.batch(positions)
+        return Pending(positions)
+
+    def _session(self, code: int) -> Any:
+        assert self._sources is not None
+        cached = self._sources[code].cached
+        assert cached is not None
+        return cached._session
+
+    def _gathered(self, parts: list[_Part], size: int) -> Any:
+        """The batch of ``size`` rows: each part's rows gathered from its file straight into the batch tensors."""
+        schema = self._session(parts[0][0]).schema
+        for code, _, _, _ in parts[1:]:
+            if code not in self._alike:
+                self._check_alike(parts[0][0], code)
+        fixed = [schema.fields[name] for name in schema.fixed]
+        tensors, arrays = new_batch(
+            [(size, *field.fixed_shape) for field in fixed],
+            [field.dtype for field in fixed],
+            [schema.dtypes[schema.names.index(name)] for name in schema.fixed],
+        )
+        for code, idx, start, stop in parts:
+            session = self._session(code)
+            cache = session.cache
+            out = {name: array[start:stop] for name, array in zip(schema.fixed, arrays, strict=True)}
+            _, hits = cache.read_many(idx, out=out, count=False)
+            if hits.all():
+                session.hits += len(hits)
+                cache.count(hits=len(hits))
+                continue
+            columns = session.gather(cache, idx)  # loads and stores the misses, counts the reads
+            for array, column in zip(arrays, columns, strict=True):
+                array[start:stop] = column.numpy()
+        return collate_tree(schema.tree, tensors)
+
+    def _check_alike(self, first: int, code: int) -> None:
+        ours, theirs = self._session(first).schema, self._session(code).schema
+        if theirs.fields != ours.fields:
+            names = self.mixture.names
+            raise ValueError(
+                f"the sources of a mixture batch give samples of different fields: {names[first]!r} has "
+                f"{_described(ours.fields)} and {names[code]!r} {_described(theirs.fields)}; a batch stacks "
+                "samples of one structure, shape and dtype"
+            )
+        self._alike.add(code)
+
+    def __repr__(self) -> str:
+        return f"MixtureBatches({self.mixture!r})"
+
+
+def _described(fields: Mapping[str, Any]) -> str:
+    return "{" + ", ".join(f"{name}: {field}" for name, field in fields.items()) + "}"
+
+
+class MixtureLoader(Loader):
+    """What ``Mixture.loader()`` returns: a DataLoader whose state is the position its run reached.
+
+    Its iterators advance the position as they hand out batches, and gather the
+    batches its workers left in the files (:class:`Pending`).
+    """
+
+    def _parts(self) -> tuple[StepSampler, MixtureBatches]:
+        return cast(StepSampler, self.batch_sampler), cast(MixtureBatches, self.dataset)
+
+    def __iter__(self) -> Any:
+        sampler, batches = self._parts()
+        start, stop = sampler.begin()
+        return _Stepping(super().__iter__(), batches, sampler, sampler.steps(start, stop))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the run is: the next global position, the end of the pass it is in, and what fixes the draws."""
+        sampler, batches = self._parts()
+        mixture = batches.mixture
+        return {
+            "version": STATE_VERSION,
+            "position": sampler.frontier.position,
+            "end": sampler.frontier.end,
+            "seed": mixture.seed,
+            "sources": list(mixture.names),
+            "replacement": mixture.replacement,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s position, on this loader's ranks (any number of them).
+
+        Raises ``ValueError`` for a state of another seed, other sources or
+        replacement (its positions would draw other samples), and changes nothing then.
+        """
+        if not isinstance(state, Mapping) or "position" not in state or "sources" not in state:
+            raise ValueError(f"not the state of a mixture loader (Mixture.loader().state_dict()): {state!r}")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"the state is of version {state.get('version')!r}, and this mmapcache reads version {STATE_VERSION}"
+            )
+        sampler, batches = self._parts()
+        mixture = batches.mixture
+        here = {"seed": mixture.seed, "sources": list(mixture.names), "replacement": mixture.replacement}
+        differ = {key: (state.get(key), value) for key, value in here.items() if state.get(key) != value}
+        if differ:
+            said = "; ".join(f"{key} {old!r} there, {new!r} here" for key, (old, new) in differ.items())
+            raise ValueError(
+                f"the state was saved by a loader of another mixture ({said}): its position would draw other "
+                "samples. Resume with the same sources, seed and replacement"
+            )
+        position = _integer("the state's position", state["position"], _END)
+        end = state.get("end")
+        frontier = sampler.frontier
+        frontier.position = position
+        frontier.end = None if end is None else _integer("the state's end", end, _END)
+
+
+class _Stepping:
+    """A mixture loader's iterator: the DataLoader's, advancing the frontier as batches are handed out."""
+
+    def __init__(
+        self, inner: Any, batches: MixtureBatches, sampler: StepSampler, steps: Iterator[tuple[int, int, int]]
+    ) -> None:
+        self.inner, self.batches, self.sampler, self.steps = inner, batches, sampler, steps
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self.inner)
+        except StopIteration:
+            for _ in self.steps:  # the steps that gave this rank nothing (a short last step)
+                pass
+            frontier = self.sampler.frontier
+            if frontier.end is not None:
+                frontier.position = frontier.end
+            raise
+        for lo, hi, end in self.steps:
+            self.sampler.frontier.position = end
+            if hi > lo:
+                break
+        if type(batch) is Pending:
+            batch = self.batches.batch(batch.positions)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+_stateful: type[MixtureLoader] | None = None
+
+
+def _stateful_kind() -> type[MixtureLoader]:
+    global _stateful
+    if _stateful is None:
+        from ._stateful import StatefulLoader
+
+        _stateful = type("StatefulMixtureLoader", (MixtureLoader, StatefulLoader), {"__module__": __name__})
+    assert _stateful is not None
+    return _stateful
+
+
+def make_loader(
+    mixture: Mixture,
+    batch_size: int,
+    *,
+    num_samples: int | None,
+    rank: int | None,
+    world_size: int | None,
+    num_workers: int,
+    stateful: bool,
+    **dataloader_kwargs: Any,
+) -> MixtureLoader:
+    """The loader :meth:`Mixture.loader` describes."""
+    batch_size = _integer("batch_size", batch_size, _END, start=1)
+    if num_samples is not None:
+        num_samples = _integer("num_samples", num_samples, _END, start=1)
+    if not isinstance(stateful, bool):
+        raise TypeError(f"stateful must be True or False, not {stateful!r}")
+    for name in ("batch_size", "batch_sampler", "sampler", "shuffle", "drop_last"):
+        if name in dataloader_kwargs:
+            raise TypeError(
+                f"Mixture.loader() takes no {name}=: the mixture deals its positions to the ranks itself "
+                "(batch_size is its first argument)"
+            )
+    rank, world_size = _ranks(rank, world_size)
+    collate_fn = dataloader_kwargs.pop("collate_fn", None)
+    sampler = StepSampler(mixture, batch_size, num_samples=num_samples, rank=rank, world_size=world_size)
+    kind = _stateful_kind() if stateful else MixtureLoader
+    return kind(
+        MixtureBatches(mixture, collated=collate_fn is None),
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=as_is if collate_fn is None else collate_fn,
+        **dataloader_kwargs,
+    )
+
+
+def _ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``(rank, world_size)``: the arguments, else the launcher's (one rank when not distributed)."""
+    if rank is None or world_size is None:
+        num_nodes, node_rank, local_world_size, local_rank = node_topology()
+        world_size = num_nodes * local_world_size if world_size is None else world_size
+        rank = node_rank * local_world_size + local_rank if rank is None else rank
+    world_size = _integer("world_size", world_size, _END, start=1)
+    rank = _integer("rank", rank, world_size)
+    return rank, world_size
