@@ -40,7 +40,9 @@ from .._stream import (
 )
 from .._tensors import tensor_to_numpy
 from ..cache import Cache
+from .._sampler import SEEDS, checked_integer
 from ._elements import ElementPath
+from ._epochs import EpochBoard
 from ._leaves import LeafShapeError, convert_leaf, fit
 from ._schema import Schema, declaration, declared_fields, describe, first_fields, storage_dtypes, with_dtypes
 from ._settings import default_path
@@ -55,6 +57,7 @@ _READ = 64  # elements read from the file at a time in a later epoch (at most)
 _READ_BYTES = 1 << 20  # and at most about this many bytes: an element kept alive keeps its chunk's buffer
 _WAITING_BYTES = 64 << 20  # full batches kept while the file is being made, before waiting for it
 _THREADED_ROW = 16 << 10  # rows at least this large are stored by a thread beside the stream
+_EMPTY_WAIT = 60.0  # seconds an empty partition waits for another partition to make the file
 
 
 def _rank() -> tuple[int, int]:
@@ -140,8 +143,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                 "until the cache is complete, and in each DataLoader worker: pass an iterable instead (an "
                 "IterableDataset, or a class whose __iter__ is a generator function)"
             )
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, not {type(seed).__name__}")
+        seed = checked_integer("seed", seed, SEEDS)
         self.stream = stream
         self.key = key
         self.dtypes = None if dtypes is None else storage_dtypes(dtypes)
@@ -155,6 +157,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         self.epoch: int | None = None  # set_epoch's; None: each pass in a process draws the next
         self.path = Path(os.path.abspath(os.fspath(path))) if path is not None else default_path(key)
         self._ranks: tuple[int, int] | None = None  # the main process's rank, handed to its workers
+        self._board = EpochBoard()  # this rank's passes, shared with its DataLoader workers
         self._init_process_state()
 
     def _init_process_state(self) -> None:
@@ -163,25 +166,33 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         self._lock = threading.Lock()
         self._read = self._streamed = self._written = 0
         self._passes = 0  # iterations of this object in this process (see set_epoch)
+        self._passing = threading.Lock()
+        self._active = 0  # passes under way in this process that use the cache while it is not complete
 
     def __getstate__(self) -> dict[str, Any]:
         state = {name: value for name, value in self.__dict__.items() if not name.startswith("_")}
         state["_ranks"] = self._ranks or _rank()  # workers started by spawn have no process group
+        state["_board"] = self._board  # the same memory for workers being started, else a new board
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        board = state.pop("_board", None)
         self.__dict__.update(state)
+        self._board = board if isinstance(board, EpochBoard) else EpochBoard()
         self._init_process_state()
 
     def set_epoch(self, epoch: int) -> None:
-        """Draw the permutation of the next epoch from ``(seed, epoch)``: call it on every rank, every epoch.
+        """Make ``epoch`` the epoch of this rank's next pass; the passes after it count on from it.
 
-        Without it, each pass over the object in one process draws the next one
-        by itself (``num_workers=0``, persistent workers); workers that are not
-        persistent start afresh each epoch, so there the order repeats unless the
-        epoch is set.
+        Optional: without it the first pass is epoch 0 and each pass of this
+        rank — an iteration of the object, or of a DataLoader over it, whatever
+        its workers (none, new ones each epoch, persistent ones) — is the next
+        epoch, the same on every rank. An epoch's permutation is drawn from
+        ``(seed, epoch)``. Call it on every rank alike (as with
+        ``DistributedSampler``), e.g. to resume at an epoch.
         """
-        self.epoch = int(epoch)
+        self.epoch = checked_integer("epoch", epoch, SEEDS)
+        self._board.set_epoch(self.epoch)
 
     # -- who reads what ------------------------------------------------------------
 
@@ -222,24 +233,69 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         partition = self._partition()
         self._passes += 1
+        epoch = self._board.next_pass(self._passes)
         cache = self._opened(partition)
         if cache is None:
-            return self._fill(None, partition)
+            return self._incomplete(self._fill(None, partition), partition)
         status = stream_status(cache)
         if status.cached:
-            return self._read_epoch(cache, partition)
+            return self._read_epoch(cache, partition, epoch)
         state = region(cache).state(partition.index)
         if state.ended:
-            return self._read_partition(cache, partition, state.stored, state.full)
-        return self._fill(cache, partition)
+            return self._incomplete(self._read_partition(cache, partition, state.stored, state.full, epoch), partition)
+        return self._incomplete(self._fill(cache, partition), partition)
 
-    def _epoch(self) -> int:
-        return self.epoch if self.epoch is not None else self._passes - 1
+    def _incomplete(self, elements: Iterator[Any], partition: Partition) -> Iterator[Any]:
+        """A pass over a cache that is not complete (or not cached): ``elements``, then let go of the file.
 
-    def _read_epoch(self, cache: Cache, partition: Partition) -> Iterator[Any]:
+        An empty partition ends only once the file exists: it waits for
+        another partition of the run to make it. The handle is closed after
+        the last such pass of this process (also when the iterator is
+        dropped early), so that a run of another partitioning — its own
+        DataLoader workers after a ``next(iter(stream))`` — can restart the fill.
+        """
+        with self._passing:
+            self._active += 1
+        streamed = self._streamed
+        try:
+            yield from elements
+            if self._streamed == streamed and self._cache is None:
+                self._end_empty(partition)
+        finally:
+            with self._passing:
+                self._active -= 1
+                last = not self._active
+            if last:
+                self._let_go_if_incomplete()
+
+    def _let_go_if_incomplete(self) -> None:
+        with self._lock:
+            cache = self._cache
+            if cache is not None and not cache.closed and not stream_status(cache).cached:
+                cache.close()
+                self._cache = None
+
+    def _end_empty(self, partition: Partition) -> None:
+        """An empty partition and no file yet: wait for the file (made from another partition's first element), end it."""
+        self._board.ended_empty()
+        deadline = time.monotonic() + _EMPTY_WAIT
+        alone = partition.ranks == 1
+        while not self.path.exists():
+            if (alone and self._board.all_empty()) or time.monotonic() > deadline:
+                return  # an empty stream, or nobody made the file in time: it ends in a later epoch
+            time.sleep(0.02)
+        cache = self._opened(partition)
+        if cache is not None:
+            filler = _Filler(self, partition, cache)
+            try:
+                filler.finish(0)
+            finally:
+                filler.close()
+
+    def _read_epoch(self, cache: Cache, partition: Partition, epoch: int) -> Iterator[Any]:
         slots = epoch_slots(
             checked_records(cache),
-            epoch=self._epoch(),
+            epoch=epoch,
             seed=self.seed,
             shuffle=self.shuffle,
             rank=partition.rank,
@@ -249,13 +305,15 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         )
         yield from self._from_file(cache, slots)
 
-    def _read_partition(self, cache: Cache, partition: Partition, stored: int, full: bool) -> Iterator[Any]:
+    def _read_partition(
+        self, cache: Cache, partition: Partition, stored: int, full: bool, epoch: int
+    ) -> Iterator[Any]:
         """An ended partition of a cache that is not complete, or is full: its elements from the file, then the rest."""
         stream = region(cache)
         counted = checked_records(cache)
         mine = counted[stream.partition[counted] == partition.index]
         if self.shuffle:
-            mine = mine[np.random.default_rng([self.seed, self._epoch(), partition.index]).permutation(len(mine))]
+            mine = mine[np.random.default_rng([self.seed, epoch, partition.index]).permutation(len(mine))]
         yield from self._from_file(cache, mine)
         if full:
             yield from self._stream_rest(partition, stored)
