@@ -121,12 +121,14 @@ class EpochBoard:
         pids = self.rows[:, _PID]
         found = np.flatnonzero(pids == pid)
         if len(found):
-            return self.rows[int(found[0])]
+            row: np.ndarray[Any, Any] = self.rows[int(found[0])]
+            return row
         free = np.flatnonzero(pids == 0)
         r = int(free[0]) if len(free) else pid % _ROWS  # more ranks than rows: the oldest use of a row is lost
         self.rows[r] = 0
         self.rows[r, _PID] = pid
-        return self.rows[r]
+        claimed: np.ndarray[Any, Any] = self.rows[r]
+        return claimed
 
     def _locked(self) -> _Locked:
         return _Locked(self)

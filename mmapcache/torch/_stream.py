@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import queue
 import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ import torch.utils.data
 
 from .._errors import SchemaMismatchError
 from .._field import Field, FieldsLike
+from .._sampler import SEEDS, checked_integer
 from .._stream import (
     Partition,
     PartitionWriter,
@@ -40,7 +43,6 @@ from .._stream import (
 )
 from .._tensors import tensor_to_numpy
 from ..cache import Cache
-from .._sampler import SEEDS, checked_integer
 from ._elements import ElementPath
 from ._epochs import EpochBoard
 from ._leaves import LeafShapeError, convert_leaf, fit
@@ -114,6 +116,8 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
     incomplete cache is never read as the whole stream.
     """
 
+    _source: Iterable[Any] | _Pickled
+
     def __init__(
         self,
         stream: Iterable[Any],
@@ -169,8 +173,23 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         self._passing = threading.Lock()
         self._active = 0  # passes under way in this process that use the cache while it is not complete
 
+    @property
+    def stream(self) -> Iterable[Any]:
+        """The stream being cached (in a process that received the object pickled, unpickled when first needed)."""
+        source = self._source
+        if isinstance(source, _Pickled):
+            loaded: Iterable[Any] = source.load()
+            self._source = source = loaded
+        return source
+
+    @stream.setter
+    def stream(self, stream: Iterable[Any]) -> None:
+        self._source = stream
+
     def __getstate__(self) -> dict[str, Any]:
         state = {name: value for name, value in self.__dict__.items() if not name.startswith("_")}
+        # Pickled apart: a worker over a complete cache never unpickles it (a HF dataset takes seconds to).
+        state["_source"] = _Pickled.of(self._source)
         state["_ranks"] = self._ranks or _rank()  # workers started by spawn have no process group
         state["_board"] = self._board  # the same memory for workers being started, else a new board
         return state
@@ -232,8 +251,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         partition = self._partition()
-        self._passes += 1
-        epoch = self._board.next_pass(self._passes)
+        epoch = self._next_epoch()
         cache = self._opened(partition)
         if cache is None:
             return self._incomplete(self._fill(None, partition), partition)
@@ -244,6 +262,11 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         if state.ended:
             return self._incomplete(self._read_partition(cache, partition, state.stored, state.full, epoch), partition)
         return self._incomplete(self._fill(cache, partition), partition)
+
+    def _next_epoch(self) -> int:
+        """The epoch of the pass this process begins now (see :mod:`._epochs`)."""
+        self._passes += 1
+        return self._board.next_pass(self._passes)
 
     def _incomplete(self, elements: Iterator[Any], partition: Partition) -> Iterator[Any]:
         """A pass over a cache that is not complete (or not cached): ``elements``, then let go of the file.
@@ -276,7 +299,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                 self._cache = None
 
     def _end_empty(self, partition: Partition) -> None:
-        """An empty partition and no file yet: wait for the file (made from another partition's first element), end it."""
+        """An empty partition, no file yet: wait for the file (made from another partition's first element), end it."""
         self._board.ended_empty()
         deadline = time.monotonic() + _EMPTY_WAIT
         alone = partition.ranks == 1
@@ -305,9 +328,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         )
         yield from self._from_file(cache, slots)
 
-    def _read_partition(
-        self, cache: Cache, partition: Partition, stored: int, full: bool, epoch: int
-    ) -> Iterator[Any]:
+    def _read_partition(self, cache: Cache, partition: Partition, stored: int, full: bool, epoch: int) -> Iterator[Any]:
         """An ended partition of a cache that is not complete, or is full: its elements from the file, then the rest."""
         stream = region(cache)
         counted = checked_records(cache)
@@ -453,6 +474,67 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
     def _row(schema: Schema, leaves: list[Any]) -> dict[str, Any]:
         """What ``Cache.put`` stores: the element's storage arrays by field name."""
         return dict(zip(schema.names, leaves, strict=True))
+
+    def loader(
+        self,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        *,
+        sampler: Any = None,
+        num_workers: int = 0,
+        drop_last: bool = False,
+        ragged: str = "pad",
+        padding_value: float = 0,
+        stateful: bool = False,
+        **dataloader_kwargs: Any,
+    ) -> torch.utils.data.DataLoader[Any]:
+        """A DataLoader of this stream's batches that reads each batch of a complete cache with one gather per field.
+
+        Its batches have the structure, dtypes and values of ``DataLoader(stream,
+        batch_size, collate_fn=ragged_collate(ragged, padding_value=...))``
+        over the same epoch, in the same order: this rank's share of the
+        epoch's permutation (see :meth:`set_epoch`), ``batch_size`` elements
+        a batch, gathered field by field straight into the batch tensors
+        (with workers, each worker takes every ``num_workers``-th batch and
+        the main process gathers it: one copy, nothing in shared memory).
+        While the cache is not complete, the pass fills it as iterating the
+        stream does, and its elements are collated. ``shuffle``: ``None``
+        keeps the stream's ``shuffle``; ``True``/``False`` decide for this
+        loader. ``ragged``/``padding_value`` batch the variable fields as
+        ``CachedDataset.loader()`` does. ``drop_last`` drops each epoch's
+        last, shorter batch. Other DataLoader arguments (``pin_memory``,
+        ``persistent_workers``, ``prefetch_factor``,
+        ``multiprocessing_context``, ...) pass through. ``sampler``,
+        ``batch_sampler``, ``collate_fn`` and ``stateful=True`` are refused:
+        the order is the stream's own.
+        """
+        from ._collate import as_is
+        from ._loader import Loader
+        from ._ragged import check_ragged
+        from ._stream_loader import StreamBatches
+
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int for a stream's loader, not {batch_size!r}")
+        if shuffle is not None and not isinstance(shuffle, bool):
+            raise TypeError(f"shuffle must be None, True or False, not {shuffle!r}")
+        refused = [name for name in ("batch_sampler", "collate_fn") if dataloader_kwargs.get(name) is not None]
+        if sampler is not None or refused or stateful:
+            what = "sampler" if sampler is not None else refused[0] if refused else "stateful=True"
+            raise TypeError(
+                f"a CachedStream's loader draws its own order (seed, set_epoch) and batches it: {what} is not "
+                "supported; use DataLoader(stream, ...) for your own collate_fn"
+            )
+        if isinstance(padding_value, bool) or not isinstance(padding_value, (int, float)):
+            raise TypeError(f"padding_value must be a number, not {type(padding_value).__name__}")
+        batches = StreamBatches(
+            self,
+            batch_size,
+            shuffle=shuffle,
+            drop_last=bool(drop_last),
+            ragged=check_ragged(ragged),
+            padding_value=padding_value,
+        )
+        return Loader(batches, batch_size=None, num_workers=num_workers, collate_fn=as_is, **dataloader_kwargs)
 
     # -- what it knows -------------------------------------------------------------------
 
@@ -661,6 +743,23 @@ class _Filler:
             self.owner._written += writer.offer_many(first, rows, count, checked=True)
         batch.clear()
         self.spare.append(batch)
+
+
+class _Pickled:
+    """An object pickled apart from what holds it: unpickled only when :meth:`load` is called."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    @classmethod
+    def of(cls, value: Any) -> _Pickled:
+        """``value`` pickled as processes being started pickle it (what is shared by descriptor stays shared)."""
+        return value if isinstance(value, _Pickled) else cls(bytes(ForkingPickler.dumps(value)))
+
+    def load(self) -> Any:
+        return pickle.loads(self.data)
 
 
 def _row_bytes(fields: Mapping[str, Field]) -> int:
