@@ -98,7 +98,8 @@ def _check_job(out: Path, epochs: int) -> None:
 def test_torchrun_ranks_agree_on_each_epoch_and_epochs_differ(tmp_path: Path, options: list[str]) -> None:
     out = tmp_path / "out"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    command += [str(HERE / "stream_epochs_run.py"), str(tmp_path / "s.mmc"), "--out", str(out), "--epochs", "4", "--length", str(LENGTH)]
+    command += [str(HERE / "stream_epochs_run.py"), str(tmp_path / "s.mmc"), "--out", str(out)]
+    command += ["--epochs", "4", "--length", str(LENGTH)]
     run = subprocess.run(command + options, capture_output=True, text=True, timeout=600, env=_env())
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     _check_job(out, 4)
