@@ -1,4 +1,4 @@
-"""``CachedStream.loader()``: a complete stream's epochs gathered a batch at a time; workers leave the source pickled."""
+"""``CachedStream.loader()``: a complete stream read a batch at a time; workers leave the source pickled."""
 
 from __future__ import annotations
 
