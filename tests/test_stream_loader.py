@@ -96,3 +96,24 @@ def test_spawned_workers_over_a_complete_cache_do_not_unpickle_the_source(tmp_pa
     labels = [label for batch in loader for label in batch["label"].tolist()]
     assert sorted(labels) == list(range(24))
     assert not log.exists(), "a worker unpickled the source"
+
+
+def test_the_streams_guide_prints_what_it_says(tmp_path: Path) -> None:
+    """docs/streams.md's blocks run in order; the loader section prints the lines its comments show."""
+    import os
+    import re
+    import subprocess
+
+    text = (HERE.parent / "docs" / "streams.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "MMAPCACHE_DIR": str(tmp_path / "default")}
+    run = subprocess.run([sys.executable, "-c", "\n\n".join(blocks)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    section = text[text.index("## Later epochs, a batch at a time") :]
+    block = re.search(r"^```python\n(.*?)^```", section, re.S | re.M)
+    assert block is not None
+    shown = [line[2:] for line in block.group(1).splitlines() if line.startswith("# ")]
+    printed = run.stdout.splitlines()
+    start = printed.index(shown[0])
+    assert printed[start : start + len(shown)] == shown
