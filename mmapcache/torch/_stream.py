@@ -494,11 +494,12 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         batch_size, collate_fn=ragged_collate(ragged, padding_value=...))``
         over the same epoch, in the same order: this rank's share of the
         epoch's permutation (see :meth:`set_epoch`), ``batch_size`` elements
-        a batch, gathered field by field straight into the batch tensors
-        (with workers, each worker takes every ``num_workers``-th batch and
-        the main process gathers it: one copy, nothing in shared memory).
-        While the cache is not complete, the pass fills it as iterating the
-        stream does, and its elements are collated. ``shuffle``: ``None``
+        a batch, gathered field by field straight into the batch tensors in
+        the main process (one copy, nothing in shared memory; workers are
+        not started for an epoch of a complete cache: they would only hand
+        the slots over). While the cache is not complete, the pass fills it
+        as iterating the stream does (in the workers, each its partition),
+        and its elements are collated. ``shuffle``: ``None``
         keeps the stream's ``shuffle``; ``True``/``False`` decide for this
         loader. ``ragged``/``padding_value`` batch the variable fields as
         ``CachedDataset.loader()`` does. ``drop_last`` drops each epoch's
@@ -509,9 +510,8 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         the order is the stream's own.
         """
         from ._collate import as_is
-        from ._loader import Loader
         from ._ragged import check_ragged
-        from ._stream_loader import StreamBatches
+        from ._stream_loader import StreamBatches, StreamLoader
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int for a stream's loader, not {batch_size!r}")
@@ -534,7 +534,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
             ragged=check_ragged(ragged),
             padding_value=padding_value,
         )
-        return Loader(batches, batch_size=None, num_workers=num_workers, collate_fn=as_is, **dataloader_kwargs)
+        return StreamLoader(batches, batch_size=None, num_workers=num_workers, collate_fn=as_is, **dataloader_kwargs)
 
     # -- what it knows -------------------------------------------------------------------
 

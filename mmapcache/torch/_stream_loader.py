@@ -12,6 +12,12 @@ batches come out in the same order as without workers) and sends only their
 slots (a :class:`~._loader.WorkerBatch`); the main process gathers them. A
 cache that is not complete yet is read as the stream's pass is (filling it),
 its elements collated as ``ragged_collate`` does.
+
+Once the cache is complete the main process gathers every batch anyway, and
+the slots of a batch are a slice of the epoch's permutation: workers would
+only add a hand-off per batch. So :class:`StreamLoader` reads a complete
+epoch in the main process without them (they are started only for epochs
+that stream: a spawned worker costs seconds to start).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch.utils.data
 from .._stream import Partition, checked_records, epoch_slots, stream_status
 from ..cache import Cache
 from ._columns import new_batch
-from ._loader import Batched, WorkerBatch
+from ._loader import Batched, Loader, WorkerBatch, _pinned
 from ._ragged import ragged_collate
 from ._stream import _rank
 
@@ -34,7 +40,7 @@ if TYPE_CHECKING:
     from ._schema import Schema
     from ._stream import CachedStream
 
-__all__ = ["StreamBatches"]
+__all__ = ["StreamBatches", "StreamLoader"]
 
 
 class _Reads:
@@ -143,6 +149,21 @@ class StreamBatches(Batched, torch.utils.data.IterableDataset[Any]):
 
     def __repr__(self) -> str:
         return f"StreamBatches({self.dataset!r}, batch_size={self.batch_size})"
+
+
+class StreamLoader(Loader):
+    """The DataLoader ``CachedStream.loader()`` returns: over a complete cache, its epochs skip the workers."""
+
+    def __iter__(self) -> Any:
+        batches = self.dataset
+        if self.num_workers and isinstance(batches, StreamBatches) and batches.session.opened() is not None:
+            return _in_main(batches, pin=self.pin_memory and torch.accelerator.is_available())
+        return super().__iter__()
+
+
+def _in_main(batches: StreamBatches, *, pin: bool) -> Iterator[Any]:
+    for batch in batches:
+        yield _pinned(batch) if pin else batch
 
 
 def gather(stream: CachedStream, cache: Cache, positions: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
