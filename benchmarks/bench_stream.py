@@ -105,6 +105,16 @@ def make_data(root: Path, n: int, images: int) -> dict[str, Any]:
     return {"files": files, "tokenizer": tokenizer, "shards": shards, "rows": rows, "images": images}
 
 
+class _Tokenize:
+    """The token stream's map: a class, so that the stream pickles (spawned DataLoader workers)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {"input_ids": np.asarray(self.tokenizer.encode(row["text"]).ids, np.int32)}
+
+
 def streams(data: dict[str, Any]) -> dict[str, tuple[Callable[[], Iterable[Any]], dict[str, Any]]]:
     """Each stream's maker and the CachedStream arguments it needs."""
     import datasets
@@ -116,10 +126,7 @@ def streams(data: dict[str, Any]) -> dict[str, tuple[Callable[[], Iterable[Any]]
         return datasets.load_dataset("json", data_files=data["files"], split="train", streaming=True)
 
     def tokens_stream() -> Iterable[Any]:
-        def tokenize(row: dict[str, Any]) -> dict[str, Any]:
-            return {"input_ids": np.asarray(tokenizer.encode(row["text"]).ids, np.int32)}
-
-        return json_stream().map(tokenize, remove_columns=["text"])  # type: ignore[attr-defined,no-any-return]
+        return json_stream().map(_Tokenize(tokenizer), remove_columns=["text"])  # type: ignore[attr-defined,no-any-return]
 
     def images_stream() -> Iterable[Any]:
         return wds.WebDataset(data["shards"], shardshuffle=False).decode("torchrgb8").to_tuple("jpg", "cls")
@@ -227,6 +234,93 @@ def measure(data: dict[str, Any], root: Path, rounds: int) -> dict[str, Any]:
     return out
 
 
+class _Listed:
+    """Samples in a list, as a map-style dataset (CachedDataset's side of the loader comparison)."""
+
+    def __init__(self, samples: list[Any]) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.samples[i]
+
+
+def _drain_batches(loader: Iterable[Any]) -> tuple[float, int]:
+    start = time.perf_counter()
+    count = 0
+    for batch in loader:
+        count += len(batch[1] if isinstance(batch, (list, tuple)) else batch["label"])
+    return time.perf_counter() - start, count
+
+
+def measure_loaders(data: dict[str, Any], root: Path, rounds: int) -> dict[str, Any]:
+    """A complete stream's later epoch in batches of 64: ``CachedStream.loader()`` against ``CachedDataset.loader()``.
+
+    Over the same samples (the stream's elements, cached once more in a map-style file), shuffled, 0 workers;
+    and the stream's loader with 2 spawned workers (persistent: their start is timed apart, once, as ``fresh``).
+    Targets: stream loader >= 0.8x the dataset loader's speed; 2 spawned workers <= 2x the 0-worker epoch.
+    """
+    from torch.utils.data import DataLoader
+
+    from mmapcache.torch import CachedDataset
+
+    out: dict[str, Any] = {}
+    for name, (make, options) in streams(data).items():
+        path = root / f"{name}-loader.mmc"
+        complete = CachedStream(make(), path, key=f"bench/loader/{name}", **options)
+        _drain(complete)
+        in_order = CachedStream(make(), path, key=f"bench/loader/{name}", shuffle=False, **options)
+        samples = list(in_order)
+        in_order.close()
+        assert complete.cache is not None
+        dataset = CachedDataset(
+            _Listed(samples), root / f"{name}-dataset.mmc", key=f"bench/dataset/{name}",
+            fields=complete.cache.fields, max_bytes=options["max_bytes"] * 2,
+        )  # fmt: skip
+        dataset.fill(progress=False)
+        spawned = complete.loader(
+            batch_size=64, num_workers=2, multiprocessing_context="spawn", persistent_workers=True
+        )
+        start = time.perf_counter()
+        _drain_batches(spawned)  # the workers start: spawned, they import torch, unpickle the stream
+        fresh = time.perf_counter() - start
+        counts: dict[str, int] = {}
+
+        def timed(label: str, loader: Iterable[Any], counts: dict[str, int] = counts) -> Callable[[int], float]:
+            def run(r: int) -> float:
+                seconds, counts[label] = _drain_batches(loader)
+                return seconds
+
+            return run
+
+        variants = {
+            "stream loader": timed("stream loader", complete.loader(batch_size=64)),
+            "dataset loader": timed("dataset loader", dataset.loader(batch_size=64, shuffle=True)),
+            "stream DataLoader": timed(
+                "stream DataLoader", DataLoader(complete, batch_size=64, collate_fn=collate_fn(name))
+            ),
+            "stream loader, 2 spawned workers": timed("stream loader, 2 spawned workers", spawned),
+        }
+        times = run_rounds(variants, rounds=rounds)
+        assert len(set(counts.values())) == 1, counts
+        n = counts["stream loader"]
+        out[name] = {
+            "elements": n,
+            "us_per_element": {k: statistics.median(v) / n * 1e6 for k, v in times.items()},
+            "stream_loader_speed_over_dataset_loader": ratio(times, "dataset loader", "stream loader"),
+            "stream_dataloader_speed_over_dataset_loader": ratio(times, "dataset loader", "stream DataLoader"),
+            "spawned_2_workers_over_0_workers": ratio(times, "stream loader, 2 spawned workers", "stream loader"),
+            "fresh_spawned_epoch_seconds": fresh,
+            "times": times,
+        }
+        del spawned
+        complete.close()
+        dataset.close()
+    return out
+
+
 def litdata_epochs(python: str, data: dict[str, Any], root: Path) -> dict[str, Any]:
     """LitData over the token stream's elements, in its own environment: seconds of its first two epochs."""
     tokenizer = data["tokenizer"]
@@ -279,6 +373,16 @@ def main() -> None:
             )  # fmt: skip
         headers = ["stream", "elements", "plain µs", "fill µs", "cached µs", "fill/plain", "plain/cached",
                    "plain loader µs", "fill loader µs", "fill/plain (loader)"]  # fmt: skip
+        print(table(headers, rows))
+        results["loaders"] = measure_loaders(data, root, rounds)
+        rows = [
+            [name, found["elements"], *found["us_per_element"].values(),
+             found["stream_loader_speed_over_dataset_loader"], found["spawned_2_workers_over_0_workers"],
+             found["fresh_spawned_epoch_seconds"]]
+            for name, found in results["loaders"].items()
+        ]  # fmt: skip
+        headers = ["stream", "elements", "stream loader µs", "dataset loader µs", "stream DataLoader µs",
+                   "2 spawned µs", "speed vs dataset", "spawned/0 workers", "fresh spawned s"]  # fmt: skip
         print(table(headers, rows))
         if args.litdata_python:
             lit = litdata_epochs(args.litdata_python, data, root)

@@ -75,7 +75,7 @@ class NodeShardSampler(torch.utils.data.Sampler[int]):
         local_world_size: int | None = None,
         local_rank: int | None = None,
     ) -> None:
-        self.seed = _integer("seed", seed, SEEDS)
+        self.seed = checked_integer("seed", seed, SEEDS)
         self.num_nodes, self.node_rank, self.local_world_size, self.local_rank = node_topology(
             num_nodes=num_nodes, node_rank=node_rank, local_world_size=local_world_size, local_rank=local_rank
         )
@@ -101,7 +101,7 @@ class NodeShardSampler(torch.utils.data.Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose permutation :meth:`__iter__` draws (the same on every rank of a node)."""
-        self.epoch = _integer("epoch", epoch, SEEDS)
+        self.epoch = checked_integer("epoch", epoch, SEEDS)
         if self._resume is not None and self._resume[0] != self.epoch:
             self._resume = None  # another epoch than the loaded state's starts from its beginning
 
@@ -207,8 +207,8 @@ class NodeShardSampler(torch.utils.data.Sampler[int]):
                 "is in another order. Resume with the same dataset, seed and topology (num_nodes, local_world_size), "
                 "or start the epoch afresh (set_epoch) instead of loading the state"
             )
-        epoch = _integer("the state's epoch", state["epoch"], SEEDS)
-        position = _integer("the state's position", state["position"], self.num_samples + 1)
+        epoch = checked_integer("the state's epoch", state["epoch"], SEEDS)
+        position = checked_integer("the state's position", state["position"], self.num_samples + 1)
         if position == self.num_samples and self.num_samples and epoch + 1 < SEEDS:
             epoch, position = epoch + 1, 0  # the epoch was over
         self.epoch = epoch
@@ -328,7 +328,7 @@ class _Bijection:
         return out
 
 
-def _integer(name: str, value: Any, stop: int, *, start: int = 0) -> int:
+def checked_integer(name: str, value: Any, stop: int, *, start: int = 0) -> int:
     """``value`` as an ``int`` in ``start .. stop - 1``: ``TypeError`` for a non-integer, ``ValueError`` outside."""
     accepted = f"an integer from {start} to {_bound(stop - 1)}"
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import queue
 import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import torch.utils.data
 from .._errors import CacheError, CacheInUseError, SchemaMismatchError
 from .._field import Field, FieldsLike
 from .._removal import remove
+from .._sampler import SEEDS, checked_integer
 from .._stream import (
     Partition,
     PartitionWriter,
@@ -44,6 +47,7 @@ from ..cache import Cache
 from ._checks import schema_problem
 from ._elements import ElementPath
 from ._fill_checks import RepeatCheck, StoredCheck
+from ._epochs import EpochBoard
 from ._leaves import LeafShapeError, convert_leaf, fit
 from ._schema import Schema, declaration, declared_fields, describe, first_fields, storage_dtypes, with_dtypes
 from ._settings import default_path
@@ -58,6 +62,7 @@ _READ = 64  # elements read from the file at a time in a later epoch (at most)
 _READ_BYTES = 1 << 20  # and at most about this many bytes: an element kept alive keeps its chunk's buffer
 _WAITING_BYTES = 64 << 20  # full batches kept while the file is being made, before waiting for it
 _THREADED_ROW = 16 << 10  # rows at least this large are stored by a thread beside the stream
+_EMPTY_WAIT = 60.0  # seconds an empty partition waits for another partition to make the file
 
 
 def _rank() -> tuple[int, int]:
@@ -114,6 +119,8 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
     incomplete cache is never read as the whole stream.
     """
 
+    _source: Iterable[Any] | _Pickled
+
     def __init__(
         self,
         stream: Iterable[Any],
@@ -143,8 +150,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                 "until the cache is complete, and in each DataLoader worker: pass an iterable instead (an "
                 "IterableDataset, or a class whose __iter__ is a generator function)"
             )
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, not {type(seed).__name__}")
+        seed = checked_integer("seed", seed, SEEDS)
         self.stream = stream
         self.key = key
         self.dtypes = None if dtypes is None else storage_dtypes(dtypes)
@@ -158,6 +164,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         self.epoch: int | None = None  # set_epoch's; None: each pass in a process draws the next
         self.path = Path(os.path.abspath(os.fspath(path))) if path is not None else default_path(key)
         self._ranks: tuple[int, int] | None = None  # the main process's rank, handed to its workers
+        self._board = EpochBoard()  # this rank's passes, shared with its DataLoader workers
         self._init_process_state()
 
     def _init_process_state(self) -> None:
@@ -166,25 +173,48 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         self._lock = threading.Lock()
         self._read = self._streamed = self._written = 0
         self._passes = 0  # iterations of this object in this process (see set_epoch)
+        self._passing = threading.Lock()
+        self._active = 0  # passes under way in this process that use the cache while it is not complete
+
+    @property
+    def stream(self) -> Iterable[Any]:
+        """The stream being cached (in a process that received the object pickled, unpickled when first needed)."""
+        source = self._source
+        if isinstance(source, _Pickled):
+            loaded: Iterable[Any] = source.load()
+            self._source = source = loaded
+        return source
+
+    @stream.setter
+    def stream(self, stream: Iterable[Any]) -> None:
+        self._source = stream
 
     def __getstate__(self) -> dict[str, Any]:
         state = {name: value for name, value in self.__dict__.items() if not name.startswith("_")}
+        # Pickled apart: a worker over a complete cache never unpickles it (a HF dataset takes seconds to).
+        state["_source"] = _Pickled.of(self._source)
         state["_ranks"] = self._ranks or _rank()  # workers started by spawn have no process group
+        state["_board"] = self._board  # the same memory for workers being started, else a new board
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        board = state.pop("_board", None)
         self.__dict__.update(state)
+        self._board = board if isinstance(board, EpochBoard) else EpochBoard()
         self._init_process_state()
 
     def set_epoch(self, epoch: int) -> None:
-        """Draw the permutation of the next epoch from ``(seed, epoch)``: call it on every rank, every epoch.
+        """Make ``epoch`` the epoch of this rank's next pass; the passes after it count on from it.
 
-        Without it, each pass over the object in one process draws the next one
-        by itself (``num_workers=0``, persistent workers); workers that are not
-        persistent start afresh each epoch, so there the order repeats unless the
-        epoch is set.
+        Optional: without it the first pass is epoch 0 and each pass of this
+        rank — an iteration of the object, or of a DataLoader over it, whatever
+        its workers (none, new ones each epoch, persistent ones) — is the next
+        epoch, the same on every rank. An epoch's permutation is drawn from
+        ``(seed, epoch)``. Call it on every rank alike (as with
+        ``DistributedSampler``), e.g. to resume at an epoch.
         """
-        self.epoch = int(epoch)
+        self.epoch = checked_integer("epoch", epoch, SEEDS)
+        self._board.set_epoch(self.epoch)
 
     # -- who reads what ------------------------------------------------------------
 
@@ -224,25 +254,74 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         partition = self._partition()
-        self._passes += 1
+        epoch = self._next_epoch()
         cache = self._opened(partition)
         if cache is None:
-            return self._fill(None, partition)
+            return self._incomplete(self._fill(None, partition), partition)
         status = stream_status(cache)
         if status.cached:
-            return self._read_epoch(cache, partition)
+            return self._read_epoch(cache, partition, epoch)
         state = region(cache).state(partition.index)
         if state.ended:
-            return self._read_partition(cache, partition, state.stored, state.full)
-        return self._fill(cache, partition)
+            return self._incomplete(self._read_partition(cache, partition, state.stored, state.full, epoch), partition)
+        return self._incomplete(self._fill(cache, partition), partition)
 
-    def _epoch(self) -> int:
-        return self.epoch if self.epoch is not None else self._passes - 1
+    def _next_epoch(self) -> int:
+        """The epoch of the pass this process begins now (see :mod:`._epochs`)."""
+        self._passes += 1
+        return self._board.next_pass(self._passes)
 
-    def _read_epoch(self, cache: Cache, partition: Partition) -> Iterator[Any]:
+    def _incomplete(self, elements: Iterator[Any], partition: Partition) -> Iterator[Any]:
+        """A pass over a cache that is not complete (or not cached): ``elements``, then let go of the file.
+
+        An empty partition ends only once the file exists: it waits for
+        another partition of the run to make it. The handle is closed after
+        the last such pass of this process (also when the iterator is
+        dropped early), so that a run of another partitioning — its own
+        DataLoader workers after a ``next(iter(stream))`` — can restart the fill.
+        """
+        with self._passing:
+            self._active += 1
+        streamed = self._streamed
+        try:
+            yield from elements
+            if self._streamed == streamed and self._cache is None:
+                self._end_empty(partition)
+        finally:
+            with self._passing:
+                self._active -= 1
+                last = not self._active
+            if last:
+                self._let_go_if_incomplete()
+
+    def _let_go_if_incomplete(self) -> None:
+        with self._lock:
+            cache = self._cache
+            if cache is not None and not cache.closed and not stream_status(cache).cached:
+                cache.close()
+                self._cache = None
+
+    def _end_empty(self, partition: Partition) -> None:
+        """An empty partition, no file yet: wait for the file (made from another partition's first element), end it."""
+        self._board.ended_empty()
+        deadline = time.monotonic() + _EMPTY_WAIT
+        alone = partition.ranks == 1
+        while not self.path.exists():
+            if (alone and self._board.all_empty()) or time.monotonic() > deadline:
+                return  # an empty stream, or nobody made the file in time: it ends in a later epoch
+            time.sleep(0.02)
+        cache = self._opened(partition)
+        if cache is not None:
+            filler = _Filler(self, partition, cache)
+            try:
+                filler.finish(0)
+            finally:
+                filler.close()
+
+    def _read_epoch(self, cache: Cache, partition: Partition, epoch: int) -> Iterator[Any]:
         slots = epoch_slots(
             checked_records(cache),
-            epoch=self._epoch(),
+            epoch=epoch,
             seed=self.seed,
             shuffle=self.shuffle,
             rank=partition.rank,
@@ -252,13 +331,13 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         )
         yield from self._from_file(cache, slots)
 
-    def _read_partition(self, cache: Cache, partition: Partition, stored: int, full: bool) -> Iterator[Any]:
+    def _read_partition(self, cache: Cache, partition: Partition, stored: int, full: bool, epoch: int) -> Iterator[Any]:
         """An ended partition of a cache that is not complete, or is full: its elements from the file, then the rest."""
         stream = region(cache)
         counted = checked_records(cache)
         mine = counted[stream.partition[counted] == partition.index]
         if self.shuffle:
-            mine = mine[np.random.default_rng([self.seed, self._epoch(), partition.index]).permutation(len(mine))]
+            mine = mine[np.random.default_rng([self.seed, epoch, partition.index]).permutation(len(mine))]
         yield from self._from_file(cache, mine)
         if full:
             yield from self._stream_rest(partition, stored)
@@ -432,6 +511,67 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
     def _row(schema: Schema, leaves: list[Any]) -> dict[str, Any]:
         """What ``Cache.put`` stores: the element's storage arrays by field name."""
         return dict(zip(schema.names, leaves, strict=True))
+
+    def loader(
+        self,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        *,
+        sampler: Any = None,
+        num_workers: int = 0,
+        drop_last: bool = False,
+        ragged: str = "pad",
+        padding_value: float = 0,
+        stateful: bool = False,
+        **dataloader_kwargs: Any,
+    ) -> torch.utils.data.DataLoader[Any]:
+        """A DataLoader of this stream's batches that reads each batch of a complete cache with one gather per field.
+
+        Its batches have the structure, dtypes and values of ``DataLoader(stream,
+        batch_size, collate_fn=ragged_collate(ragged, padding_value=...))``
+        over the same epoch, in the same order: this rank's share of the
+        epoch's permutation (see :meth:`set_epoch`), ``batch_size`` elements
+        a batch, gathered field by field straight into the batch tensors in
+        the main process (one copy, nothing in shared memory; workers are
+        not started for an epoch of a complete cache: they would only hand
+        the slots over). While the cache is not complete, the pass fills it
+        as iterating the stream does (in the workers, each its partition),
+        and its elements are collated. ``shuffle``: ``None``
+        keeps the stream's ``shuffle``; ``True``/``False`` decide for this
+        loader. ``ragged``/``padding_value`` batch the variable fields as
+        ``CachedDataset.loader()`` does. ``drop_last`` drops each epoch's
+        last, shorter batch. Other DataLoader arguments (``pin_memory``,
+        ``persistent_workers``, ``prefetch_factor``,
+        ``multiprocessing_context``, ...) pass through. ``sampler``,
+        ``batch_sampler``, ``collate_fn`` and ``stateful=True`` are refused:
+        the order is the stream's own.
+        """
+        from ._collate import as_is
+        from ._ragged import check_ragged
+        from ._stream_loader import StreamBatches, StreamLoader
+
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int for a stream's loader, not {batch_size!r}")
+        if shuffle is not None and not isinstance(shuffle, bool):
+            raise TypeError(f"shuffle must be None, True or False, not {shuffle!r}")
+        refused = [name for name in ("batch_sampler", "collate_fn") if dataloader_kwargs.get(name) is not None]
+        if sampler is not None or refused or stateful:
+            what = "sampler" if sampler is not None else refused[0] if refused else "stateful=True"
+            raise TypeError(
+                f"a CachedStream's loader draws its own order (seed, set_epoch) and batches it: {what} is not "
+                "supported; use DataLoader(stream, ...) for your own collate_fn"
+            )
+        if isinstance(padding_value, bool) or not isinstance(padding_value, (int, float)):
+            raise TypeError(f"padding_value must be a number, not {type(padding_value).__name__}")
+        batches = StreamBatches(
+            self,
+            batch_size,
+            shuffle=shuffle,
+            drop_last=bool(drop_last),
+            ragged=check_ragged(ragged),
+            padding_value=padding_value,
+        )
+        return StreamLoader(batches, batch_size=None, num_workers=num_workers, collate_fn=as_is, **dataloader_kwargs)
 
     # -- what it knows -------------------------------------------------------------------
 
@@ -646,6 +786,23 @@ class _Filler:
             self.owner._written += writer.offer_many(first, rows, count, checked=True)
         batch.clear()
         self.spare.append(batch)
+
+
+class _Pickled:
+    """An object pickled apart from what holds it: unpickled only when :meth:`load` is called."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    @classmethod
+    def of(cls, value: Any) -> _Pickled:
+        """``value`` pickled as processes being started pickle it (what is shared by descriptor stays shared)."""
+        return value if isinstance(value, _Pickled) else cls(bytes(ForkingPickler.dumps(value)))
+
+    def load(self) -> Any:
+        return pickle.loads(self.data)
 
 
 def _row_bytes(fields: Mapping[str, Field]) -> int:
