@@ -14,8 +14,8 @@ misses the same slot finds it held and waits for it to become READY instead of
 loading it too. The rules, and why they are enough:
 
 1. **Hold without waiting, load, store, let go.** Holds are taken with a
-   non-blocking lock, a few slots at a time (about ``CHUNK_SECONDS`` of loading),
-   just before those slots are loaded; each is let go the moment its sample is
+   non-blocking lock, a few slots at a time (about ``CHUNK_SECONDS`` of loading,
+   at most ``MAX_CHUNK`` slots), just before those slots are loaded; each is let go the moment its sample is
    published, or when the load raises. Two processes walking the same batch
    therefore share it: each holds the next free slots while the other loads.
 2. **Never wait while holding.** A thread waits only once it holds no slot
@@ -70,6 +70,7 @@ __all__ = [
     "CHEAP_LOAD",
     "CHUNK_SECONDS",
     "HELD_HERE",
+    "MAX_CHUNK",
     "READY_NOW",
     "TIMED_OUT",
     "WAIT_TIMEOUT",
@@ -84,6 +85,7 @@ __all__ = [
 WAIT_TIMEOUT = 10.0  # seconds a call waits at most for samples other processes are loading
 CHEAP_LOAD = 0.0005  # a mean load below this (seconds per sample) is repeated rather than waited for
 CHUNK_SECONDS = 0.01  # slots held together: about this much loading, so that concurrent loaders share a batch
+MAX_CHUNK = 64  # and at most this many: every kernel lock call walks the locks held on the file
 
 READY_NOW, HELD_HERE, TIMED_OUT = range(3)  # what a wait for one slot ended with
 
@@ -228,11 +230,17 @@ class Flight:
         return mean is None or mean >= CHEAP_LOAD
 
     def chunk(self, left: int) -> int:
-        """How many slots to hold for the next load: about ``CHUNK_SECONDS`` of loading (1 before a measure)."""
+        """How many slots to hold for the next load: about ``CHUNK_SECONDS`` of loading (1 before a measure).
+
+        At most ``MAX_CHUNK``: a claim is a kernel record lock, and the kernel
+        walks every lock held on the file at each lock call (any process's),
+        so thousands held at once — cheap loads, a large batch — would cost
+        seconds per batch here and slow every other writer.
+        """
         mean = self.mean_load_time()
         if mean is None:
             return 1
-        return max(1, min(left, int(CHUNK_SECONDS / mean) if mean > 0 else left))
+        return max(1, min(left, MAX_CHUNK, int(CHUNK_SECONDS / mean) if mean > 0 else left))
 
 
 class SingleFlight:

@@ -30,7 +30,7 @@ from _flight_procs import (
 )
 
 from mmapcache import Cache, Claims, Field, Jagged
-from mmapcache._flight import CHEAP_LOAD, WAIT_TIMEOUT
+from mmapcache._flight import CHEAP_LOAD, MAX_CHUNK, WAIT_TIMEOUT
 
 FORK = multiprocessing.get_context("fork")
 
@@ -397,3 +397,18 @@ def test_a_dimension_beyond_the_format_is_refused_by_every_store_path_before_a_s
         _, loaded = cache.get_or_load_many([0, 1], lambda idx: [{"v": small, "label": i} for i in idx])
         assert loaded.tolist() == [True, True]
         assert cache.filled == 2
+
+
+def test_cheap_loads_of_a_large_batch_hold_a_bounded_number_of_slots_at_once(tmp_path: Path) -> None:
+    """Every kernel lock call walks the locks held on the file: a batch of cheap loads must not hold thousands."""
+    most = []
+    with Cache.open(tmp_path / "c.mmc", {"x": Field((4,), "uint8")}, length=3000) as cache:
+
+        def load(idx: list[int]) -> dict[str, Any]:
+            most.append(cache._holds.holding())
+            return {"x": np.ones((len(idx), 4), np.uint8)}
+
+        _, loaded = cache.get_or_load_many(np.arange(3000), load)
+        assert loaded.all()
+        assert cache.filled == 3000
+    assert max(most) <= MAX_CHUNK == 64, max(most)
