@@ -324,7 +324,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                         break
                     converted = leaves, self._build(schema, leaves)
                 if stored is not None and count < len(stored):
-                    stored.check(count, converted[1])
+                    stored.check(count, converted[0], converted[1])
                 filler.add(count, converted[0])
                 self._streamed += 1
                 yield converted[1]
