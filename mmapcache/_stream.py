@@ -269,7 +269,9 @@ def open_stream(
     A file that is not complete and was filled by a run of another
     partitioning, or before the last reboot, cannot be continued: when
     nobody else has it open it is removed and created again, else
-    :class:`CacheInUseError` says who holds it. ``None`` when the file is
+    :class:`CacheInUseError` says who holds it. A file refuted by a first
+    try (fields inferred from an element the stream does not fit) is replaced
+    (:func:`~mmapcache._removal.open_unrefuted`). ``None`` when the file is
     missing and ``plan`` is ``None`` (nothing to create it from yet).
     """
     deadline = time.monotonic() + _RESTART_SECONDS
