@@ -296,7 +296,10 @@ The element table, at `elements_offset`: one record of 16 bytes per slot,
 slot `i`'s at `elements_offset + i * 16`: the element (uint64) and the
 partition (uint32) the slot holds, then 4 zero bytes. It is meaningful only
 for a READY slot below `allocated`; a partition that is not one of the
-file's (a writer writes `0xFFFFFFFF`) means the slot holds no element.
+file's (a writer writes `0xFFFFFFFF`) means the slot holds no element. Such
+a *hole* whose element is `2**63 + p` was reserved by a writer of partition
+`p`; an element below `2**63` names no writer (mmapcache 0.5 and earlier
+wrote 0).
 
 - A writer of partition `p` holds an exclusive `F_OFD_SETLK` lock on the
   first byte of `p`'s record for as long as it writes the partition; the
@@ -305,14 +308,19 @@ file's (a writer writes `0xFFFFFFFF`) means the slot holds no element.
   element, `s` = pending slot - 1 and `j` = `stored`, and `k >= j`, the run
   is the slots `s - (k - j) .. s`. If every one of them is READY and their
   element records are (`j`, `p`) .. (`k`, `p`) in order, it sets `stored`
-  to `k + 1`; otherwise it writes partition `0xFFFFFFFF` in each of their
-  records that names `p`. Then it sets pending slot to 0.
+  to `k + 1`; otherwise it writes partition `0xFFFFFFFF`, then
+  element `2**63 + p`, in each of their records that names `p`. Then it sets
+  pending slot to 0. Only a writer of `p` writes records of holes reserved by
+  `p`, so those it then finds below `allocated` belong to no live writer: it
+  MAY set their states EMPTY and fill them again, as the slots of a run,
+  before it takes fresh ones (no reader serves a hole).
 - A writer stores elements from `j == stored` on, while `ended` and `full`
   are clear, a *run* of consecutive elements `j .. k` at a time (a run may
   be one element): it takes `k - j + 1` slots in one advance of `allocated`
   (holding an exclusive `F_OFD_SETLKW` lock on the byte at `stream_offset +
-  16`; when no slot is left it sets `full` instead), writes partition
-  `0xFFFFFFFF` in their element records, and fills them by the slot rules
+  16`; when no slot is left it sets `full` instead), or takes back holes
+  reserved by `p`, writes partition `0xFFFFFFFF`, then element `2**63 + p`, in
+  their element records, and fills them by the slot rules
   below. Slots handed out this way are fresh and the writer's own, so it MAY
   fill them without the slot's lock and MAY publish them together (every
   slot's checksum before its state). It then *counts* the run: pending

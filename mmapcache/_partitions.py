@@ -10,7 +10,8 @@ A writer of partition ``p`` holds the kernel lock on ``p``'s record and
 stores elements from ``j == stored`` on. It fills a *run* of fresh slots
 with elements ``j .. k`` (one slot is a run of one), which name no partition
 while they are filled (:meth:`StreamRegion.reserve`: a READY slot whose
-partition is not one of the file's holds no element), and then counts the
+partition is not one of the file's holds no element; its element record
+says ``RESERVED + p``, the writer that reserved it), and then counts the
 run: it writes ``pending = (last slot, k)``, the run's element records, then
 ``stored = k + 1``, then clears ``pending``; each word is one aligned 8-byte
 store. Killed
@@ -23,9 +24,23 @@ store. Killed
   the pending one) READY with records ``(p, j) .. (p, k)``, and rolls
   forward to ``stored = k + 1``;
 * with only some records written: that writer turns the run's records that
-  name ``p`` back into holes, so that none is counted when ``stored`` later
-  passes its element;
+  name ``p`` back into holes reserved by ``p``, so that none is counted when
+  ``stored`` later passes its element;
 * after ``stored`` moved: ``k`` is below ``stored``, so nothing is done twice.
+
+Holes are used again
+--------------------
+A run that was never counted leaves holes reserved by ``p``: records
+``(RESERVED + p, HOLE)``, EMPTY or READY. Only the holder of ``p``'s lock
+writes such records, and every record it writes on the way to or from one
+(a run counted element first, then partition; a hole made partition first,
+then element) is either counted or names no writer, so the holes a writer
+finds when it takes the lock belong to nobody alive (a killed writer, or the slots a pass could not fill): it sets them
+EMPTY and fills them again before it takes fresh slots
+(:meth:`StreamRegion.reclaim`). No reader serves a hole, so emptying a READY
+one is invisible. A file of a stream with ``len()`` has little room beyond
+its elements: without this, one writer killed mid-batch would leave it full
+for good.
 
 The kernel drops the lock of a dead writer, so there is no stale lock: the
 next run (or a second job behind it on the same partition) takes over.
@@ -41,13 +56,14 @@ import numpy as np
 
 from ._format import ELEMENT_RECORD_SIZE, PARTITION_RECORD_SIZE, Layout
 from ._locks import SlotLocks
-from ._slots import READY
+from ._slots import EMPTY, READY
 from ._verify import Problem
 
-__all__ = ["ENDED", "FULL", "HOLE", "PartitionState", "StreamRegion", "read_region", "stream_problems"]
+__all__ = ["ENDED", "FULL", "HOLE", "RESERVED", "PartitionState", "StreamRegion", "read_region", "stream_problems"]
 
 ENDED, FULL = 1, 2  # partition flags
 HOLE = 0xFFFFFFFF  # the partition of a slot that holds no element (yet)
+RESERVED = 1 << 63  # a hole's element RESERVED + p: reserved by a writer of p (below: no writer is named)
 _BOOT_ID_SIZE = 16
 _ALLOCATED = 16  # offset of `allocated` in the stream page
 
@@ -198,7 +214,8 @@ class StreamRegion:
             self.stored[p] = last + 1  # filled and recorded, then killed before it was counted
             return
         named = self.partition[run] == p
-        self.partition[run][named] = HOLE
+        self.partition[run][named] = HOLE  # first: (HOLE, j) names no writer, (p, RESERVED + p) is never counted
+        self.element[run][named] = RESERVED + p  # holes p's next writer fills again (see reclaim)
 
     def unlock(self, p: int) -> None:
         self.locks.release(self.lock_offset(p))
@@ -226,10 +243,26 @@ class StreamRegion:
         self.stored[p] = element + 1
         self.pending_slot[p] = 0
 
-    def reserve(self, slots: range) -> None:
-        """Mark ``slots`` as holding no element: they are filled first and counted after, as a run (:meth:`count`)."""
+    def reserve(self, slots: range, p: int) -> None:
+        """Mark ``slots`` as holes reserved by ``p``'s writer: filled first, counted after (:meth:`count`).
+
+        Partition ``HOLE`` first, then the element (see the module docstring).
+        """
         self.partition[slots.start : slots.stop] = HOLE
-        self.element[slots.start : slots.stop] = 0
+        self.element[slots.start : slots.stop] = RESERVED + p
+
+    def reclaim(self, p: int) -> list[range]:
+        """The holes reserved by ``p`` below ``allocated``, set EMPTY to be filled again: runs of consecutive slots.
+
+        The caller holds ``p``'s lock, so no live writer owns them (see the module docstring).
+        """
+        allocated = min(int(self.allocated[0]), len(self.element))
+        holes = np.flatnonzero((self.partition[:allocated] == HOLE) & (self.element[:allocated] == RESERVED + p))
+        if not len(holes):
+            return []
+        self.states[holes] = EMPTY
+        breaks = np.flatnonzero(np.diff(holes) != 1) + 1
+        return [range(int(run[0]), int(run[-1]) + 1) for run in np.split(holes, breaks)]
 
     def count(self, p: int, first: int, slots: range) -> None:
         """Count the READY reserved ``slots`` as elements ``first, first + 1, ...`` of ``p``: one run.

@@ -60,11 +60,16 @@ def open_unrefuted(path: Path, opener: Callable[[], Cache], *, timeout: float) -
     """
     while True:
         try:
-            named = os.stat(path, follow_symlinks=False)
+            named: os.stat_result | None = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            named = None  # the opener says what is wrong, in its words
+        try:
             cache = opener()
         except FileNotFoundError:
             return None
-        if not cache.refuted:
+        if named is None or not cache.refuted:
             return cache
         cache.close()
         try:

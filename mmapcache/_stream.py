@@ -268,7 +268,9 @@ def open_stream(
     A file that is not complete and was filled by a run of another
     partitioning, or before the last reboot, cannot be continued: when
     nobody else has it open it is removed and created again, else
-    :class:`CacheInUseError` says who holds it. ``None`` when the file is
+    :class:`CacheInUseError` says who holds it. A file refuted by a first
+    try (fields inferred from an element the stream does not fit) is replaced
+    (:func:`~mmapcache._removal.open_unrefuted`). ``None`` when the file is
     missing and ``plan`` is ``None`` (nothing to create it from yet).
     """
     deadline = time.monotonic() + _RESTART_SECONDS
@@ -365,6 +367,7 @@ class PartitionWriter:
         # Slots are taken from the shared counter a few at a time; those a pass does not use are holes.
         self.extent = max(1, min(16, cache.capacity // (64 * len(self.stream.stored))))
         self.slots: range = range(0)
+        self.holes: list[range] = []  # the partition's holes, taken back when this pass took its lock
         self.held = False
         self.done = False  # nothing more to do for this pass: not ours, or ended, or we came too late
         self.stored = 0  # elements this pass stored
@@ -377,7 +380,8 @@ class PartitionWriter:
         if j != stream.stored[self.p] or stream.flags[self.p] & FULL:
             return False
         if not self.slots:
-            self.slots = stream.allocate(self.extent)
+            self.slots = self._take(self.extent)
+            stream.reserve(self.slots, self.p)  # the extent's unused slots stay holes this partition takes back
         if not self.slots:
             self._full()
             return False
@@ -396,10 +400,11 @@ class PartitionWriter:
         ``checked``: the batch is in storage form already (see :meth:`~mmapcache._writer.Writer.put_run`).
 
         Those below the partition's ``stored`` are skipped (another pass has
-        them); the rest go into a run of slots taken in one step, filled with
-        one :meth:`~mmapcache._writer.Writer.put_run` and only then counted (see
+        them); the rest go into runs of slots — the partition's holes first,
+        then fresh slots taken in one step — each filled with one
+        :meth:`~mmapcache._writer.Writer.put_run` and only then counted (see
         ``_partitions.py``): a pass killed in the middle leaves them holes,
-        stored again by the next pass.
+        which the next pass fills again.
         """
         if self.done or not self._may_store(first):
             return 0
@@ -407,22 +412,37 @@ class PartitionWriter:
         skip = int(stream.stored[p]) - first
         if skip < 0 or skip >= count or stream.flags[p] & FULL:
             return 0
-        slots = stream.allocate(count - skip)
-        if not slots:
-            self._full()
-            return 0
-        stream.reserve(slots)
-        rows = {
-            name: values[skip : skip + len(slots)] if skip or len(slots) < count else values
-            for name, values in batch.items()
-        }
-        # Fewer than len(slots) only when the variable region is full; none when the file system is.
-        fit = writer_of(self.cache).put_run(slots.start, rows, len(slots), coerced=checked)
-        stream.count(p, first + skip, slots[:fit])
-        self.stored += fit
-        if fit < count - skip:
-            self._full()
-        return fit
+        stored = 0
+        while skip < count:
+            slots = self._take(count - skip)
+            if not slots:
+                self._full()
+                break
+            stream.reserve(slots, p)
+            whole = not skip and len(slots) == count
+            rows = {name: values if whole else values[skip : skip + len(slots)] for name, values in batch.items()}
+            # Fewer than len(slots) only when the variable region is full; none when the file system is.
+            fit = writer_of(self.cache).put_run(slots.start, rows, len(slots), coerced=checked)
+            stream.count(p, first + skip, slots[:fit])
+            self.stored += fit
+            stored += fit
+            skip += fit
+            if fit < len(slots):
+                self._full()
+                break
+        return stored
+
+    def _take(self, count: int) -> range:
+        """Up to ``count`` consecutive slots: from the partition's holes, else fresh (empty: none is left)."""
+        if self.holes:
+            run = self.holes[0]
+            taken, rest = run[:count], run[count:]
+            if rest:
+                self.holes[0] = rest
+            else:
+                self.holes.pop(0)
+            return taken
+        return self.stream.allocate(count)
 
     def _may_store(self, j: int) -> bool:
         """Whether this pass holds the lock of the partition, with element ``j`` not beyond what is stored."""
@@ -436,6 +456,8 @@ class PartitionWriter:
         if state.ended or (j > state.stored and not state.full):
             self._let_go()  # ended, or elements before j are missing: a later pass stores them
             return False
+        if not state.full:
+            self.holes = stream.reclaim(self.p)  # left by writers of the partition that were killed
         return True
 
     def _full(self) -> None:

@@ -137,7 +137,7 @@ def _die_in_batch(cache: Any, stream: Any, p: int, first: int, rows: dict[str, A
     """Do what ``offer_many`` does for the batch at ``first`` up to the point ``mode`` names, then die."""
     assert int(stream.stored[p]) == first, "the batch is next"
     slots = stream.allocate(count)
-    stream.reserve(slots)
+    stream.reserve(slots, p)
     half = count // 2
     if mode == "batch-half-filled":
         assert (

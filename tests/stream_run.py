@@ -3,15 +3,22 @@
 ``python tests/stream_run.py PATH --length N --epochs E --workers W --out FILE [--delay S] [--kind large]`` (tests/ on
 PYTHONPATH). Each yielded element appends ``rank epoch label`` to ``--out`` (flushed, so a killed run leaves
 what it yielded); at the end each rank appends ``stats rank <json>``.
+
+``--sized``: the stream has a ``len()`` and no ``max_bytes`` (the file is sized from it, with little room to
+spare). ``--kill-in-store K``: the process SIGKILLs itself inside its ``K``-th batch store, once the batch's
+rows are in their slots and before they are counted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+from typing import Any
 
 import torch.distributed as dist
-from stream_sources import Numbers, rank_and_world  # next to this file
+from stream_sources import Numbers, WithLength, rank_and_world  # next to this file
 from torch.utils.data import DataLoader
 
 from mmapcache import Field
@@ -34,20 +41,24 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--out", required=True)
     parser.add_argument("--ddp", action="store_true")
-    parser.add_argument("--kind", default="numbered", help="numbered (small rows) or large (16 KiB images)")
+    parser.add_argument("--kind", default="numbered", help="numbered, fixed (small rows) or large (16 KiB images)")
+    parser.add_argument("--sized", action="store_true")
+    parser.add_argument("--kill-in-store", type=int, default=0)
     args = parser.parse_args()
+    if args.kill_in_store:
+        _kill_in_store(args.kill_in_store)
     if args.ddp:
         dist.init_process_group("gloo")
     rank, _ = rank_and_world()
-    large = args.kind == "large"  # rows stored by the thread beside the stream
+    numbered = args.kind == "numbered"  # else fixed rows, or rows stored by the thread beside the stream (large)
     ds = CachedStream(
-        Numbers(args.length, kind=args.kind, delay=args.delay),
+        (WithLength if args.sized else Numbers)(args.length, kind=args.kind, delay=args.delay),
         args.path,
         key="stream-run",
-        fields=None if large else FIELDS,
-        max_bytes="16MiB" if large else "4MiB",
+        fields=FIELDS if numbered else None,
+        max_bytes=None if args.sized else "16MiB" if args.kind == "large" else "4MiB",
     )
-    loader = DataLoader(ds, batch_size=4, num_workers=args.workers, collate_fn=None if large else pad_collate)
+    loader = DataLoader(ds, batch_size=4, num_workers=args.workers, collate_fn=pad_collate if numbered else None)
     with open(args.out, "a") as out:
         for epoch in range(args.epochs):
             ds.set_epoch(epoch)
@@ -60,6 +71,22 @@ def main() -> None:
         out.write(f"stats {rank} {json.dumps(ds.stats())}\n")
     if args.ddp:
         dist.destroy_process_group()
+
+
+def _kill_in_store(k: int) -> None:
+    """SIGKILL this process inside its ``k``-th batch store: the rows in their slots, the run not counted."""
+    import mmapcache._stream as stream
+
+    store_run, calls = stream.store_run, [0]
+
+    def storing(*args: Any, **kwargs: Any) -> int:
+        stored = store_run(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == k:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return stored
+
+    stream.store_run = storing  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

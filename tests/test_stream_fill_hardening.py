@@ -226,7 +226,7 @@ def test_token_lists_that_do_not_fit_give_a_short_error_naming_with_format_numpy
     with pytest.raises(ValueError, match="a Python list of 601 numbers, where the first sample's had 600") as raised:
         list(undeclared)
     message = str(raised.value)
-    assert len(message) < 700
+    assert len(message) < 900  # with what became of the file made from the first element
     assert 'with_format("numpy")' in message
     assert '"input_ids": Field((None,), "int64")' in message  # the declaration to use
 
@@ -276,3 +276,79 @@ def test_a_first_try_refuted_by_its_second_element_is_replaced_by_the_corrected_
     if holder is not None:
         assert holder.refuted  # its nameless copy
         holder.close()
+
+
+# -- holes left by a writer killed inside a batch store ------------------------------------------------
+
+STREAM_PROCS = HERE / "_stream_procs.py"
+
+
+def _procs(path: Path, length: int, *extra: str) -> tuple[int, str, str]:
+    """Run tests/_stream_procs.py on partition 0 of 1: its return code and output."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    args = [sys.executable, str(STREAM_PROCS), str(path), "0", "1", "0", "1", str(length), *extra]
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("moment", ["batch-half-filled", "batch-filled", "batch-recording", "batch-counting"])
+def test_holes_a_writer_killed_mid_batch_store_leaves_are_filled_again_so_a_sized_file_completes_cached(
+    tmp_path: Path, moment: str
+) -> None:
+    import signal
+
+    from _stream_procs import FIELDS, KEY
+
+    from mmapcache._stream import Partition, open_stream, stream_status
+
+    path = tmp_path / "s.mmc"
+    length = 1000  # the file is sized from the length: 1000 + 16 + 16 slots, less than one killed batch more
+    for at in (128, 640):  # two kills, each inside the store of a 64-element batch
+        code, _, err = _procs(path, length, "--batch", "64", "--die", moment, str(at))
+        assert code == -signal.SIGKILL, err
+    code, out, err = _procs(path, length, "--batch", "64")
+    assert code == 0, err
+    assert out.split()[-2:] == ["ended", "1"]
+    cache = open_stream(path, key=KEY, fields=FIELDS, partition=Partition(), plan=None)
+    assert cache is not None
+    with cache:
+        status = stream_status(cache)
+        assert status.capacity == 1032
+        assert status.cached, status  # complete, and nothing left uncached
+        assert status.stored == status.total == length
+        assert not cache.verify()
+
+
+def test_a_sized_cached_stream_killed_twice_inside_batch_stores_completes_with_everything_cached(
+    tmp_path: Path,
+) -> None:
+    import json
+    import os
+    import signal
+    import subprocess
+
+    path, out = tmp_path / "s.mmc", tmp_path / "out.txt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        args = [str(path), "--length", "1000", "--kind", "fixed", "--sized", "--out", str(out), *extra]
+        return subprocess.run([sys.executable, str(HERE / "stream_run.py"), *args], env=env, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+
+    for kill in ("3", "6"):  # the 3rd batch of the first run, the 6th of the second (its pass continues the first)
+        killed = run("--epochs", "1", "--kill-in-store", kill)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+    done = run("--epochs", "2")
+    assert done.returncode == 0, done.stderr
+    lines = out.read_text().splitlines()
+    stats = json.loads(next(line for line in lines if line.startswith("stats")).split(" ", 2)[2])
+    assert stats["complete"]
+    assert not stats["full"]
+    assert stats["stored"] == stats["total"] == 1000
+    assert stats["uncached"] == 0
+    assert stats["capacity"] == 1032  # 1000 elements, 32 to spare: less than the two killed batches
+    second = [int(line.split()[2]) for line in lines if line.startswith("0 1 ")]
+    assert sorted(second) == list(range(1000))  # the second epoch, read from the file

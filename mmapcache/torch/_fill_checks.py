@@ -24,7 +24,7 @@ Both errors name the idioms that cause them — a shuffle buffer, WebDataset's
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,21 +70,29 @@ class StoredCheck:
     def __init__(self, cache: Cache, schema: Schema, p: int, *, key: str) -> None:
         self.cache, self.schema, self.p, self.key = cache, schema, p, key
         self.slots = region(cache).elements_of(p)
-        self.start = 0
-        self.chunk: list[Any] = []
+        self.start = self.count = 0
+        self.columns: list[Any] = []
 
     def __len__(self) -> int:
         return len(self.slots)
 
-    def check(self, j: int, element: Any) -> None:
-        """Element ``j`` as the stream gives it now against what is stored: raise if they differ."""
+    def check(self, j: int, arrays: list[Any], element: Any) -> None:
+        """Element ``j`` as the stream gives it now — its storage ``arrays`` and ``element`` as a read returns it —
+        against what is stored: raise if they differ.
+
+        The bytes decide (one comparison per field); :func:`~mmapcache._compare.difference` of the
+        elements confirms a difference and words it.
+        """
         if j >= len(self.slots):
             return
-        if not 0 <= j - self.start < len(self.chunk):
-            self.start, self.chunk = j, list(self._read(self.slots[j : j + _CHUNK]))
-        stored = self.chunk[j - self.start]
+        if not 0 <= j - self.start < self.count:
+            self._read(j)
+        row = j - self.start
+        if all(_same(column[row], array) for column, array in zip(self.columns, arrays, strict=True)):
+            return
+        stored = self.schema.samples([column[row : row + 1] for column in self.columns])[0]
         found = difference(stored, element)
-        if found is None:
+        if found is None:  # the same values in other bytes: NaNs of another payload
             return
         path = self.cache.path
         raise StaleCacheError(
@@ -99,13 +107,23 @@ class StoredCheck:
             differences={"content": (j, None)},
         )
 
-    def _read(self, slots: np.ndarray[Any, Any]) -> Iterator[Any]:
-        schema = self.schema
-        read, hits = self.cache.read_many(slots)
-        if not hits.all():  # only a file that was cleared or damaged under us
-            return iter(())
-        columns = [list(read[name]) if schema.variable[k] else read[name] for k, name in enumerate(schema.names)]
-        return iter(schema.samples(columns))
+    def _read(self, j: int) -> None:
+        """The stored elements ``j ..`` (a chunk), as storage columns: an array per fixed field, a list per other."""
+        schema, slots = self.schema, self.slots[j : j + _CHUNK]
+        read, hits = self.cache.read_many(slots, count=False)
+        count = int(np.argmin(hits)) if not hits.all() else len(slots)  # a file cleared or damaged under us
+        self.start, self.count = j, count
+        self.columns = [read[name][:count] if not schema.variable[k] else list(read[name])[:count]
+                        for k, name in enumerate(schema.names)]  # fmt: skip
+
+
+def _same(stored: Any, fresh: Any) -> bool:
+    """Whether a stored value (a storage array; ``str``/``bytes`` for text) has the bytes of a fresh storage array."""
+    if isinstance(stored, str):
+        return bool(stored.encode("utf-8", "surrogatepass") == fresh.tobytes())
+    if isinstance(stored, bytes):
+        return bool(stored == fresh.tobytes())
+    return bool(stored.shape == fresh.shape and stored.tobytes() == fresh.tobytes())
 
 
 class RepeatCheck:

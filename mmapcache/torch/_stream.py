@@ -116,7 +116,11 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
     A run killed during the first epoch leaves a cache that the next run
     continues (same ranks and workers) or starts again (other ranks or
     workers, once no other job uses the file); nothing is stored twice and an
-    incomplete cache is never read as the whole stream.
+    incomplete cache is never read as the whole stream. The stream must give
+    the same elements in the same order on every pass: a continued pass
+    compares what was stored with what the stream gives now and refuses a
+    difference (a shuffle buffer, ``resampled=True``, changed preprocessing),
+    and a pass that repeats a ``__key__`` is refused (``_fill_checks``).
     """
 
     _source: Iterable[Any] | _Pickled
@@ -403,7 +407,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                         break
                     converted = leaves, self._build(schema, leaves)
                 if stored is not None and count < len(stored):
-                    stored.check(count, converted[1])
+                    stored.check(count, converted[0], converted[1])
                 filler.add(count, converted[0])
                 self._streamed += 1
                 yield converted[1]
