@@ -132,9 +132,16 @@ def _tagged(samples: list[Any]) -> tuple[int, Any]:
     return (0 if info is None else info.id), default_collate(samples)
 
 
+@pytest.mark.parametrize("left", [False, True], ids=["new", "over a fill of another partitioning"])
 def test_a_single_shard_stream_read_by_two_workers_completes_in_the_first_epoch_and_splits_the_next(
-    tmp_path: Path,
+    tmp_path: Path, left: bool
 ) -> None:
+    if left:  # a run without workers stopped after 10 elements: its file is replaced, not waited on
+        stopped = CachedStream(OneShard(40), tmp_path / "s.mmc", key="k", max_bytes="1MiB")
+        for element in stopped:
+            if int(element["label"]) == 9:
+                break
+        stopped.close()
     ds = CachedStream(OneShard(40), tmp_path / "s.mmc", key="k", max_bytes="1MiB")
     loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=_tagged)
     first = [label for _, batch in loader for label in batch["label"].tolist()]

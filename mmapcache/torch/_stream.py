@@ -310,17 +310,16 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         self._board.ended_empty()
         deadline = time.monotonic() + _EMPTY_WAIT
         alone = partition.ranks == 1
-        while not self.path.exists():
+        while (cache := self._opened(partition) if self.path.exists() else None) is None:
+            # Not there yet, or a file of an earlier run that the partition with an element is replacing.
             if (alone and self._board.all_empty()) or time.monotonic() > deadline:
                 return  # an empty stream, or nobody made the file in time: it ends in a later epoch
-            time.sleep(0.02)
-        cache = self._opened(partition)
-        if cache is not None:
-            filler = _Filler(self, partition, cache)
-            try:
-                filler.finish(0)
-            finally:
-                filler.close()
+            time.sleep(0.05)
+        filler = _Filler(self, partition, cache)
+        try:
+            filler.finish(0)
+        finally:
+            filler.close()
 
     def _read_epoch(self, cache: Cache, partition: Partition, epoch: int) -> Iterator[Any]:
         slots = epoch_slots(
