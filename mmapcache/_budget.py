@@ -193,7 +193,25 @@ def set_budget(
 
 
 def default_limit(directory: Path) -> int | None:
-    """The budget of a directory with none set: on a tmpfs, the smaller of its size and part of the cgroup limit."""
+    """The budget of a directory with none set: on a tmpfs, the smaller of its size and part of the cgroup limit.
+
+    Looked up at most every :data:`_DEFAULT_TTL` seconds per file system (reading the mount table and
+    the cgroup's files costs milliseconds, and every admission asks).
+    """
+    device, now = os.stat(directory).st_dev, time.monotonic()
+    known = _defaults.get(device)
+    if known is not None and now - known[0] < _DEFAULT_TTL:
+        return known[1]
+    limit = _default_limit(directory)
+    _defaults[device] = (now, limit)
+    return limit
+
+
+_DEFAULT_TTL = 5.0
+_defaults: dict[int, tuple[float, int | None]] = {}
+
+
+def _default_limit(directory: Path) -> int | None:
     if not is_memory_filesystem(filesystem_type(directory)):
         return None
     from ._disk_usage import memory_limit
@@ -228,19 +246,20 @@ def admitted(path: Path, header: Header, *, timeout: float, floor: Header | None
     """
     directory = path.parent
     settings = _settings(directory)
-    if _limit(directory, settings)[0] is None:
+    limit = _limit(directory, settings)
+    if limit[0] is None:
         yield Admission(header)
         return
     wanted = _allocated(compute_layout(header).file_size)
     with _directory_lock(directory, timeout):
         _remove_dead_temps(directory)
         reclaim = isinstance(settings.get("reclaim_unused_after"), (int, float))
-        ledger = _ledger(directory, settings, collect=True, probe=reclaim)
+        ledger = _ledger(directory, settings, collect=True, probe=reclaim, limit=limit)
         removed: tuple[CacheShare, ...] = ()
         if wanted > _room(ledger) and ledger.reclaim_unused_after is not None:
             removed = _reclaim(ledger, wanted - _room(ledger), ledger.reclaim_unused_after, path)
             if removed:
-                ledger = _ledger(directory, settings, collect=True, probe=True)
+                ledger = _ledger(directory, settings, collect=True, probe=True, limit=limit)
         room = _room(ledger)
         chosen = header if wanted <= room else _smaller(header, room, floor, directory)
         if chosen is None:
@@ -498,20 +517,27 @@ def _in_use(path: Path) -> bool:
         return True  # cannot tell: never a candidate for removal
 
 
-def _ledger(directory: Path, settings: dict[str, Any], *, collect: bool, probe: bool = True) -> Budget:
+def _ledger(
+    directory: Path,
+    settings: dict[str, Any],
+    *,
+    collect: bool,
+    probe: bool = True,
+    limit: tuple[int | None, str] | None = None,
+) -> Budget:
     """The budget's ledger, read from the files.
 
     ``collect``: delete dead reservations (under the directory lock); ``probe``: ask whether each cache
     is in use (else every ``in_use`` is ``False``: admission asks only when it may reclaim).
     """
-    limit, source = _limit(directory, settings)
+    limit_bytes, source = limit if limit is not None else _limit(directory, settings)
     scan = _scan(directory, probe=probe)
     reserved = sum(_outstanding(path, scan, directory, collect=collect) for path in scan.reservations)
-    free = None if limit is None else max(0, limit - scan.used - reserved)
+    free = None if limit_bytes is None else max(0, limit_bytes - scan.used - reserved)
     after = settings.get("reclaim_unused_after")
     return Budget(
         directory,
-        limit,
+        limit_bytes,
         scan.used,
         reserved,
         free,
