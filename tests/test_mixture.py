@@ -238,6 +238,12 @@ def test_a_short_last_step_is_split_among_the_ranks(cache_dir: Path) -> None:
     per_rank = [_run(mixture.loader(8, num_samples=70, rank=r, world_size=3)) for r in range(3)]
     assert sorted(i for batches in per_rank for batch in batches for i in batch) == sorted(expected_ids(70))
     assert [len(batches[-1]) for batches in per_rank] == [7, 7, 8]  # 22 left after 2 steps of 24
+    assert [len(mixture.loader(8, num_samples=70, rank=r, world_size=3)) for r in range(3)] == [3, 3, 3]
+    # Two positions left for three ranks: rank 0's share of the last step is empty.
+    per_rank = [_run(mixture.loader(8, num_samples=50, rank=r, world_size=3)) for r in range(3)]
+    assert [len(batches) for batches in per_rank] == [2, 3, 3]
+    assert [len(mixture.loader(8, num_samples=50, rank=r, world_size=3)) for r in range(3)] == [2, 3, 3]
+    assert sorted(i for batches in per_rank for batch in batches for i in batch) == sorted(expected_ids(50))
 
 
 @pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4), (3, 3), (1, 5)])

@@ -58,7 +58,6 @@ class StepSampler:
         self.mixture, self.batch_size, self.num_samples = mixture, batch_size, num_samples
         self.rank, self.world_size = rank, world_size
         self.frontier = Frontier()
-        self.start = 0  # where the pass the last iterator reads began
 
     def begin(self) -> tuple[int, int]:
         """The positions the next iterator reads: the rest of the current pass, or the next pass."""
@@ -95,7 +94,9 @@ class StepSampler:
             left = frontier.end - frontier.position
         else:
             left = self.num_samples
-        return sum(1 for lo, hi, _ in self.steps(0, left) if hi > lo)
+        width, rank = self.world_size * self.batch_size, self.rank
+        full, rest = divmod(left, width)
+        return full + int((rank + 1) * rest // self.world_size > rank * rest // self.world_size)
 
 
 def grouped(mixture: Mixture, lo: int, hi: int) -> Drawn:
