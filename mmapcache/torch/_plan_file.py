@@ -14,7 +14,7 @@ Format version 1 (all integers little-endian)::
 
 where ``D`` is ``24 + H`` rounded up to 4096, and the file is exactly
 ``D + 24 m + 8 (n + 1)`` bytes. ``key`` says what the plan was made for: the
-cache's ``uuid``, the token field, the number of documents, a BLAKE2b digest
+version of the packing algorithms (``planner``), the cache's ``uuid``, the token field, the number of documents, a BLAKE2b digest
 of their lengths (int64, in document order), and the packing arguments
 (``seq_len``, ``mode``, ``long_docs``). The file is named
 ``<cache stem>.plan-<16 hex>`` (``mmapcache._names.plan_path_for``), the hex
@@ -55,6 +55,7 @@ log = logging.getLogger("mmapcache")
 
 PLAN_MAGIC = b"\x93MMCPLAN"
 PLAN_VERSION = 1
+PLANNER = 1  # the packing algorithms' version: a change in what they make gives new plans
 _PREFIX = struct.Struct("<8sIIII")
 _ALIGN = 4096
 
@@ -72,6 +73,7 @@ def content_digest(lengths: np.ndarray[Any, Any]) -> str:
 def plan_key(*, uuid: str, field: str, lengths: np.ndarray[Any, Any], seq_len: int, mode: str, long_docs: str) -> dict[str, Any]:
     """What a plan is made for (see the module docstring)."""
     return {
+        "planner": PLANNER,
         "uuid": uuid,
         "field": field,
         "documents": len(lengths),
