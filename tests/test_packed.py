@@ -83,7 +83,9 @@ def check_packing(packed: PackedSequences, lengths: list[int], pad_id: int) -> N
     assert batch["input_ids"].dtype == torch.int32
     cu = batch["cu_seqlens"].numpy()
     assert batch["cu_seqlens"].dtype == torch.int32
-    assert cu[0] == 0 and cu[-1] == count * seq_len and (np.diff(cu) > 0).all()
+    assert cu[0] == 0
+    assert cu[-1] == count * seq_len
+    assert (np.diff(cu) > 0).all()
     # Every row boundary is a fragment boundary.
     assert set(range(0, count * seq_len + 1, seq_len)) <= set(cu.tolist())
     edges = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
@@ -97,7 +99,8 @@ def check_packing(packed: PackedSequences, lengths: list[int], pad_id: int) -> N
             assert (tokens == pad_id).all()
             continue
         first = int(tokens[0]) - int(edges[doc])
-        assert 0 <= first and first + len(tokens) <= kept[doc]  # within the document (what is kept of it)
+        assert first >= 0
+        assert first + len(tokens) <= kept[doc]  # within the document (what is kept of it)
         np.testing.assert_array_equal(tokens, np.arange(len(tokens)) + tokens[0])  # in order
         seen.append(tokens)
     assert batch["max_seqlen"] == longest
@@ -111,7 +114,8 @@ def check_packing(packed: PackedSequences, lengths: list[int], pad_id: int) -> N
         assert not len(pad) or pad[0] == seq_len - len(pad)
     if mode == "concat":
         assert (docs == -1).sum() == (count * seq_len - int(kept.sum()))
-        assert (docs == -1).sum() < seq_len and (docs[:-1] != -1).all()  # only the last sequence is padded
+        assert (docs == -1).sum() < seq_len
+        assert (docs[:-1] != -1).all()  # only the last sequence is padded
     everything_seen = np.sort(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
     expected = np.concatenate([np.arange(edges[d], edges[d] + kept[d]) for d in range(len(lengths))] + [[]])
     np.testing.assert_array_equal(everything_seen, expected)  # every kept token exactly once
@@ -216,7 +220,11 @@ def test_the_plan_is_stored_beside_the_cache_and_reopened_not_remade(cache_dir: 
     again = PackedSequences(ds, 16)
     assert not again.made
     assert plans_of(ds.path) == [plan]
-    assert all(torch.equal(a, b) for a, b in zip(everything(first).values(), everything(again).values()) if torch.is_tensor(a))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(everything(first).values(), everything(again).values(), strict=True)
+        if torch.is_tensor(a)
+    )
     # Other arguments: another plan, another file.
     assert PackedSequences(ds, 16, mode="concat").made
     assert PackedSequences(ds, 17).made
@@ -252,7 +260,8 @@ def test_a_damaged_plan_file_is_made_again_and_never_used(cache_dir: Path, caplo
     plan.write_bytes(data)
     with caplog.at_level(logging.WARNING, logger="mmapcache"):
         again = PackedSequences(ds, 16)
-    assert again.made and "checksum" in caplog.text
+    assert again.made
+    assert "checksum" in caplog.text
     check_packing(again, [5, 30, 7, 12], 0)
     plan.write_bytes(plan.read_bytes()[:-8])  # cut short
     with caplog.at_level(logging.WARNING, logger="mmapcache"):
@@ -305,7 +314,9 @@ def test_docs_must_be_a_whole_cached_dataset_or_stream(cache_dir: Path) -> None:
     )
     with pytest.raises(ValueError, match="caches only its cached_indices"):
         PackedSequences(shard, 8)
-    small = CachedDataset(Documents([3, 4, 5]), cache_dir / "f.mmc", key="d", fields=FIELDS, capacity=2, max_bytes="1MiB")
+    small = CachedDataset(
+        Documents([3, 4, 5]), cache_dir / "f.mmc", key="d", fields=FIELDS, capacity=2, max_bytes="1MiB"
+    )
     with pytest.raises(ValueError, match="caches only the first 2 of 3"):
         PackedSequences(small, 8)
 
@@ -340,7 +351,8 @@ def test_workers_and_pickles_read_the_same_batches(cache_dir: Path) -> None:
     workers = [b["input_ids"] for b in packed.loader(3, num_workers=2, multiprocessing_context="fork")]
     assert all(torch.equal(a, b) for a, b in zip(alone, workers, strict=True))
     copy = pickle.loads(pickle.dumps(packed))
-    assert not copy.made and torch.equal(copy[2]["input_ids"], packed[2]["input_ids"])
+    assert not copy.made
+    assert torch.equal(copy[2]["input_ids"], packed[2]["input_ids"])
 
 
 def test_node_shard_sampler_deals_the_sequences_between_nodes(cache_dir: Path) -> None:
@@ -381,4 +393,5 @@ def test_gc_removes_the_plans_of_a_cache_that_is_gone_and_ls_lists_only_caches(c
     assert [item.path.name for item in mmapcache.list_caches(cache_dir)] == ["kept.mmc"]
     report = mmapcache.gc(cache_dir, older_than="1000d")
     assert [(item.path, item.kind) for item in report.removed] == [(orphan, "plan")]
-    assert not orphan.exists() and len(plans_of(kept.path)) == 1
+    assert not orphan.exists()
+    assert len(plans_of(kept.path)) == 1

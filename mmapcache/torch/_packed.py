@@ -122,7 +122,7 @@ class PackedSequences(torch.utils.data.Dataset[dict[str, Any]]):
 
     * ``input_ids``: ``(seq_len,)`` in the field's dtype, padded with ``pad_id``;
     * ``position_ids``: ``(seq_len,)`` int64, from 0 at the start of every document fragment;
-    * ``doc_ids``: ``(seq_len,)`` int64, the document's index in ``docs`` (−1 on padding);
+    * ``doc_ids``: ``(seq_len,)`` int64, the document's index in ``docs`` (-1 on padding);
     * ``cu_seqlens``: int32, where each fragment starts, then ``seq_len``
       (a padding run counts as one fragment);
     * ``max_seqlen``: the longest fragment (an ``int``).
@@ -170,11 +170,15 @@ class PackedSequences(torch.utils.data.Dataset[dict[str, Any]]):
             raise ValueError(f"long_docs must be one of {LONG_DOCS}, got {long_docs!r}")
         if isinstance(pad_id, bool) or not isinstance(pad_id, numbers.Integral):
             raise TypeError(f"pad_id must be an integer token id, not {pad_id!r}")
-        self.docs, self.seq_len, self.field = docs, int(seq_len), field
-        self.mode, self.long_docs, self.pad_id = mode, long_docs, int(pad_id)
+        self.docs: Any = docs
+        self.seq_len: int = int(seq_len)
+        self.field: str = field
+        self.mode: str = mode
+        self.long_docs: str = long_docs
+        self.pad_id: int = int(pad_id)
         self._source: _Source | None = None
         self._plan: Plan | None = None
-        self.made = False  # whether this process made the plan (False: it was read from its file)
+        self.made: bool = False  # whether this process made the plan (False: it was read from its file)
         self._opened()
 
     # -- pickling: the arguments --------------------------------------------------
@@ -221,7 +225,7 @@ class PackedSequences(torch.utils.data.Dataset[dict[str, Any]]):
     def padding(self) -> float:
         """The share of padding among the tokens of all sequences (0 for none)."""
         plan = self.plan
-        return plan.padding / max(1, len(plan) * self.seq_len)
+        return float(plan.padding / max(1, len(plan) * self.seq_len))
 
     def __len__(self) -> int:
         return len(self.plan)
@@ -236,7 +240,10 @@ class PackedSequences(torch.utils.data.Dataset[dict[str, Any]]):
         if not 0 <= i < count:
             raise IndexError(f"sequence {index} is out of range for {count} sequences")
         batch = self.batch([i])
-        return {name: value[0] if name in ("input_ids", "position_ids", "doc_ids") else value for name, value in batch.items()}
+        return {
+            name: value[0] if name in ("input_ids", "position_ids", "doc_ids") else value
+            for name, value in batch.items()
+        }
 
     def batch(self, indices: Any) -> dict[str, Any]:
         """Sequences ``indices`` as one batch: ``(B, seq_len)`` tensors and the whole batch's ``cu_seqlens``."""
@@ -335,7 +342,7 @@ def _read(source: _Source, plan: Plan, seqs: np.ndarray[Any, Any], pad_id: int) 
     pads = seq_len - used
     padded = pads > 0
     # The descriptors: each sequence's fragments, then its padding run (if any).
-    before = np.cumsum(padded) - padded
+    before: np.ndarray[Any, Any] = np.cumsum(padded) - padded
     where = np.arange(total, dtype=np.int64) + before[seq_of]
     pad_at = (firsts[1:] + before)[padded]
     described = total + len(pad_at)
@@ -394,7 +401,9 @@ def _gather_numpy(source: _Source, table: np.ndarray[Any, Any], offsets: np.ndar
     offsets[0] = 0
     np.cumsum(table["length"].astype(np.int64), out=offsets[1:])
     region = source.region
-    for at, start, length in zip(offsets[:-1].tolist(), table["offset"].tolist(), table["length"].tolist(), strict=True):
+    for at, start, length in zip(
+        offsets[:-1].tolist(), table["offset"].tolist(), table["length"].tolist(), strict=True
+    ):
         nbytes = length * item
         if nbytes and start + nbytes <= len(region):  # a padding run (offset 0) may not fit a tiny region
             flat[at * item : at * item + nbytes] = region[start : start + nbytes]

@@ -8,7 +8,8 @@ Format version 1 (all integers little-endian)::
     12      4     uint32 H: bytes of the JSON header that follows
     16      4     uint32 CRC-32 of those H bytes
     20      4     uint32 reserved, 0
-    24      H     the JSON header (UTF-8): {"key": {...}, "fragments": m, "sequences": n}
+    24      H     the JSON header (UTF-8):
+                  {"key": {...}, "fragments": m, "sequences": n}
     D             int64 (m, 3) fragments: document, first token in it, length
     D + 24 m      int64 (n + 1) bounds: sequence s is fragments bounds[s]:bounds[s + 1]
 
@@ -32,6 +33,7 @@ never written in place, so a process that mapped one keeps reading it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -67,10 +69,12 @@ class PlanFileError(ValueError):
 def content_digest(lengths: np.ndarray[Any, Any]) -> str:
     """The BLAKE2b digest (hex) of documents' lengths, as int64 in document order."""
     data = np.ascontiguousarray(lengths, "<i8")
-    return hashlib.blake2b(memoryview(data).cast("B"), digest_size=16).hexdigest()
+    return hashlib.blake2b(data.data, digest_size=16).hexdigest()
 
 
-def plan_key(*, uuid: str, field: str, lengths: np.ndarray[Any, Any], seq_len: int, mode: str, long_docs: str) -> dict[str, Any]:
+def plan_key(
+    *, uuid: str, field: str, lengths: np.ndarray[Any, Any], seq_len: int, mode: str, long_docs: str
+) -> dict[str, Any]:
     """What a plan is made for (see the module docstring)."""
     return {
         "planner": PLANNER,
@@ -164,15 +168,13 @@ def write_plan(cache_path: Path, path: Path, key: dict[str, Any], plan: Plan) ->
     try:
         with os.fdopen(fd, "wb", closefd=False) as out:
             out.write(head)
-            out.write(memoryview(np.ascontiguousarray(plan.fragments, "<i8")).cast("B"))
-            out.write(memoryview(np.ascontiguousarray(plan.bounds, "<i8")).cast("B"))
+            out.write(np.ascontiguousarray(plan.fragments, "<i8").data)
+            out.write(np.ascontiguousarray(plan.bounds, "<i8").data)
         os.fsync(fd)
         os.rename(temp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
-        except FileNotFoundError:
-            pass
         raise
     finally:
         os.close(fd)
