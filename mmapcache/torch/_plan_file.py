@@ -15,9 +15,10 @@ Format version 1 (all integers little-endian)::
 
 where ``D`` is ``24 + H`` rounded up to 4096, and the file is exactly
 ``D + 24 m + 8 (n + 1)`` bytes. ``key`` says what the plan was made for: the
-version of the packing algorithms (``planner``), the cache's ``uuid``, the token field, the number of documents, a BLAKE2b digest
-of their lengths (int64, in document order), and the packing arguments
-(``seq_len``, ``mode``, ``long_docs``). The file is named
+version of the packing algorithms (``planner``), the cache's ``uuid``, the
+token field, the number of documents, a BLAKE2b digest of their lengths
+(int64, in document order), and the packing arguments (``seq_len``, ``mode``,
+``long_docs``). The file is named
 ``<cache stem>.plan-<16 hex>`` (``mmapcache._names.plan_path_for``), the hex
 digits the first of the SHA-256 of the key's canonical JSON.
 
