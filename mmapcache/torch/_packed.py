@@ -113,6 +113,17 @@ def _stream_documents(docs: CachedStream) -> tuple[Cache, np.ndarray[Any, np.dty
     return cache, np.asarray(checked_records(cache), np.int64)
 
 
+def _check_pad_id(pad_id: int, dtype: np.dtype[Any]) -> None:
+    """``ValueError`` unless ``pad_id`` is a value of ``dtype`` exactly."""
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        fits = int(info.min) <= pad_id <= int(info.max)
+    else:
+        fits = bool(np.asarray(pad_id).astype(dtype) == pad_id)
+    if not fits:
+        raise ValueError(f"pad_id={pad_id} is not a value of the field's dtype {dtype}; pass a token id that is")
+
+
 class PackedSequences(torch.utils.data.Dataset[dict[str, Any]]):
     """Fixed-length sequences of ``seq_len`` tokens packed from the documents of ``docs``.
 
@@ -197,9 +208,7 @@ class PackedSequences(torch.utils.data.Dataset[dict[str, Any]]):
         if source is not None and plan is not None and not source.cache.closed:
             return source, plan
         source = _Source(self.docs, self.field)
-        pad = np.array(self.pad_id)
-        if not np.can_cast(pad, source.dtype, "same_kind") or pad.astype(source.dtype) != self.pad_id:
-            raise ValueError(f"pad_id={self.pad_id} is not a value of the field's dtype {source.dtype}")
+        _check_pad_id(self.pad_id, source.dtype)
         key = plan_key(
             uuid=source.cache.uuid,
             field=self.field,
@@ -323,29 +332,35 @@ class _Batches(torch.utils.data.Dataset[dict[str, Any]]):
         return self.packed.batch(indices)
 
 
+_COUNTING = np.arange(0, dtype=np.int64)
+
+
+def _counting(n: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """``np.arange(n)`` as a read-only view of one array kept between batches."""
+    global _COUNTING
+    if len(_COUNTING) < n:
+        _COUNTING = np.arange(max(n, 2 * len(_COUNTING)), dtype=np.int64)
+        _COUNTING.flags.writeable = False
+    return _COUNTING[:n]
+
+
 def _read(source: _Source, plan: Plan, seqs: np.ndarray[Any, Any], pad_id: int) -> dict[str, Any]:
     """The batch of sequences ``seqs`` (see :meth:`PackedSequences.batch`)."""
     seq_len = plan.seq_len
     count = len(seqs)
     lo, hi = plan.bounds[seqs], plan.bounds[seqs + 1]
     per_seq = hi - lo
-    firsts = np.zeros(count + 1, np.int64)
-    np.cumsum(per_seq, out=firsts[1:])
-    total = int(firsts[-1])
-    rows = np.repeat(lo - firsts[:-1], per_seq) + np.arange(total, dtype=np.int64)
-    fragments = plan.fragments[rows]
+    total = int(per_seq.sum())
+    # The fragments of the batch, sequence after sequence, and after each sequence its padding run (if any).
+    fragments = plan.fragments[np.repeat(lo - np.cumsum(per_seq) + per_seq, per_seq) + _counting(total)]
     docs, starts, lengths = fragments[:, 0], fragments[:, 1], fragments[:, 2]
-    seq_of = np.repeat(np.arange(count, dtype=np.int64), per_seq)
-    ends = np.zeros(total + 1, np.int64)
-    np.cumsum(lengths, out=ends[1:])
-    used = ends[firsts[1:]] - ends[firsts[:-1]]  # the tokens of each sequence
+    seq_of = np.repeat(_counting(count), per_seq)
+    used = np.bincount(seq_of, lengths, count).astype(np.int64) if total else np.zeros(count, np.int64)
     pads = seq_len - used
-    padded = pads > 0
-    # The descriptors: each sequence's fragments, then its padding run (if any).
-    before: np.ndarray[Any, Any] = np.cumsum(padded) - padded
-    where = np.arange(total, dtype=np.int64) + before[seq_of]
-    pad_at = (firsts[1:] + before)[padded]
-    described = total + len(pad_at)
+    padded = np.flatnonzero(pads)
+    where = _counting(total) + np.searchsorted(padded, seq_of)  # each fragment's row in the descriptors
+    pad_at = np.cumsum(per_seq)[padded] + _counting(len(padded))
+    described = total + len(padded)
     table = np.zeros(described, _DESCRIPTOR)
     item = source.dtype.itemsize
     table["offset"][where] = source.column.offsets[source.slots[docs]] + starts * item
@@ -355,16 +370,15 @@ def _read(source: _Source, plan: Plan, seqs: np.ndarray[Any, Any], pad_id: int) 
     doc_of[where] = docs
     out = _gather.empty_aligned((count, seq_len), source.dtype)
     offsets = np.empty(described + 1, np.int64)
-    longest_pad = int(pads.max()) if count else 0
     native = _gather.native
-    if native is not None and longest_pad * item <= len(source.region):
+    if native is not None and int(pads.max(initial=0)) * item <= len(source.region):
         # A padding run reads the region's first bytes (overwritten with pad_id below): one gather in all.
         flat = out.reshape(-1)
         _, bad = native.gather(
             source.region,
             table.view(np.uint8),
             _DESCRIPTOR.itemsize,
-            np.arange(described, dtype=np.int64),
+            _counting(described),
             None,
             (-1,),
             item,
@@ -380,10 +394,11 @@ def _read(source: _Source, plan: Plan, seqs: np.ndarray[Any, Any], pad_id: int) 
             )
     else:
         _gather_numpy(source, table, offsets, out)
-    for row, start in zip(np.flatnonzero(padded).tolist(), used[padded].tolist(), strict=True):
+    for row, start in zip(padded.tolist(), used[padded].tolist(), strict=True):
         out[row, start:] = pad_id
-    runs = np.diff(offsets)
-    position_ids = np.arange(count * seq_len, dtype=np.int64) - np.repeat(offsets[:-1], runs)
+    runs = offsets[1:] - offsets[:-1]
+    position_ids = np.repeat(offsets[:-1], runs)
+    np.subtract(_counting(count * seq_len), position_ids, out=position_ids)
     doc_ids = np.repeat(doc_of, runs)
     return {
         "input_ids": torch.from_numpy(out),
