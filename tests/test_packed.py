@@ -395,3 +395,11 @@ def test_gc_removes_the_plans_of_a_cache_that_is_gone_and_ls_lists_only_caches(c
     assert [(item.path, item.kind) for item in report.removed] == [(orphan, "plan")]
     assert not orphan.exists()
     assert len(plans_of(kept.path)) == 1
+
+
+def test_the_format_doc_carries_the_plan_file_spec() -> None:
+    from mmapcache.torch import _plan_file
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text(encoding="utf-8")
+    assert _plan_file.__doc__ is not None
+    assert _plan_file.__doc__.strip() in text
