@@ -568,7 +568,8 @@ class Cache(SingleFlight):
             names = [c.name for c in mapped.variables]
             raise ValueError(f"{field!r} is not a variable field of {self._path}; its variable fields: {names}")
         head = max((axis + 1 for axis, d in enumerate(column.field.shape) if d is None), default=0)
-        lengths: np.ndarray[Any, np.dtype[np.int64]] = column.dims[:, :head].astype(np.int64).prod(axis=1)
+        dims = column.dims[:, :head].astype(np.int64)
+        lengths: np.ndarray[Any, np.dtype[np.int64]] = dims[:, 0] if head == 1 else dims.prod(axis=1)
         lengths[mapped.slots.states != READY] = 0
         return lengths
 

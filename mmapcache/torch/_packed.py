@@ -43,8 +43,8 @@ class _Source:
     """One process's view of the documents: the cache, each document's slot, the token field's column."""
 
     def __init__(self, docs: Any, field: str) -> None:
-        cache, slots = _cached_documents(docs)
-        self.cache, self.slots = cache, slots
+        cache, slots, count = _cached_documents(docs)
+        self.cache, self.slots, self.count = cache, slots, count  # slots None: document d is slot d
         variable = cache.fields.get(field)
         if variable is None or not variable.variable or len(variable.shape) != 1:
             choices = [name for name, f in cache.fields.items() if f.variable and len(f.shape) == 1]
@@ -56,11 +56,18 @@ class _Source:
         self.column = next(c for c in mapped.variables if c.name == field)
         self.region = mapped.region
         self.dtype = variable.dtype
-        self.lengths = cache.lengths(field)[slots]
+        lengths = cache.lengths(field)
+        self.lengths = lengths[: self.count] if slots is None else lengths[slots]
 
 
-def _cached_documents(docs: Any) -> tuple[Cache, np.ndarray[Any, np.dtype[np.int64]]]:
-    """The cache holding every document of ``docs`` and the slot of each (loading the missing ones first)."""
+Slots = tuple[Cache, "np.ndarray[Any, np.dtype[np.int64]] | None", int]
+
+
+def _cached_documents(docs: Any) -> Slots:
+    """The cache holding every document of ``docs``, the slot of each (None: its index), their number.
+
+    Documents not cached yet are loaded first.
+    """
     if isinstance(docs, CachedDataset):
         return _dataset_documents(docs)
     if isinstance(docs, CachedStream):
@@ -68,7 +75,7 @@ def _cached_documents(docs: Any) -> tuple[Cache, np.ndarray[Any, np.dtype[np.int
     raise TypeError(f"docs must be a CachedDataset or a CachedStream, not {type(docs).__name__}")
 
 
-def _dataset_documents(docs: CachedDataset) -> tuple[Cache, np.ndarray[Any, np.dtype[np.int64]]]:
+def _dataset_documents(docs: CachedDataset) -> Slots:
     if docs.cached_indices is not None:
         raise ValueError(
             "PackedSequences packs every document of docs, but this CachedDataset caches only its cached_indices; "
@@ -81,21 +88,20 @@ def _dataset_documents(docs: CachedDataset) -> tuple[Cache, np.ndarray[Any, np.d
             f"PackedSequences reads every document from the file, but {cache.path} caches only the first "
             f"{cache.capacity} of {count}: remove it and make the CachedDataset with room for all (max_bytes=)"
         )
-    slots = np.arange(count, dtype=np.int64)
-    if not cache.contains_many(slots).all():
+    if cache.filled < count:  # the capacity is the count: every slot holds a document
         log.info("loading the %d documents not cached yet before planning", count - cache.filled)
         docs.fill(progress=False)
-        missing = np.flatnonzero(~cache.contains_many(slots))
+        missing = np.flatnonzero(~cache.contains_many(np.arange(count)))
         if len(missing):
             raise CacheError(
                 f"{len(missing)} documents (such as {missing[:5].tolist()}) did not fit in {cache.path} "
                 "(its variable region is full): remove it and make the CachedDataset with a larger max_bytes",
                 path=cache.path,
             )
-    return cache, slots
+    return cache, None, count
 
 
-def _stream_documents(docs: CachedStream) -> tuple[Cache, np.ndarray[Any, np.dtype[np.int64]]]:
+def _stream_documents(docs: CachedStream) -> Slots:
     from .._stream import checked_records, stream_status
 
     cache = docs.cache
@@ -110,7 +116,8 @@ def _stream_documents(docs: CachedStream) -> tuple[Cache, np.ndarray[Any, np.dty
             "PackedSequences needs a CachedStream cached whole (complete, not full): read it to its end in every "
             "partition first (one epoch of every rank and worker), with a max_bytes that holds all of it"
         )
-    return cache, np.asarray(checked_records(cache), np.int64)
+    slots = np.asarray(checked_records(cache), np.int64)
+    return cache, slots, len(slots)
 
 
 def _check_pad_id(pad_id: int, dtype: np.dtype[Any]) -> None:
@@ -363,7 +370,7 @@ def _read(source: _Source, plan: Plan, seqs: np.ndarray[Any, Any], pad_id: int) 
     described = total + len(padded)
     table = np.zeros(described, _DESCRIPTOR)
     item = source.dtype.itemsize
-    table["offset"][where] = source.column.offsets[source.slots[docs]] + starts * item
+    table["offset"][where] = source.column.offsets[docs if source.slots is None else source.slots[docs]] + starts * item
     table["length"][where] = lengths
     table["length"][pad_at] = pads[padded]
     doc_of = np.full(described, -1, np.int64)
