@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from _common import bench_parser, machine_info, ratio, run_rounds, spread, table, write_results
+
 from mmapcache import Field
 from mmapcache._names import plans_of
 from mmapcache.torch import CachedDataset, PackedSequences
@@ -141,7 +141,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-packed-", dir=args.dir))
     try:
         budget = int(1.05 * (tokens.nbytes + 40 * n)) + 2**20
-        ds = CachedDataset(Rows(tokens, edges), work / "docs.mmc", key="bench/packed", fields=FIELDS, max_bytes=budget, check=0)
+        ds = CachedDataset(
+            Rows(tokens, edges), work / "docs.mmc", key="bench/packed", fields=FIELDS, max_bytes=budget, check=0
+        )
         start = time.perf_counter()
         ds.fill(batch_size=4096, progress=False)
         fill_seconds = time.perf_counter() - start
@@ -187,11 +189,13 @@ def main() -> None:
         for name, ts in epoch_times.items()
     ]
     print(table(["warm epoch", "median", "speed vs limit"], rows))
-    print(f"padding at seq_len {SEQ_LEN}: bfd {padding['bfd']:.4%}, concat {padding['concat']:.4%} (bench_tokens lengths)")
+    print(
+        f"padding at seq_len {SEQ_LEN}: bfd {padding['bfd']:.4%}, concat {padding['concat']:.4%} (bench_tokens lengths)"
+    )
     print(f"fill {fill_seconds:.1f} s; load {os.getloadavg()[0]:.1f}")
     payload = {
         "documents": n,
-        "tokens": int(len(tokens)),
+        "tokens": len(tokens),
         "seq_len": SEQ_LEN,
         "batch": BATCH,
         "fill_seconds": fill_seconds,
