@@ -40,6 +40,8 @@ from ._names import (
     leftover_stem,
     lock_path_for,
     lock_stem,
+    plan_stem,
+    side_stem,
 )
 from ._paths import check_file_stat
 from ._removal import check_removable, remove
@@ -60,7 +62,8 @@ class Removed:
     ``kind`` is ``"cache"``, ``"corrupt"`` (a damaged cache file),
     ``"leftover"`` (the temporary file of a creator that died), ``"lock"``
     (the lock file of a cache that does not exist: its creation failed, or the
-    cache was deleted without ``mmapcache rm``) or ``"check"`` (the private
+    cache was deleted without ``mmapcache rm``), ``"plan"`` (a packing plan of
+    ``PackedSequences`` whose cache does not exist) or ``"check"`` (the private
     directory of a :func:`mmapcache.testing.check_concurrent_access` run that
     died, with everything in it).
     """
@@ -154,7 +157,8 @@ def gc(
     files that are not mmapcache files are kept. Temporary files left by
     creators that died are removed once they are as old, and so are orphan
     lock files (a cache's ``.lock`` whose cache is gone; see
-    :func:`remove_orphan_lock`). The private ``check-*`` directories of
+    :func:`remove_orphan_lock`). Packing plans whose cache is gone (deleted
+    without ``mmapcache rm``) are removed whatever their age. The private ``check-*`` directories of
     :mod:`mmapcache.testing` runs that were killed are removed whatever their
     age (a running check keeps a lock on them). ``dry_run=True`` reports what
     would go and removes nothing.
@@ -175,6 +179,10 @@ def gc(
         stem = leftover_stem(path)
         if stem is not None and _collect_leftover(path, stem, cutoff, dry_run, removed, kept):
             abandoned.add(path.with_name(stem))
+    for path in _side_files(base, recursive=recursive):
+        stem = plan_stem(path)
+        if stem is not None:
+            _collect_orphan_plan(path, stem, dry_run, removed)
     # Lock files last, listed once more: collecting a leftover takes (so may make) its cache's lock file.
     guarded: dict[Path, set[str]] = {}
     for path in _side_files(base, recursive=recursive):
@@ -352,6 +360,25 @@ def _collect_leftover(
             return False
     removed.append(Removed(path, "leftover", st.st_blocks * 512, st.st_mtime))
     return True
+
+
+def _collect_orphan_plan(path: Path, stem: str, dry_run: bool, removed: list[Removed]) -> None:
+    """Remove the packing plan ``path`` if no cache of side-file stem ``stem`` is beside it (it is never used again)."""
+    try:
+        st = os.lstat(path)
+        names = os.listdir(path.parent)
+    except OSError:
+        return
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        return
+    if any(is_cache_name(name) and side_stem(path.parent / name) == stem for name in names):
+        return
+    if not dry_run:
+        try:
+            os.unlink(path)
+        except OSError:
+            return
+    removed.append(Removed(path, "plan", st.st_blocks * 512, st.st_mtime))
 
 
 def _collect_orphan_lock(path: Path, cutoff: float, dry_run: bool, removed: list[Removed], kept: list[Kept]) -> None:

@@ -15,7 +15,13 @@ enough that every side name fits. The side files are:
   saying what it does and how far it is (:class:`~mmapcache._file.LockStatus`: the check
   after a reboot does), which waiters log;
 - ``<stem>.tmp-<pid>-<8 hex>``: the file a creator builds before linking it
-  to ``N``; only a holder of the creation lock makes or deletes one.
+  to ``N``; only a holder of the creation lock makes or deletes one (a packing
+  plan is built under the same name and lock before it is renamed);
+- ``<stem>.plan-<16 hex>``: a packing plan of ``mmapcache.torch.PackedSequences``
+  (docs/format.md), the hex digits a digest of what it was made for (the
+  cache's ``uuid``, the lengths of its documents, the packing arguments);
+  ``mmapcache.remove`` deletes a cache's plans with it, ``mmapcache gc``
+  deletes plans whose cache is gone.
 
 A directory holding caches may also hold its byte budget (:mod:`mmapcache._budget`), in hidden files
 that are neither caches nor side files of one (``ls`` and ``gc`` pass them by):
@@ -43,6 +49,8 @@ __all__ = [
     "CHECK_PREFIX",
     "LOCK_SUFFIX",
     "RESERVATION_PREFIX",
+    "PLAN_DIGITS",
+    "PLAN_MARK",
     "SUFFIX",
     "TEMP_MARK",
     "is_cache_name",
@@ -54,6 +62,9 @@ __all__ = [
     "name_max",
     "new_reservation_name",
     "new_temp_path",
+    "plan_path_for",
+    "plan_stem",
+    "plans_of",
     "side_stem",
     "temp_stem",
 ]
@@ -71,6 +82,8 @@ RESERVATION_PREFIX = ".mmapcache-reserve-"
 
 LOCK_SUFFIX = ".lock"
 TEMP_MARK = ".tmp-"
+PLAN_MARK = ".plan-"
+PLAN_DIGITS = 16  # hex digits of a plan's digest: ".plan-" + 16 = 22 bytes, within the longest side suffix
 # ".tmp-" + a pid of up to 10 digits + "-" + 8 hex digits: the longest side suffix.
 _SIDE_SUFFIX_MAX = len(TEMP_MARK) + 10 + 1 + 8
 _HASH_DIGITS = 16
@@ -162,3 +175,30 @@ def lock_stem(path: Path) -> str | None:
     if stem == path.name or not is_cache_name(stem) or lock_path_for(path.with_name(stem)) != path:
         return None
     return stem
+
+
+def plan_path_for(path: Path, digest: str) -> Path:
+    """The packing plan ``digest`` (16 hex digits) of the cache at ``path``: ``<stem>.plan-<digest>``."""
+    if len(digest) != PLAN_DIGITS or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError(f"a plan's digest is {PLAN_DIGITS} lowercase hex digits, got {digest!r}")
+    return path.parent / f"{side_stem(path)}{PLAN_MARK}{digest}"
+
+
+def plan_stem(path: Path) -> str | None:
+    """The side-file stem of the cache whose packing plan ``path`` is, if it is one (``<stem>.plan-<hex>``)."""
+    stem, mark, digest = path.name.rpartition(PLAN_MARK)
+    if not (mark and is_cache_name(stem)) or len(digest) != PLAN_DIGITS:
+        return None
+    if any(c not in "0123456789abcdef" for c in digest) or side_stem(path.with_name(stem)) != stem:
+        return None
+    return stem
+
+
+def plans_of(path: Path) -> list[Path]:
+    """The packing plans of the cache at ``path`` present in its directory."""
+    prefix = side_stem(path) + PLAN_MARK
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return []
+    return sorted(path.parent / n for n in names if n.startswith(prefix) and plan_stem(path.parent / n) is not None)

@@ -33,7 +33,7 @@ from ._format import (
 )
 from ._holders import held_by
 from ._locks import flock_holders, lock_exclusive_soon, try_lock_exclusive
-from ._names import SUFFIX, lock_path_for
+from ._names import SUFFIX, lock_path_for, plans_of
 from ._paths import (
     check_file_stat,
 )
@@ -97,7 +97,7 @@ def in_use(path: str | os.PathLike[str]) -> bool:
 def remove(
     path: str | os.PathLike[str], *, force: bool = False, timeout: float = 60.0, same_as: os.stat_result | None = None
 ) -> None:
-    """Delete the cache file at ``path`` and its side files.
+    """Delete the cache file at ``path`` and its side files (its lock, leftovers, packing plans).
 
     Refuses with :class:`CacheInUseError` while any process (this one
     included) has the cache open. ``force=True`` deletes it anyway: processes
@@ -130,6 +130,9 @@ def remove(
             if os.path.samestat(st, os.stat(target, follow_symlinks=False)):
                 os.unlink(target)
             remove_leftovers(target)
+            for plan in plans_of(target):  # its packing plans (PackedSequences) go with it
+                with suppress(FileNotFoundError):
+                    os.unlink(plan)
             # Deleting the lock file while holding it is safe: a waiter that
             # then acquires the unlinked inode sees st_nlink == 0 and retries.
             with suppress(FileNotFoundError):

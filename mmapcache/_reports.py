@@ -291,6 +291,8 @@ def format_gc(report: GcReport, now: float) -> str:
             what = "leftover of an unfinished creation"
         elif item.kind == "lock":
             what = f"lock file of a cache that no longer exists (made {_age(item.last_used, now)})"
+        elif item.kind == "plan":
+            what = "packing plan of a cache that no longer exists"
         elif item.kind == "check":
             what = "directory of an mmapcache.testing check that was killed"
         else:

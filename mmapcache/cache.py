@@ -619,6 +619,28 @@ def flight_of(cache: Cache) -> SingleFlight:
     """The single flight of an open cache: for a caller that hands on the read it made (``CachedDataset``'s misses)."""
     return cache._flight()
 
+    # -- a variable field's lengths ---------------------------------------------
+
+    def lengths(self, field: str) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The length of every slot's value of the variable field ``field``, as the file records it.
+
+        int64, one per slot (``capacity`` of them), read from the slots'
+        descriptors without reading a value: the number of units of the
+        field's fixed tail the value holds (for ``Field((None,), ...)``, its
+        token count; see :class:`Jagged`). A slot that is not cached reads 0.
+        ``ValueError`` if ``field`` is not a variable field of the cache.
+        """
+        mapped = self._live()
+        column = next((c for c in mapped.variables if c.name == field), None)
+        if column is None:
+            names = [c.name for c in mapped.variables]
+            raise ValueError(f"{field!r} is not a variable field of {self._path}; its variable fields: {names}")
+        head = max((axis + 1 for axis, d in enumerate(column.field.shape) if d is None), default=0)
+        dims = column.dims[:, :head].astype(np.int64)
+        lengths: np.ndarray[Any, np.dtype[np.int64]] = dims[:, 0] if head == 1 else dims.prod(axis=1)
+        lengths[mapped.slots.states != READY] = 0
+        return lengths
+
 
 def attach_opened(path: Path, opened: OpenedFile, *, timeout: float) -> Cache:
     """A writable cache over a file :func:`open_or_create` opened: for files ``Cache()`` does not create (streams)."""

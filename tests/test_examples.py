@@ -22,6 +22,7 @@ CASES = {
     "recipe_torchvision.py": ["--count", "120", "--short-side", "48", "--crop", "32", "--workers", "2"],
     "recipe_hf_datasets.py": ["--count", "120", "--side", "16", "--workers", "2"],
     "recipe_hf_tokens.py": ["--count", "400", "--vocab", "300", "--workers", "2"],
+    "recipe_packed.py": ["--count", "300", "--vocab", "300", "--seq-len", "128"],
     "recipe_lightning.py": ["--length", "256", "--devices", "2", "--workers", "1", "--epochs", "1"],
     "recipe_from_stocaching.py": ["--length", "300", "--workers", "2"],
     "stream_tokens.py": ["--count", "600", "--workers", "2", "--epochs", "2"],

@@ -41,7 +41,9 @@ determinism, in-place transforms) · ``_leaves.py`` (what a leaf is, and the one
 rule for whether it fits a field) · ``_columns.py`` (batches as per-field
 columns) · ``_loader.py`` (``loader()``) · ``_ragged.py`` (``ragged=``: variable
 fields in a batch, ``Packed``) · ``_collate.py`` (``pad_collate``,
-``Padded``) · ``_fill.py`` (``fill()``) · ``_stream.py`` (:class:`CachedStream`, over the
+``Padded``) · ``_fill.py`` (``fill()``) · ``_packed.py`` (:class:`PackedSequences`: packed
+sequences over cached documents; its plans in ``_packing_plan.py`` and their file in
+``_plan_file.py``) · ``_stream.py`` (:class:`CachedStream`, over the
 core's ``mmapcache._stream``) · ``_mixture.py`` (:class:`Mixture`, whose draws
 are ``_draws.py``'s and whose ``loader()`` is ``_mixture_loader.py``). :class:`NodeShardSampler` is
 :mod:`mmapcache._sampler`'s.
@@ -53,6 +55,7 @@ from .._sampler import NodeShardSampler
 from ._collate import Padded, collate, pad_collate
 from ._dataset import CachedDataset
 from ._mixture import Mixture
+from ._packed import PackedSequences
 from ._ragged import Packed, ragged_collate
 from ._schema import infer_fields
 from ._stream import CachedStream
@@ -63,6 +66,7 @@ __all__ = [
     "Mixture",
     "NodeShardSampler",
     "Packed",
+    "PackedSequences",
     "Padded",
     "collate",
     "pad_collate",
@@ -75,4 +79,5 @@ CachedStream.__module__ = __name__
 Mixture.__module__ = __name__
 Padded.__module__ = __name__
 Packed.__module__ = __name__
+PackedSequences.__module__ = __name__
 _ = infer_fields  # mmapcache.torch.infer_fields, as in 0.3.0
