@@ -34,7 +34,7 @@ import torch
 import torch.distributed
 import torch.utils.data
 
-__all__ = ["NodeShardSampler", "node_topology"]
+__all__ = ["SEEDS", "NodeShardSampler", "checked_integer", "node_topology", "seed_words", "seeded_permutation"]
 
 SEEDS = 2**64
 """Seeds and epochs are integers in ``0 .. SEEDS - 1``."""
@@ -132,7 +132,7 @@ class NodeShardSampler(torch.utils.data.Sampler[int]):
         size = len(self.node_indices)
         if not self.shuffle or size < 2:
             return None
-        return _permutation(size, np.random.SeedSequence(self.seed, spawn_key=(_ORDER, *_words(epoch))))
+        return seeded_permutation(size, np.random.SeedSequence(self.seed, spawn_key=(_ORDER, *seed_words(epoch))))
 
     def _indices(self, order: Callable[[Positions], Positions] | None, start: int, stop: int) -> Positions:
         """This rank's indices ``start .. stop - 1`` of the epoch."""
@@ -244,7 +244,7 @@ def _node_shard(length: int, num_nodes: int, node_rank: int, seed: int | None) -
     """
     if seed is None or num_nodes == 1:
         return np.arange(node_rank, length, num_nodes, dtype=np.int64)  # one node: its shard is everything
-    permutation = _permutation(length, np.random.SeedSequence(seed))
+    permutation = seeded_permutation(length, np.random.SeedSequence(seed))
     shard = np.empty(len(range(node_rank, length, num_nodes)), np.int64)
     for start in range(0, len(shard), _CHUNK):
         stop = min(start + _CHUNK, len(shard))
@@ -255,7 +255,7 @@ def _node_shard(length: int, num_nodes: int, node_rank: int, seed: int | None) -
     return shard
 
 
-def _permutation(n: int, key: np.random.SeedSequence) -> Callable[[Positions], Positions]:
+def seeded_permutation(n: int, key: np.random.SeedSequence) -> Callable[[Positions], Positions]:
     """A random permutation of ``range(n)`` seeded by ``key``, as a function of positions.
 
     Up to :data:`EXACT_MAX`: numpy's permutation (``default_rng(seed).permutation(n)`` for a
@@ -267,7 +267,7 @@ def _permutation(n: int, key: np.random.SeedSequence) -> Callable[[Positions], P
     return _Bijection(n, key.generate_state(_ROUNDS, np.uint64).tolist())
 
 
-def _words(value: int) -> tuple[int, int]:
+def seed_words(value: int) -> tuple[int, int]:
     """A 64-bit value as two 32-bit words: a spawn key of fixed layout for every value."""
     return value & 0xFFFFFFFF, value >> 32
 

@@ -606,21 +606,6 @@ class Cache:
             raise closed_error(self._path)
         return single
 
-    def _readonly_error(self, what: str) -> ReadonlyCacheError:
-        return readonly_error(self._path, what)
-
-
-def writer_of(cache: Cache) -> Writer:
-    """The one writer of an open cache: for the core's own writers that are not ``put`` (a stream's fill)."""
-    return cache._store()
-
-
-def flight_of(cache: Cache) -> SingleFlight:
-    """The single flight of an open cache: for a caller that hands on the read it made (``CachedDataset``'s misses)."""
-    return cache._flight()
-
-    # -- a variable field's lengths ---------------------------------------------
-
     def lengths(self, field: str) -> np.ndarray[Any, np.dtype[np.int64]]:
         """The length of every slot's value of the variable field ``field``, as the file records it.
 
@@ -640,6 +625,21 @@ def flight_of(cache: Cache) -> SingleFlight:
         lengths: np.ndarray[Any, np.dtype[np.int64]] = dims[:, 0] if head == 1 else dims.prod(axis=1)
         lengths[mapped.slots.states != READY] = 0
         return lengths
+
+    def _readonly_error(self, what: str) -> ReadonlyCacheError:
+        return readonly_error(self._path, what)
+
+
+def writer_of(cache: Cache) -> Writer:
+    """The one writer of an open cache: for the core's own writers that are not ``put`` (a stream's fill)."""
+    return cache._store()
+
+
+def flight_of(cache: Cache) -> SingleFlight:
+    """The single flight of an open cache: for a caller that hands on the read it made (``CachedDataset``'s misses)."""
+    return cache._flight()
+
+    # -- a variable field's lengths ---------------------------------------------
 
 
 def attach_opened(path: Path, opened: OpenedFile, *, timeout: float) -> Cache:

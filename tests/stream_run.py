@@ -75,18 +75,18 @@ def main() -> None:
 
 def _kill_in_store(k: int) -> None:
     """SIGKILL this process inside its ``k``-th batch store: the rows in their slots, the run not counted."""
-    import mmapcache._stream as stream
+    from mmapcache._writer import Writer
 
-    store_run, calls = stream.store_run, [0]
+    put_run, calls = Writer.put_run, [0]
 
-    def storing(*args: Any, **kwargs: Any) -> int:
-        stored = store_run(*args, **kwargs)
+    def storing(self: Writer, *args: Any, **kwargs: Any) -> int:
+        stored = put_run(self, *args, **kwargs)
         calls[0] += 1
         if calls[0] == k:
             os.kill(os.getpid(), signal.SIGKILL)
         return stored
 
-    stream.store_run = storing  # type: ignore[assignment]
+    Writer.put_run = storing  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

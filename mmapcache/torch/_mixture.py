@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .._sampler import SEEDS, _integer, _permutation, _words
+from .._sampler import SEEDS, checked_integer, seed_words, seeded_permutation
 from . import _draws
 from ._draws import BLOCK, Ints
 
@@ -76,7 +76,7 @@ class Mixture(torch.utils.data.Dataset[Any]):
         self.datasets: dict[str, Any] = dict(datasets)
         self.names: tuple[str, ...] = tuple(self.datasets)
         self.lengths: tuple[int, ...] = tuple(len(ds) for ds in self.datasets.values())
-        self.seed = _integer("seed", seed, SEEDS)
+        self.seed = checked_integer("seed", seed, SEEDS)
         self.replacement = replacement
         self.weights = weights
         self.schedule: Callable[[int], Mapping[str, float]] | None = None
@@ -273,8 +273,8 @@ class Mixture(torch.utils.data.Dataset[Any]):
         """Source ``code``'s permutation for pass ``number`` (the last few kept)."""
         order = self._orders.get((code, number))
         if order is None:
-            key = np.random.SeedSequence(self.seed, spawn_key=(_ORDER_KEY, *self._keys[code], *_words(number)))
-            order = _permutation(self.lengths[code], key)
+            key = np.random.SeedSequence(self.seed, spawn_key=(_ORDER_KEY, *self._keys[code], *seed_words(number)))
+            order = seeded_permutation(self.lengths[code], key)
             stale = [k for k in self._orders if k[0] == code and not number - _KEPT_PASSES < k[1] <= number]
             for k in stale:
                 del self._orders[k]
@@ -378,7 +378,7 @@ def _position(value: Any) -> int:
 
 def _name_words(name: str) -> tuple[int, int]:
     """A source's name as two 32-bit words of a spawn key: its permutations depend on its name, not its place."""
-    return _words(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
+    return seed_words(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
 
 
 def _mix64(x: np.ndarray[Any, np.dtype[np.uint64]]) -> np.ndarray[Any, np.dtype[np.uint64]]:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .._sampler import _integer, node_topology
+from .._sampler import checked_integer, node_topology
 from ._collate import as_is, collate_tree
 from ._columns import new_batch
 from ._dataset import CachedDataset
@@ -343,11 +343,11 @@ class MixtureLoader(Loader):
                 f"the state was saved by a loader of another mixture ({said}): its position would draw other "
                 "samples. Resume with the same sources, seed and replacement"
             )
-        position = _integer("the state's position", state["position"], _END)
+        position = checked_integer("the state's position", state["position"], _END)
         end = state.get("end")
         frontier = sampler.frontier
         frontier.position = position
-        frontier.end = None if end is None else _integer("the state's end", end, _END)
+        frontier.end = None if end is None else checked_integer("the state's end", end, _END)
 
 
 class _Stepping:
@@ -411,9 +411,9 @@ def make_loader(
     **dataloader_kwargs: Any,
 ) -> MixtureLoader:
     """The loader :meth:`Mixture.loader` describes."""
-    batch_size = _integer("batch_size", batch_size, _END, start=1)
+    batch_size = checked_integer("batch_size", batch_size, _END, start=1)
     if num_samples is not None:
-        num_samples = _integer("num_samples", num_samples, _END, start=1)
+        num_samples = checked_integer("num_samples", num_samples, _END, start=1)
     if not isinstance(stateful, bool):
         raise TypeError(f"stateful must be True or False, not {stateful!r}")
     for name in ("batch_size", "batch_sampler", "sampler", "shuffle", "drop_last"):
@@ -441,6 +441,6 @@ def _ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
         num_nodes, node_rank, local_world_size, local_rank = node_topology()
         world_size = num_nodes * local_world_size if world_size is None else world_size
         rank = node_rank * local_world_size + local_rank if rank is None else rank
-    world_size = _integer("world_size", world_size, _END, start=1)
-    rank = _integer("rank", rank, world_size)
+    world_size = checked_integer("world_size", world_size, _END, start=1)
+    rank = checked_integer("rank", rank, world_size)
     return rank, world_size

@@ -46,8 +46,8 @@ from .._tensors import tensor_to_numpy
 from ..cache import Cache
 from ._checks import schema_problem
 from ._elements import ElementPath
-from ._fill_checks import RepeatCheck, StoredCheck
 from ._epochs import EpochBoard
+from ._fill_checks import RepeatCheck, StoredCheck
 from ._leaves import LeafShapeError, convert_leaf, fit
 from ._schema import Schema, declaration, declared_fields, describe, first_fields, storage_dtypes, with_dtypes
 from ._settings import default_path
