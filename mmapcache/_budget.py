@@ -57,7 +57,7 @@ from ._names import (
     side_stem,
     temp_stem,
 )
-from ._paths import default_dir, filesystem_type, is_memory_filesystem
+from ._paths import default_dir, filesystem_type, is_memory_filesystem, memory_limit
 from ._removal import in_use, remove
 from ._sizes import format_age, format_bytes, parse_bytes, parse_duration
 
@@ -214,7 +214,6 @@ _defaults: dict[int, tuple[float, int | None]] = {}
 def _default_limit(directory: Path) -> int | None:
     if not is_memory_filesystem(filesystem_type(directory)):
         return None
-    from ._disk_usage import memory_limit
 
     st = os.statvfs(directory)
     size = st.f_blocks * st.f_frsize

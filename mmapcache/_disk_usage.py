@@ -18,7 +18,7 @@ from typing import Any
 from ._budget import Budget, budget
 from ._inspect import directory_of, entries
 from ._names import is_cache_name, leftover_stem
-from ._paths import filesystem_type, is_network_filesystem
+from ._paths import filesystem_type, is_network_filesystem, memory_limit
 from ._residency import resident_bytes
 from ._sizes import format_bytes
 
@@ -39,10 +39,6 @@ SMALL_TMPFS = 2**30
 
 # Below this fraction of free space, say how to make room.
 LOW_FREE_FRACTION = 0.10
-
-
-# cgroup v1 reports "no limit" as a page-rounded 2**63 - 1.
-_NO_LIMIT = 2**60
 
 
 @dataclass(frozen=True)
@@ -178,42 +174,3 @@ def disk_warnings(usage: DiskUsage) -> list[str]:
             "creations that did not finish; `mmapcache gc` removes them"
         )
     return found
-
-
-def memory_limit() -> int | None:
-    """This process's memory cgroup limit in bytes (cgroup v1 or v2), or ``None`` if unlimited or unknown."""
-    for candidate in _cgroup_limit_files():
-        try:
-            text = candidate.read_text().strip()
-        except OSError:
-            continue
-        if text == "max":
-            return None
-        try:
-            value = int(text)
-        except ValueError:
-            return None
-        return value if value < _NO_LIMIT else None
-    return None
-
-
-def _cgroup_limit_files() -> list[Path]:
-    """Limit files for our cgroup, most specific first (in a container the root view is ours)."""
-    root = Path("/sys/fs/cgroup")
-    v1: list[Path] = []
-    v2: list[Path] = []
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, relative = parts
-        relative = relative.lstrip("/")
-        if "memory" in controllers.split(","):
-            v1 = [root / "memory" / relative / "memory.limit_in_bytes", root / "memory" / "memory.limit_in_bytes"]
-        elif controllers == "":
-            v2 = [root / relative / "memory.max", root / "memory.max"]
-    return [path for path in v1 + v2 if path.exists()]

@@ -33,6 +33,7 @@ __all__ = [
     "file_kind",
     "filesystem_type",
     "free_bytes",
+    "memory_limit",
     "statvfs_near",
 ]
 
@@ -264,3 +265,46 @@ def free_bytes(path: str | os.PathLike[str]) -> int | None:
     """Bytes an unprivileged user may still allocate where ``path`` is (``None`` when unknown)."""
     st = statvfs_near(path)
     return None if st is None else st.f_bavail * st.f_frsize
+
+
+# cgroup v1 reports "no limit" as a page-rounded 2**63 - 1.
+_NO_LIMIT = 2**60
+
+
+def memory_limit() -> int | None:
+    """This process's memory cgroup limit in bytes (cgroup v1 or v2), or ``None`` if unlimited or unknown."""
+    for candidate in _cgroup_limit_files():
+        try:
+            text = candidate.read_text().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            return None
+        return value if value < _NO_LIMIT else None
+    return None
+
+
+def _cgroup_limit_files() -> list[Path]:
+    """Limit files for our cgroup, most specific first (in a container the root view is ours)."""
+    root = Path("/sys/fs/cgroup")
+    v1: list[Path] = []
+    v2: list[Path] = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, relative = parts
+        relative = relative.lstrip("/")
+        if "memory" in controllers.split(","):
+            v1 = [root / "memory" / relative / "memory.limit_in_bytes", root / "memory" / "memory.limit_in_bytes"]
+        elif controllers == "":
+            v2 = [root / relative / "memory.max", root / "memory.max"]
+    return [path for path in v1 + v2 if path.exists()]

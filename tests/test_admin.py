@@ -23,8 +23,9 @@ from test_file import mounted_tmpfs
 import mmapcache
 from mmapcache import Cache, CacheFormatError, CacheInUseError, CacheSpaceError, Field, UnsafeCacheFileError
 from mmapcache._collect import orphan_lock, remove_orphan_lock
-from mmapcache._disk_usage import SMALL_TMPFS, DiskUsage, disk_warnings, memory_limit
+from mmapcache._disk_usage import SMALL_TMPFS, DiskUsage, disk_warnings
 from mmapcache._format import version_for
+from mmapcache._paths import memory_limit
 from mmapcache._slots import WRITING
 from mmapcache._validation import read_header
 

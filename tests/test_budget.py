@@ -26,7 +26,7 @@ import pytest
 import mmapcache
 from mmapcache import Cache, CacheSpaceError, Field
 from mmapcache._budget import BUDGET_ENV, DEFAULT_CGROUP_FRACTION, RECLAIM_GRACE, default_limit
-from mmapcache._disk_usage import memory_limit
+from mmapcache._paths import memory_limit
 from mmapcache._names import BUDGET_NAME, is_reservation_name
 
 ROOT = Path(__file__).resolve().parent.parent
