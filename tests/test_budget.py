@@ -26,8 +26,8 @@ import pytest
 import mmapcache
 from mmapcache import Cache, CacheSpaceError, Field
 from mmapcache._budget import BUDGET_ENV, DEFAULT_CGROUP_FRACTION, RECLAIM_GRACE, default_limit
-from mmapcache._paths import memory_limit
 from mmapcache._names import BUDGET_NAME, is_reservation_name
+from mmapcache._paths import memory_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPER = Path(__file__).with_name("_budget_procs.py")
