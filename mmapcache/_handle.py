@@ -18,8 +18,10 @@ keeps a reference to the ``mmap`` object but holds no buffer export, so
 ``mm.close()`` succeeds while arrays over the mapping are alive and unmaps the
 memory they point to: their next read is a SIGSEGV. ``close()`` therefore
 releases the descriptor — and with it the in-use lock and any claim — at once,
-and leaves the unmap to the ``mmap`` object's deallocation, which happens when
-the last array, view or zero-copy tensor over the mapping is gone.
+drops the handle's own references to the mapping (the ``mmap`` object, the
+variable region's arrays) and leaves the unmap to the ``mmap`` object's
+deallocation, which happens when the last array, view or zero-copy tensor over
+the mapping is gone — not when the closed handle itself is.
 
 Fork
 ----
@@ -113,7 +115,9 @@ class Handle:
                 self.board.release()
                 os.close(self.fd)
                 self.fd = self.locks.fd = -1
-            self.mm = None  # arrays over the mapping keep it alive; it is unmapped after them
+            # Drop the handle's own references to the mapping (the heap's arrays):
+            # arrays others still hold keep it alive; it is unmapped after the last of them.
+            self.mm = self.heap = None
 
     def _flags(self) -> int:
         return (os.O_RDONLY if self.readonly else os.O_RDWR) | os.O_CLOEXEC

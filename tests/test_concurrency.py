@@ -656,3 +656,26 @@ def test_forked_child_keeps_the_cache_in_use_after_the_parent_closes(cache_dir: 
 def test_in_use_of_a_missing_file_raises(cache_dir: Path) -> None:
     with pytest.raises(FileNotFoundError):
         mmapcache.in_use(cache_dir / "missing.mmc")
+
+
+def _mapped_by_me(path: Path) -> bool:
+    """Whether this process still maps the file ``path`` (a removed file reads ``path (deleted)``)."""
+    with open("/proc/self/maps") as maps:
+        return any(line.rstrip().split(maxsplit=5)[-1].startswith(str(path)) for line in maps if "/" in line)
+
+
+@pytest.mark.parametrize("shape", [(4,), (None,)], ids=["fixed", "variable"])
+def test_close_unmaps_once_nothing_reads_the_mapping(cache_dir: Path, shape: tuple[int | None]) -> None:
+    # close() leaves the unmap to the last reference: a closed handle keeps none of its own,
+    # so the memory of a removed file is freed while the Cache object still lives.
+    path = cache_dir / "c.mmc"
+    cache = Cache(path, fields={"x": mmapcache.Field(shape, "float32")}, length=64, max_bytes="4MiB")
+    cache.put(0, {"x": np.arange(4, dtype=np.float32)})
+    view = cache.views["x"] if shape == (4,) else None
+    cache.close()
+    mmapcache.remove(path)
+    if view is not None:  # an array over the mapping keeps it: reading it stays safe
+        assert _mapped_by_me(path) and view[0].tolist() == [0, 1, 2, 3]
+        del view
+    assert not _mapped_by_me(path)
+    assert cache.closed
