@@ -615,3 +615,34 @@ def test_info_reads_the_usage_counters_of_every_process(cache_dir: Path) -> None
     assert usage is not None
     assert usage.processes == {}
     assert (usage.total.hits, usage.total.written) == (2, 2), "closed handles leave their counts in the file"
+
+
+# -- a closed CachedDataset -------------------------------------------------------------------
+
+
+def test_stats_of_a_closed_dataset_leaves_the_file_removable(cache_dir: Path) -> None:
+    # The end of a training script: close, report, remove — without force=True.
+    import torch
+
+    from mmapcache.torch import CachedDataset
+
+    class Squares(torch.utils.data.Dataset[torch.Tensor]):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.full((3,), float(i * i))
+
+    ds = CachedDataset(Squares(), path=cache_dir / "sq.mmc", key="squares")
+    for i in range(8):
+        ds[i]
+    ds.close()
+    stats = ds.stats()
+    assert (stats["filled"], stats["misses"], stats["processes"]) == (8, 8, 1)
+    assert not mmapcache.in_use(ds.path)
+    mmapcache.remove(ds.path)
+    assert not ds.path.exists()
+    ds[3]  # used again: opened (and here created) again, and kept open
+    assert ds.stats()["filled"] == 1 and mmapcache.in_use(ds.path)
+    ds.close()
+    mmapcache.remove(ds.path)
