@@ -36,7 +36,7 @@ import numpy as np
 
 from ._boot import boot_page
 from ._errors import CacheSpaceError
-from ._file import check_space, creation_lock, fsync_dir, preallocate, write_all
+from ._file import check_space, creation_lock, fsync_dir, preallocate, remove_leftovers, write_all
 from ._format import Header, Layout, compute_layout, descriptor_nbytes
 from ._header import new_header, pack_header
 from ._heap import extent_size_for, place
@@ -106,6 +106,7 @@ def resize(path: str | os.PathLike[str], *, max_bytes: int | str, timeout: float
         with creation_lock(target, timeout):
             if not os.path.samestat(os.stat(target, follow_symlinks=False), os.fstat(old._handle.fd)):
                 raise FileNotFoundError(errno.ENOENT, f"{target} was replaced while resizing it", str(target))
+            remove_leftovers(target)  # the temp files of resizers (or creators) killed before us
             new = _plan(header, layout, budget, max_bytes, plan_capacity, plan_variable, target)
             new_layout = compute_layout(new)
             try:

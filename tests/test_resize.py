@@ -209,3 +209,50 @@ def test_resize_while_a_reader_and_a_filler_use_the_cache_never_shows_a_wrong_sa
         assert cache.verify() == []
     mmapcache.remove(path)
     stop.unlink()
+
+
+RESIZER = """
+import sys
+import mmapcache
+mmapcache.resize(sys.argv[1], max_bytes="512MiB")
+"""
+
+
+def _kill_a_resize_midway(path: Path) -> Path:
+    """Start a real `resize` of ``path``, SIGKILL it once its temp file exists; that temp file."""
+    resizer = subprocess.Popen([sys.executable, "-c", RESIZER, str(path)])
+    prefix = f"{path.name}.tmp-{resizer.pid}-"
+    try:
+        deadline = time.monotonic() + 60
+        while not (temps := [n for n in os.listdir(path.parent) if n.startswith(prefix)]):
+            assert resizer.poll() is None, "the resize ended before its temp file was seen"
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    finally:
+        resizer.kill()
+        resizer.wait()
+    (temp,) = temps
+    return path.parent / temp
+
+
+@pytest.mark.parametrize("then", ["resize", "open", "gc"])
+def test_the_temp_file_of_a_killed_resize_goes_with_the_next_resize_open_or_gc(tmp_path: Path, then: str) -> None:
+    # A SIGKILLed resize leaves its temp file (as large as the new cache): the next resize, open or gc
+    # removes it (nobody holds the creation lock, so its maker is dead).
+    path = tmp_path / "big.mmc"
+    with Cache.open(path, {"x": Field((4096,), "uint8")}, 100_000, capacity=100) as cache:
+        cache.put(0, {"x": np.full(4096, 7, np.uint8)})
+    temp = _kill_a_resize_midway(path)
+    assert temp.exists()
+    if then == "resize":
+        mmapcache.resize(path, max_bytes="1MiB")
+    elif then == "open":
+        Cache.open(path, readonly=True).close()
+    else:
+        report = mmapcache.gc(tmp_path)  # the default age: a dead maker's temp file goes whatever its age
+        assert [(r.path, r.kind) for r in report.removed] == [(temp, "leftover")]
+    assert not temp.exists()
+    with Cache.open(path) as cache:  # the cache itself is intact
+        assert cache.get(0)["x"].tolist() == [7] * 4096
+    assert sorted(os.listdir(tmp_path)) == ["big.mmc", "big.mmc.lock"]
+    mmapcache.remove(path)
