@@ -304,7 +304,8 @@ def test_gc_removes_leftovers_of_dead_creators_whatever_their_age(cache_dir: Pat
     age(leftover, 2 * DAY)
     report = mmapcache.gc(cache_dir, older_than="1d", dry_run=True)
     assert sorted((r.path, r.kind) for r in report.removed) == [(leftover, "leftover"), (fresh, "leftover")]
-    assert leftover.exists() and fresh.exists()
+    assert leftover.exists()
+    assert fresh.exists()
     assert sorted(os.listdir(cache_dir)) == sorted([leftover.name, fresh.name])  # a dry run makes no lock file
     report = mmapcache.gc(cache_dir, older_than="1d")
     # The lock that collecting the leftover took goes too: the creation it guarded is over.
@@ -648,6 +649,7 @@ def test_stats_of_a_closed_dataset_leaves_the_file_removable(cache_dir: Path) ->
     mmapcache.remove(ds.path)
     assert not ds.path.exists()
     ds[3]  # used again: opened (and here created) again, and kept open
-    assert ds.stats()["filled"] == 1 and mmapcache.in_use(ds.path)
+    assert ds.stats()["filled"] == 1
+    assert mmapcache.in_use(ds.path)
     ds.close()
     mmapcache.remove(ds.path)

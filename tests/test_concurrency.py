@@ -675,7 +675,8 @@ def test_close_unmaps_once_nothing_reads_the_mapping(cache_dir: Path, shape: tup
     cache.close()
     mmapcache.remove(path)
     if view is not None:  # an array over the mapping keeps it: reading it stays safe
-        assert _mapped_by_me(path) and view[0].tolist() == [0, 1, 2, 3]
+        assert _mapped_by_me(path)
+        assert view[0].tolist() == [0, 1, 2, 3]
         del view
     assert not _mapped_by_me(path)
     assert cache.closed
