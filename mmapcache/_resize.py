@@ -19,7 +19,9 @@ and swaps the name, as creation does:
    old file open keep a valid mapping of it (what they fill from then on
    stays in the old file, freed when the last of them closes it); every
    later open, and an open that raced the rename (it checks the name still
-   names the file it locked), gets the new file.
+   names the file it locked), gets the new file. A handle tells that its name
+   names another file now (``Cache.replaced``); ``CachedDataset`` asks on
+   every miss and moves to the new file before loading it.
 """
 
 from __future__ import annotations
@@ -87,7 +89,9 @@ def resize(path: str | os.PathLike[str], *, max_bytes: int | str, timeout: float
     copied, and the new file takes the name. Processes that have the old file
     open keep reading and filling it until they reopen (``Cache.open`` by the
     same path, a new ``CachedDataset``, the next run); what they fill after the
-    copy is not in the new file. Both files take space until the last of them
+    copy is not in the new file. A ``CachedDataset`` moves to the new file on
+    its next miss, in every process (``Cache.replaced`` tells a ``Cache`` that
+    its path names a new file). Both files take space until the last of them
     closes the old one: :class:`CacheSpaceError` says so when there is not
     room for both.
     """

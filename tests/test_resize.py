@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,8 @@ _WORKER = textwrap.dedent(
                         print(f"slot {i} read wrong", flush=True)
                         sys.exit(1)
         rounds += 1
+        if rounds == 1:
+            print("ready", flush=True)
     print(f"{role}: {rounds} opens, {reads} hits checked", flush=True)
     """
 )
@@ -186,6 +189,9 @@ def test_resize_while_a_reader_and_a_filler_use_the_cache_never_shows_a_wrong_sa
         for role in ("reader", "filler")
     ]
     try:
+        for proc in procs:  # both have done a round of reads or puts (however slow to start on a loaded machine)
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == "ready\n"
         kept = []
         for budget in ("64KiB", "256KiB", "1MiB"):
             time.sleep(0.5)
@@ -256,3 +262,68 @@ def test_the_temp_file_of_a_killed_resize_goes_with_the_next_resize_open_or_gc(t
         assert cache.get(0)["x"].tolist() == [7] * 4096
     assert sorted(os.listdir(tmp_path)) == ["big.mmc", "big.mmc.lock"]
     mmapcache.remove(path)
+
+
+class LoggedTokens:
+    """A map-style dataset of variable-length token rows that logs every load (pid, index) to a file."""
+
+    def __init__(self, n: int, log: Path) -> None:
+        self.n, self.log = n, log
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import torch
+
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()} {i}\n")
+        return {"tokens": torch.arange(i % 53 + 1, dtype=torch.int32) + i}
+
+
+CHECK = 2  # samples each process compares with the dataset on its first open of a file
+
+
+def _loads(log: Path) -> list[int]:
+    return [int(line.split()[1]) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_resize_during_training_with_spawn_workers_loads_each_missing_sample_once(tmp_path: Path) -> None:
+    # The main process opened the file before the resize; spawn workers open the new one by path and
+    # store the misses there. The main process follows the name on its first miss and gathers from the
+    # new file too, instead of loading the workers' samples a second time.
+    from mmapcache.torch import CachedDataset
+
+    n, log = 768, tmp_path / "loads.log"
+    ds = CachedDataset(
+        LoggedTokens(n, log),
+        path=tmp_path / "tok.mmc",
+        key="tokens",
+        fields={"tokens": Field((None,), "int32")},
+        max_bytes=48 * 1024,
+        check=CHECK,
+    )
+    for _ in ds.loader(batch_size=64, ragged="list"):  # epoch 0 in the main process: about a third fits
+        pass
+    kept = ds.stats()["filled"]
+    assert 0 < kept < n // 2
+    done = mmapcache.resize(ds.path, max_bytes="4MiB")
+    assert done.kept == kept
+    log.unlink()
+    seen = []
+    loader = ds.loader(batch_size=64, ragged="list", num_workers=2, multiprocessing_context="spawn")
+    for batch in loader:
+        for row in batch["tokens"]:
+            i = int(row[0])
+            assert row.tolist() == list(range(i, i + i % 53 + 1))
+            seen.append(i)
+    assert sorted(seen) == list(range(n))
+    loads = _loads(log)
+    # Each process (the main one, two workers) checks the new file once against the dataset: `check` loads.
+    bound = 3 * CHECK
+    assert sum(count - 1 for count in Counter(loads).values()) <= bound  # loaded twice: only those checks
+    assert n - kept <= len(loads) <= n - kept + bound  # the samples the old file lacked, each once
+    assert ds.stats()["filled"] == n
+    assert not ds.cache.replaced
+    ds.close()
+    mmapcache.remove(ds.path)
