@@ -327,3 +327,115 @@ def test_resize_during_training_with_spawn_workers_loads_each_missing_sample_onc
     assert not ds.cache.replaced
     ds.close()
     mmapcache.remove(ds.path)
+
+
+class Documents:
+    """A stream of token documents (an iterable with a length), as docs/streams.md's."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Any:
+        import torch
+
+        for i in range(self.count):
+            yield {"tokens": torch.arange(i % 13 + 1) + i, "label": i}
+
+
+def _stream(path: Path, max_bytes: str = "16KiB") -> Any:
+    import torch.utils.data
+
+    from mmapcache.torch import CachedStream
+
+    class Stream(Documents, torch.utils.data.IterableDataset):  # type: ignore[misc]
+        pass
+
+    fields = {"tokens": Field((None,), "int64"), "label": Field((), "int64")}
+    return CachedStream(Stream(200), path, key="docs", max_bytes=max_bytes, fields=fields)
+
+
+def _labels(stream: Any) -> list[int]:
+    labels = []
+    for element in stream:
+        i = int(element["label"])
+        assert element["tokens"].tolist() == [i + t for t in range(i % 13 + 1)]
+        labels.append(i)
+    return sorted(labels)
+
+
+def test_the_advice_for_a_full_stream_cache_works_resize_and_the_next_pass_stores_the_rest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "docs.mmc"
+    small = _stream(path)
+    with caplog.at_level("WARNING", logger="mmapcache"):
+        assert _labels(small) == list(range(200))
+    before = small.stats()
+    assert before["complete"]
+    assert before["full"]
+    assert before["stored"] < 200
+    advice = " ".join(record.getMessage() for record in caplog.records)
+    assert f"mmapcache resize {path} --max-bytes SIZE" in advice
+    info = subprocess.run(
+        [sys.executable, "-m", "mmapcache", "info", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert "mmapcache resize" in info
+    small.close()
+    # The next run asks for more room: the existing file keeps its size, and the log says how to grow it.
+    caplog.clear()
+    larger = _stream(path, max_bytes="1MiB")
+    with caplog.at_level("WARNING", logger="mmapcache"):
+        assert _labels(larger) == list(range(200))
+    assert larger.stats()["stored"] == before["stored"]
+    advice = " ".join(record.getMessage() for record in caplog.records)
+    assert f"mmapcache resize {path} --max-bytes 1MiB" in advice
+    larger.close()
+    # Following the advice:
+    subprocess.run([sys.executable, "-m", "mmapcache", "resize", str(path), "--max-bytes", "1MiB"], check=True)
+    grown = _stream(path, max_bytes="1MiB")
+    assert _labels(grown) == list(range(200))  # stores what did not fit
+    after = grown.stats()
+    assert after["complete"]
+    assert not after["full"]
+    assert (after["stored"], after["uncached"]) == (200, 0)
+    streamed = after["streamed"]
+    assert _labels(grown) == list(range(200))  # every element from the file now
+    assert grown.stats()["streamed"] == streamed
+    with Cache.open(path) as cache:
+        assert cache.verify() == []
+    grown.close()
+    mmapcache.remove(path)
+
+
+def test_the_advice_of_verify_fix_on_a_stream_cache_works(tmp_path: Path) -> None:
+    path = tmp_path / "docs.mmc"
+    stream = _stream(path, max_bytes="1MiB")
+    assert _labels(stream) == list(range(200))
+    assert stream.stats()["complete"]
+    stream.close()
+    with Cache.open(path, readonly=True) as cache:
+        offset, size = cache._layout.field_offsets["label"], cache._layout.file_size
+    with open(path, "r+b") as f:  # damage one slot's bytes (its checksum no longer matches)
+        f.seek(offset + 3 * 8)
+        f.write(b"\xff" * 8)
+    fixed = subprocess.run(
+        [sys.executable, "-m", "mmapcache", "verify", "--fix", str(path)], capture_output=True, text=True
+    ).stdout
+    assert "slot 3 does not match its checksum" in fixed
+    assert "refill on the next miss" not in fixed
+    assert f"mmapcache resize {path} --max-bytes SIZE" in fixed
+    # Following it:
+    subprocess.run([sys.executable, "-m", "mmapcache", "resize", str(path), "--max-bytes", str(2 * size)], check=True)
+    again = _stream(path, max_bytes="1MiB")
+    assert _labels(again) == list(range(200))  # the missing element stored again
+    assert _labels(again) == list(range(200))  # and read from the file
+    stats = again.stats()
+    assert stats["complete"]
+    assert (stats["stored"], stats["uncached"]) == (200, 0)
+    again.close()
+    with Cache.open(path) as cache:
+        assert cache.verify() == []
+    mmapcache.remove(path)

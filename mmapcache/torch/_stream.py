@@ -24,6 +24,7 @@ import torch.utils.data
 
 from .._errors import SchemaMismatchError
 from .._field import Field, FieldsLike
+from .._sizes import format_bytes, parse_bytes
 from .._stream import (
     Partition,
     PartitionWriter,
@@ -163,6 +164,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         self._lock = threading.Lock()
         self._read = self._streamed = self._written = 0
         self._passes = 0  # iterations of this object in this process (see set_epoch)
+        self._warned_budget = False  # that an existing file ignores a larger max_bytes= (once a process)
 
     def __getstate__(self) -> dict[str, Any]:
         state = {name: value for name, value in self.__dict__.items() if not name.startswith("_")}
@@ -216,6 +218,25 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
             )
         self._cache = cache
         self._schema = Schema(cache.fields, self.path)
+        self._warn_if_budget_ignored(cache)
+
+    def _warn_if_budget_ignored(self, cache: Cache) -> None:
+        """A full file made with a smaller budget than ``max_bytes=``: the file keeps its size; say how to grow it."""
+        if self.max_bytes is None or self._warned_budget or not stream_status(cache).full:
+            return
+        budget = parse_bytes(self.max_bytes, name="max_bytes")
+        if budget > cache.nbytes:
+            self._warned_budget = True
+            log.warning(
+                "%s is full and was made %s, less than max_bytes=%r: an existing stream cache keeps its size. "
+                "Grow it with `mmapcache resize %s --max-bytes %s` (what it holds stays; the next pass stores "
+                "the rest)",
+                self.path,
+                format_bytes(cache.nbytes),
+                self.max_bytes,
+                self.path,
+                self.max_bytes,
+            )
 
     # -- iterating -----------------------------------------------------------------------
 
