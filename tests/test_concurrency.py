@@ -373,22 +373,25 @@ def _crash_round(directory: Path, pool: WorkerPool[Worker], rng: random.Random, 
 
 def _crash_fuzz(directory: Path, min_kills: int, seed: int) -> _CrashStats:
     rng, stats, pool = random.Random(seed), _CrashStats(), WorkerPool(Worker)
+    # A good number of kills must land inside a single put. Which share of them does depends on the
+    # load of the machine, so the rounds go on until enough did, rather than asking a share of a fixed
+    # number of kills (a threshold that failed at load average 10).
+    mid_put = max(1, min_kills // 5)
     start = time.monotonic()
     try:
-        while stats.kills < min_kills:
-            assert stats.rounds < 4 * min_kills, f"too few kills landed mid-fill: {stats}"
+        while stats.kills < min_kills or stats.mid_slot < mid_put:
+            assert stats.rounds < 20 * min_kills, f"too few kills landed mid-fill or inside a put: {stats}"
             _crash_round(directory, pool, rng, stats)
     finally:
         pool.close()
     stats.seconds = time.monotonic() - start
-    # Most kills must land while the writers were writing, and a good share inside a single put.
+    # Most kills must land while the writers were writing (the kill window shrinks when one finished first).
     assert stats.kills >= 2 * stats.finished, stats
-    assert stats.mid_slot >= stats.kills // 5, f"too few kills landed inside a put: {stats}"
     print(f"crash fuzz: {stats}")
     return stats
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 def test_crash_fuzz_writers_killed_mid_fill(cache_dir: Path) -> None:
     """>= 60 writers SIGKILLed at random instants mid-fill; READY stays valid, killed slots refill."""
     _crash_fuzz(cache_dir, min_kills=60, seed=1)
@@ -404,7 +407,7 @@ def test_crash_fuzz_long(cache_dir: Path) -> None:
 # -- concurrent creators ----------------------------------------------------------
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 def test_concurrent_creators_released_by_a_barrier(cache_dir: Path) -> None:
     """16 spawned processes open-or-create one path at the same instant, several rounds."""
     n = 16
