@@ -133,7 +133,8 @@ def test_the_sample_outputs_are_what_the_commands_print(section: str, cache_dir:
     shown = _sample(section)
     assert len(printed) == len(shown), (printed, shown)
     for page, real in zip(shown, printed, strict=True):
-        assert re.fullmatch(_pattern(page), " ".join(real.split())), f"the page shows {page!r}, the command prints {real!r}"
+        matches = re.fullmatch(_pattern(page), " ".join(real.split()))
+        assert matches, f"the page shows {page!r}, the command prints {real!r}"
     if section.startswith("info"):
         assert f"mmapcache {mmapcache.__version__})" in "\n".join(shown)  # the page names this version
     mmapcache.remove(cache_dir / "demo.mmc")
