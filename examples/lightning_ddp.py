@@ -132,7 +132,8 @@ def main() -> None:
                 misses = counter.stat().st_size if counter.exists() else 0
                 print(
                     f"run {run}: {seconds:4.1f} s in all, epoch {epoch:5.2f} s; "
-                    f"samples loaded from the dataset (misses): {misses} of {args.length}"
+                    f"samples loaded from the dataset: {misses} of {args.length} (misses, and the spot checks: "
+                    "check=2 samples per process that opens the file)"
                 )
             with mmapcache.Cache(path) as cache:
                 print(f"one cache file on the node: {cache.filled}/{cache.length} samples, {cache.nbytes >> 20} MiB")

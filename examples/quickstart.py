@@ -7,6 +7,7 @@ removes the cache at the end (pass ``--keep`` to leave it for ``mmapcache ls``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import time
 
@@ -63,8 +64,11 @@ def main() -> None:
     if args.keep:
         print(f"kept {path}; list caches with `mmapcache ls`, delete with `mmapcache rm {path}`")
     else:
-        mmapcache.remove(path)
+        mmapcache.remove(path)  # the file and its lock file
         print(f"removed {path}")
+        with contextlib.suppress(OSError):  # the directory default_dir() made, unless other caches live there
+            path.parent.rmdir()  # (default_dir() makes it again when needed)
+            print(f"removed the empty {path.parent}")
 
 
 if __name__ == "__main__":

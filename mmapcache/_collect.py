@@ -155,8 +155,9 @@ def gc(
     reported in :attr:`GcReport.kept` with the process ids holding it. Damaged
     ``*.mmc`` files that start like a cache are removed by the same rule;
     files that are not mmapcache files are kept. Temporary files left by
-    creators that died are removed once they are as old, and so are orphan
-    lock files (a cache's ``.lock`` whose cache is gone; see
+    creators or resizers that died are removed whatever their age (a live one
+    holds the cache's creation lock, and its file is kept), and orphan
+    lock files as old as ``older_than`` (a cache's ``.lock`` whose cache is gone; see
     :func:`remove_orphan_lock`). Packing plans whose cache is gone (deleted
     without ``mmapcache rm``) are removed whatever their age. The private ``check-*`` directories of
     :mod:`mmapcache.testing` runs that were killed are removed whatever their
@@ -334,22 +335,29 @@ def _side_files(directory: Path, *, recursive: bool) -> list[Path]:
 def _collect_leftover(
     path: Path, stem: str, cutoff: float, dry_run: bool, removed: list[Removed], kept: list[Kept]
 ) -> bool:
-    """Remove the temp file ``path`` if old and abandoned; whether it was (would be, in a dry run) removed."""
+    """Remove the temp file ``path`` if abandoned, whatever its age; whether it was (would be) removed.
+
+    Only a creator or resizer holding the cache's creation lock makes (and
+    removes) a temp file, so while we hold that lock, every temp file of the
+    cache was abandoned by a process that died: its age says nothing more
+    (``cutoff`` is not used). A dry run takes the lock too, to leave out the
+    temp file of a creation in progress.
+    """
+    del cutoff
     try:
         st = os.lstat(path)
     except OSError:
         return False
-    if st.st_mtime > cutoff or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
         return False
-    if not dry_run:
-        target = path.with_name(stem)  # a stem is its own stem: same lock as the cache's
+    target = path.with_name(stem)  # a stem is its own stem: same lock as the cache's
+    if not (dry_run and not os.path.lexists(lock_path_for(target))):  # no lock file: nobody holds it
         try:
-            # Only a creator holding this lock makes (and removes) a temp file, so
-            # while we hold it, every temp file of this name was abandoned.
             with creation_lock(target, timeout=0):
                 if not os.path.samestat(st, os.lstat(path)):
                     return False
-                os.unlink(path)
+                if not dry_run:
+                    os.unlink(path)
         except CacheTimeoutError:
             kept.append(Kept(path, "a creator is building this cache right now", st.st_mtime))
             return False

@@ -83,6 +83,7 @@ __all__ = [
     "open_or_create",
     "preallocate",
     "read_lock_status",
+    "remove_abandoned",
     "remove_leftovers",
     "write_all",
 ]
@@ -127,6 +128,8 @@ def open_or_create(
     while True:
         try:
             fd, header, layout = _open_existing(path, expected, readonly=readonly, timeout=timeout)
+            if not created_now:
+                remove_abandoned(path)
             return OpenedFile(fd, header, layout, created_now)
         except FileNotFoundError:
             if new is None:
@@ -408,20 +411,41 @@ def _check_lock_file(lock_path: Path) -> None:
 
 
 def remove_leftovers(path: Path) -> None:
-    """Delete temp files of creators that died mid-way (only lock holders make them)."""
-    try:
-        names = [n for n in os.listdir(path.parent) if is_temp_name_of(n, path)]
-    except OSError:
-        return
-    for name in names:
+    """Delete temp files of creators or resizers that died mid-way (only lock holders make them).
+
+    Call it holding ``path``'s creation lock.
+    """
+    for name in _temp_names(path):
         leftover = path.parent / name
         try:
             st = os.lstat(leftover)
             if st.st_uid == os.geteuid():
                 os.unlink(leftover)
-                log.info("removed %s, left by a creator that did not finish", leftover)
+                log.info("removed %s, left by a creator or resizer that did not finish", leftover)
         except OSError:
             pass
+
+
+def remove_abandoned(path: Path) -> None:
+    """On opening ``path``: delete the temp files of its creators or resizers that died, if there are any.
+
+    The creation lock is only tried (``timeout=0``): while a creator or resizer
+    holds it, its temp file is alive, and the open does not wait for it.
+    """
+    if not _temp_names(path):
+        return
+    try:
+        with creation_lock(path, timeout=0):
+            remove_leftovers(path)
+    except (CacheError, OSError) as error:  # busy, or not ours to remove: a later open or `mmapcache gc` will
+        log.debug("left the temp files of %s: %s", path, error)
+
+
+def _temp_names(path: Path) -> list[str]:
+    try:
+        return [n for n in os.listdir(path.parent) if is_temp_name_of(n, path)]
+    except OSError:
+        return []
 
 
 def _create(

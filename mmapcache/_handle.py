@@ -18,8 +18,18 @@ keeps a reference to the ``mmap`` object but holds no buffer export, so
 ``mm.close()`` succeeds while arrays over the mapping are alive and unmaps the
 memory they point to: their next read is a SIGSEGV. ``close()`` therefore
 releases the descriptor — and with it the in-use lock and any claim — at once,
-and leaves the unmap to the ``mmap`` object's deallocation, which happens when
-the last array, view or zero-copy tensor over the mapping is gone.
+drops the handle's own references to the mapping (the ``mmap`` object, the
+variable region's arrays) and leaves the unmap to the ``mmap`` object's
+deallocation, which happens when the last array, view or zero-copy tensor over
+the mapping is gone — not when the closed handle itself is.
+
+Replacement
+-----------
+A handle is bound to the file it opened, not to its name: after ``resize``
+renames a new file over the name, the handle keeps reading (and filling) the
+old one. :meth:`Handle.replaced` tells, with one ``stat``, that the name now
+names another file; a binding that follows it (``CachedDataset`` does, on its
+next miss) closes the handle and opens the name again.
 
 Fork
 ----
@@ -61,10 +71,24 @@ def closed_error(path: Path) -> ValueError:
 class Handle:
     """A locked descriptor of one cache file and its shared mapping, in one process."""
 
-    __slots__ = ("__weakref__", "board", "fd", "heap", "locks", "mm", "path", "readonly", "refused", "write_lock")
+    __slots__ = (
+        "__weakref__",
+        "board",
+        "fd",
+        "heap",
+        "identity",
+        "locks",
+        "mm",
+        "path",
+        "readonly",
+        "refused",
+        "write_lock",
+    )
 
     def __init__(self, path: Path, fd: int, layout: Layout, *, readonly: bool) -> None:
         self.path, self.fd, self.readonly = path, fd, readonly
+        st = os.fstat(fd)
+        self.identity = (st.st_dev, st.st_ino)  # which file this is, whatever its name names later
         self.mm: mmap.mmap | None = _map(fd, layout.file_size, path, readonly=readonly)
         self.locks = SlotLocks(fd)
         self.board = Board(self.mm, layout, self.locks, writable=not readonly)
@@ -85,6 +109,18 @@ class Handle:
             raise closed_error(self.path)
         if writing and self.refused is not None:
             raise ReadonlyCacheError(self.refused, path=self.path)
+
+    def replaced(self) -> bool:
+        """Whether ``path`` names another file now (a resize swapped a new one in, or a remove and a create).
+
+        One ``stat`` of the name. A name that names nothing is not a replacement:
+        there is no newer file to follow.
+        """
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) != self.identity
 
     def reopen_in_child(self) -> None:
         """After fork: take our own description, so parent and child never share a claim."""
@@ -113,7 +149,9 @@ class Handle:
                 self.board.release()
                 os.close(self.fd)
                 self.fd = self.locks.fd = -1
-            self.mm = None  # arrays over the mapping keep it alive; it is unmapped after them
+            # Drop the handle's own references to the mapping (the heap's arrays):
+            # arrays others still hold keep it alive; it is unmapped after the last of them.
+            self.mm = self.heap = None
 
     def _flags(self) -> int:
         return (os.O_RDONLY if self.readonly else os.O_RDWR) | os.O_CLOEXEC

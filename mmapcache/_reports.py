@@ -267,7 +267,7 @@ def format_info(item: CacheInfo, now: float) -> str:
     return "\n".join(f"{label.ljust(width)}  {value}".rstrip() for label, value in rows)
 
 
-def format_problems(path: Path, problems: Sequence[Problem], *, fix: bool) -> str:
+def format_problems(path: Path, problems: Sequence[Problem], *, fix: bool, stream: bool = False) -> str:
     if not problems:
         return f"{path}: clean"
     plural = "s" if len(problems) != 1 else ""
@@ -276,7 +276,15 @@ def format_problems(path: Path, problems: Sequence[Problem], *, fix: bool) -> st
     if len(problems) > MAX_PROBLEMS_SHOWN:
         lines.append(f"  ... and {len(problems) - MAX_PROBLEMS_SHOWN} more")
     fixed = sum(problem.fixed for problem in problems)
-    if fix:
+    if fix and stream:
+        # A stream's slots hold elements by arrival, counted per partition: no miss ever names a slot.
+        lines.append(
+            f"fixed {fixed} of {len(problems)}: those slots are empty again, and a stream cache does not refill "
+            f"them by itself: `mmapcache rm {path}` and the next run fills it anew, or `mmapcache resize {path} "
+            "--max-bytes SIZE` (twice its size: a partition's elements after a missing one are stored again) "
+            "keeps the elements before and the next pass stores the rest"
+        )
+    elif fix:
         lines.append(f"fixed {fixed} of {len(problems)}: those slots are empty again and refill on the next miss")
     elif any(problem.index is not None for problem in problems):
         lines.append(f"run `mmapcache verify --fix {path}` to reset the bad slots")

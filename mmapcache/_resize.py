@@ -19,7 +19,9 @@ and swaps the name, as creation does:
    old file open keep a valid mapping of it (what they fill from then on
    stays in the old file, freed when the last of them closes it); every
    later open, and an open that raced the rename (it checks the name still
-   names the file it locked), gets the new file.
+   names the file it locked), gets the new file. A handle tells that its name
+   names another file now (``Cache.replaced``); ``CachedDataset`` asks on
+   every miss and moves to the new file before loading it.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ import numpy as np
 from ._boot import boot_page
 from ._budget import admitted
 from ._errors import CacheSpaceError
-from ._file import check_space, creation_lock, fsync_dir, preallocate, write_all
-from ._format import Header, Layout, compute_layout, descriptor_nbytes
+from ._file import check_space, creation_lock, fsync_dir, preallocate, remove_leftovers, write_all
+from ._format import ELEMENT_RECORD_SIZE, Header, Layout, compute_layout, descriptor_nbytes, slot_nbytes
 from ._header import new_header, pack_header
 from ._heap import extent_size_for, place
 from ._names import new_temp_path
+from ._partitions import _ALLOCATED, _ELEMENT, _PARTITION, ENDED, FULL, HOLE
 from ._paths import filesystem_type, is_memory_filesystem
 from ._plan import plan_capacity, plan_variable
 from ._sizes import format_bytes, parse_bytes
@@ -88,7 +91,9 @@ def resize(path: str | os.PathLike[str], *, max_bytes: int | str, timeout: float
     copied, and the new file takes the name. Processes that have the old file
     open keep reading and filling it until they reopen (``Cache.open`` by the
     same path, a new ``CachedDataset``, the next run); what they fill after the
-    copy is not in the new file. Both files take space until the last of them
+    copy is not in the new file. A ``CachedDataset`` moves to the new file on
+    its next miss, in every process (``Cache.replaced`` tells a ``Cache`` that
+    its path names a new file). Both files take space until the last of them
     closes the old one: :class:`CacheSpaceError` says so when there is not
     room for both.
     """
@@ -98,16 +103,12 @@ def resize(path: str | os.PathLike[str], *, max_bytes: int | str, timeout: float
     budget = parse_bytes(max_bytes, name="max_bytes")
     with Cache(target, timeout=timeout, readonly=True) as old:
         header, layout = old._header, old._layout
-        if header.stream is not None:
-            raise ValueError(
-                f"{target} caches a stream (format version 8), whose slots are numbered by arrival and whose size "
-                "the first epoch planned: it cannot be resized. Remove it (`mmapcache rm PATH`); the next run "
-                "fills a new one with the larger max_bytes= given to CachedStream"
-            )
         with creation_lock(target, timeout):
             if not os.path.samestat(os.stat(target, follow_symlinks=False), os.fstat(old._handle.fd)):
                 raise FileNotFoundError(errno.ENOENT, f"{target} was replaced while resizing it", str(target))
-            planned = _plan(header, layout, budget, max_bytes, plan_capacity, plan_variable, target)
+            remove_leftovers(target)  # the temp files of resizers (or creators) killed before us
+            planner = _plan_stream if header.stream is not None else _plan
+            planned = planner(header, layout, budget, max_bytes, old, target)
             try:
                 check_space(target, compute_layout(planned).file_size)
             except CacheSpaceError as error:
@@ -145,9 +146,7 @@ def resize(path: str | os.PathLike[str], *, max_bytes: int | str, timeout: float
     )
 
 
-def _plan(
-    header: Header, layout: Layout, budget: int, given: Any, plan_capacity: Any, plan_variable: Any, path: Path
-) -> Header:
+def _plan(header: Header, layout: Layout, budget: int, given: Any, old: Any, path: Path) -> Header:
     """The new file's header: the old one with the budget ``max_bytes`` gives, refused if it shrinks."""
     fields = header.fields
     if any(field.variable for field in fields.values()):
@@ -165,9 +164,55 @@ def _plan(
                 f"max_bytes={given!r} gives {capacity} slots, fewer than the {header.capacity} {path} has: "
                 "resize only grows a cache (remove it and create it anew to shrink it)"
             )
+    return _header(header, header.length, capacity, region, path)
+
+
+_RUN = 64  # the most slots a stream writer takes at once (a batch)
+
+
+def _plan_stream(header: Header, layout: Layout, budget: int, given: Any, old: Any, path: Path) -> Header:
+    """A stream cache's new header: more slots (its length is its slots) and values, as a new stream's plan.
+
+    The values per slot are planned from what the filled slots hold so far;
+    a complete stream's length (its partitions' totals, besides the slots
+    taken) bounds the slots, as ``len()`` does at creation. The slots never shrink: what the budget lacks
+    for them comes out of the variable region (refused if that shrinks).
+    """
+    from ._stream import plan_stream
+
+    fields = header.fields
+    region = old.variable_region
+    value_bytes = 0 if region is None else region.used // max(old.filled, 1)
+    stream = old._live().stream
+    ended = bool(np.all(stream.flags & ENDED))
+    # The slots in use stay taken (with their holes); the elements to store again need fresh ones — at
+    # most the whole stream (a damaged slot reopens its partition from its element on) — and a batch's run
+    # of slots per partition may be left a hole by a killed writer.
+    length = int(stream.allocated[0]) + int(stream.total.sum()) + _RUN * header.partitions if ended else None
+    per_slot = slot_nbytes(fields, header.version) + ELEMENT_RECORD_SIZE
+    try:
+        plan = plan_stream(
+            fields, max_bytes=budget, length=length, partitions=header.partitions, value_bytes=value_bytes
+        )
+        slots, variable = plan.slots, plan.variable_size
+    except ValueError:
+        slots = variable = 0
+    if slots < header.capacity:
+        slots = header.capacity
+        variable = (max(budget - slots * per_slot, 0) // 4096) * 4096 if header.variable_size else 0
+    if budget < slots * per_slot or variable < header.variable_size:
+        raise ValueError(
+            f"max_bytes={given!r} leaves {format_bytes(variable)} for the values of {slots} slots, less than the "
+            f"{format_bytes(header.variable_size)} of {path}: resize only grows a cache (give a larger max_bytes, "
+            f"such as its size, {format_bytes(layout.file_size)}; or remove it and let the next run fill it anew)"
+        )
+    return _header(header, slots, slots, variable, path)
+
+
+def _header(header: Header, length: int, capacity: int, region: int, path: Path) -> Header:
     fresh = new_header(
-        fields,
-        header.length,
+        header.fields,
+        length,
         capacity,
         header.key,
         {**header.created, "resized": iso_time()},
@@ -175,6 +220,7 @@ def _plan(
         extent_size=extent_size_for(region) if region else 0,
         indices_digest=header.indices_digest,
         on_disk=not is_memory_filesystem(filesystem_type(path.parent)),
+        stream=header.stream,
     )
     return fresh
 
@@ -182,6 +228,8 @@ def _plan(
 def _build(target: Path, old: Any, header: Header, layout: Layout) -> tuple[int, int]:
     """Write the new file under a temp name, copy the READY slots into it and rename it over ``target``."""
     mapped = old._live()
+    # A stream's counts are read before its slots: an element counted then is READY when the slots are read.
+    counts = _stream_counts(old) if header.stream is not None else None
     temp = new_temp_path(target)
     fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -191,8 +239,12 @@ def _build(target: Path, old: Any, header: Header, layout: Layout) -> tuple[int,
             write_all(fd, np.ascontiguousarray(mapped.indices, "<u8").tobytes(), layout.indices_offset, temp)
         if layout.boot_offset:
             write_all(fd, boot_page(), layout.boot_offset, temp)
+        if layout.stream_offset:  # the fill boot id: this boot's (the new file is made durable before it is named)
+            write_all(fd, boot_page(), layout.stream_offset, temp)
         with mmap.mmap(fd, layout.file_size) as mm:
             kept, dropped = _copy(mapped, header, layout, mm)
+            if counts is not None:
+                _copy_stream(old, counts, header, layout, mm)
             _carry_counters(old, layout, mm)
             mm.flush()
         os.fsync(fd)
@@ -239,6 +291,49 @@ def _copy(mapped: Any, header: Header, layout: Layout, mm: mmap.mmap) -> tuple[i
         np.ndarray((1,), "<u8", buffer=mm, offset=layout.allocator_offset)[0] = pos
     table[keep, 0] = READY  # last, as a writer publishes (nobody maps this file yet)
     return len(keep), len(ready) - len(keep)
+
+
+def _stream_counts(old: Any) -> tuple[int, np.ndarray[Any, Any]]:
+    """A stream cache's ``allocated`` and partition table, copied out of the old mapping."""
+    source, before = old._handle.mm, old._layout
+    allocated = int(np.ndarray((1,), "<u8", buffer=source, offset=before.stream_offset + _ALLOCATED)[0])
+    table = np.ndarray((before.partitions,), _PARTITION, buffer=source, offset=before.partitions_offset).copy()
+    return min(allocated, old.capacity), table
+
+
+def _copy_stream(
+    old: Any, counts: tuple[int, np.ndarray[Any, Any]], header: Header, layout: Layout, mm: mmap.mmap
+) -> None:
+    """The stream region of the new file: the slots keep their numbers, the partitions their counts.
+
+    What the counts do not cover becomes a hole: a slot whose element is not
+    below its partition's ``stored`` (counted after the counts were read, or a
+    run in progress), and, for a slot whose sample failed its checksum (not
+    copied), its element and those after it. A partition that had run out of
+    room (*full*), or lost an element so, is no longer *ended*: the next pass
+    of the same partitioning stores the rest of it into the room gained.
+    """
+    allocated, table = counts
+    source, before = old._handle.mm, old._layout
+    elements = np.ndarray((allocated,), _ELEMENT, buffer=source, offset=before.elements_offset).copy()
+    states = np.ndarray((allocated, header.record_size), np.uint8, buffer=mm, offset=layout.table_offset)[:, 0]
+    partitions = len(table)
+    stored = table["stored"].copy()
+    part = elements["partition"].astype(np.int64)
+    known = part < partitions
+    owner = np.where(known, part, 0)
+    lost = known & (elements["element"] < stored[owner]) & (states != READY)
+    np.minimum.at(stored, owner[lost], elements["element"][lost])
+    changed = stored < table["stored"]
+    elements["partition"][known & (elements["element"] >= stored[owner])] = HOLE
+    reopened = changed | ((table["flags"] & FULL) != 0)
+    table["stored"] = stored
+    table["flags"][reopened] = 0
+    table["total"][reopened] = 0
+    table["pending_slot"] = table["pending_element"] = 0
+    np.ndarray((1,), "<u8", buffer=mm, offset=layout.stream_offset + _ALLOCATED)[0] = allocated
+    np.ndarray((partitions,), _PARTITION, buffer=mm, offset=layout.partitions_offset)[:] = table
+    np.ndarray((allocated,), _ELEMENT, buffer=mm, offset=layout.elements_offset)[:] = elements
 
 
 def _carry_counters(old: Any, layout: Layout, mm: mmap.mmap) -> None:

@@ -184,7 +184,8 @@ def describe(status: StreamStatus) -> str:
         uncached = (status.total or 0) - status.stored
         return (
             f"complete but full: {status.stored} elements stored, {uncached} streamed uncached every epoch "
-            f"(partitioned as {split}; a larger max_bytes would hold them)"
+            f"(partitioned as {split}; `mmapcache resize PATH --max-bytes SIZE` grows the file, and the next pass "
+            "partitioned so stores the rest)"
         )
     partitions = ranks * workers
     return (

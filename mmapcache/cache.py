@@ -188,6 +188,18 @@ class Cache:
         return self._live().indices
 
     @property
+    def replaced(self) -> bool:
+        """Whether the path names another file now than the one this handle opened.
+
+        ``resize`` builds a new file and renames it over the old one; a handle
+        opened before keeps the old file (still valid: what it fills stays
+        there). Reopen (``Cache.open(cache.path)``) to use the new one —
+        ``CachedDataset`` does on its next miss. One ``stat`` of the path.
+        """
+        self._live()
+        return self._handle.replaced()
+
+    @property
     def refuted(self) -> bool:
         """Whether a process found that this file's inferred fields do not fit its dataset (see :meth:`refute`)."""
         self._live()

@@ -121,10 +121,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     except CacheFormatError as error:
         # A damaged header is what verify is for: report it as a problem.
         problems = [Problem("header", None, str(error))]
+        stream = False
     else:
         with cache:
             problems = cache.verify(fix=args.fix)
-    print(format_problems(path, problems, fix=args.fix))
+            stream = cache._header.stream is not None
+    print(format_problems(path, problems, fix=args.fix, stream=stream))
     return EXIT_PROBLEMS if problems else EXIT_OK
 
 

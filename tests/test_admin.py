@@ -295,7 +295,8 @@ def test_gc_damaged_files(cache_dir: Path) -> None:
     assert foreign.read_bytes() == b"someone else's data"
 
 
-def test_gc_removes_leftovers_of_dead_creators(cache_dir: Path) -> None:
+def test_gc_removes_leftovers_of_dead_creators_whatever_their_age(cache_dir: Path) -> None:
+    # Nobody holds their creation locks, so their creators died: a fresh leftover is as dead as an old one.
     leftover = cache_dir / "a.mmc.tmp-999-0123abcd"
     with open(leftover, "wb") as f:
         os.posix_fallocate(f.fileno(), 0, 1 << 16)
@@ -303,13 +304,18 @@ def test_gc_removes_leftovers_of_dead_creators(cache_dir: Path) -> None:
     fresh.write_bytes(b"x")
     age(leftover, 2 * DAY)
     report = mmapcache.gc(cache_dir, older_than="1d", dry_run=True)
-    assert [(r.path, r.kind) for r in report.removed] == [(leftover, "leftover")]
+    assert sorted((r.path, r.kind) for r in report.removed) == [(leftover, "leftover"), (fresh, "leftover")]
     assert leftover.exists()
+    assert fresh.exists()
+    assert sorted(os.listdir(cache_dir)) == sorted([leftover.name, fresh.name])  # a dry run makes no lock file
     report = mmapcache.gc(cache_dir, older_than="1d")
     # The lock that collecting the leftover took goes too: the creation it guarded is over.
-    lock = cache_dir / "a.mmc.lock"
-    assert [(r.path, r.kind, r.nbytes) for r in report.removed] == [(leftover, "leftover", 1 << 16), (lock, "lock", 0)]
-    assert os.listdir(cache_dir) == [fresh.name]
+    locks = [cache_dir / "a.mmc.lock", cache_dir / "b.mmc.lock"]
+    assert sorted((r.path, r.kind) for r in report.removed) == sorted(
+        [(leftover, "leftover"), (fresh, "leftover"), *((lock, "lock") for lock in locks)]
+    )
+    assert next(r.nbytes for r in report.removed if r.path == leftover) == 1 << 16
+    assert os.listdir(cache_dir) == []
 
 
 LOCKER = """
@@ -616,3 +622,35 @@ def test_info_reads_the_usage_counters_of_every_process(cache_dir: Path) -> None
     assert usage is not None
     assert usage.processes == {}
     assert (usage.total.hits, usage.total.written) == (2, 2), "closed handles leave their counts in the file"
+
+
+# -- a closed CachedDataset -------------------------------------------------------------------
+
+
+def test_stats_of_a_closed_dataset_leaves_the_file_removable(cache_dir: Path) -> None:
+    # The end of a training script: close, report, remove — without force=True.
+    import torch
+
+    from mmapcache.torch import CachedDataset
+
+    class Squares(torch.utils.data.Dataset[torch.Tensor]):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.full((3,), float(i * i))
+
+    ds = CachedDataset(Squares(), path=cache_dir / "sq.mmc", key="squares")
+    for i in range(8):
+        ds[i]
+    ds.close()
+    stats = ds.stats()
+    assert (stats["filled"], stats["misses"], stats["processes"]) == (8, 8, 1)
+    assert not mmapcache.in_use(ds.path)
+    mmapcache.remove(ds.path)
+    assert not ds.path.exists()
+    ds[3]  # used again: opened (and here created) again, and kept open
+    assert ds.stats()["filled"] == 1
+    assert mmapcache.in_use(ds.path)
+    ds.close()
+    mmapcache.remove(ds.path)

@@ -373,22 +373,25 @@ def _crash_round(directory: Path, pool: WorkerPool[Worker], rng: random.Random, 
 
 def _crash_fuzz(directory: Path, min_kills: int, seed: int) -> _CrashStats:
     rng, stats, pool = random.Random(seed), _CrashStats(), WorkerPool(Worker)
+    # A good number of kills must land inside a single put. Which share of them does depends on the
+    # load of the machine, so the rounds go on until enough did, rather than asking a share of a fixed
+    # number of kills (a threshold that failed at load average 10).
+    mid_put = max(1, min_kills // 5)
     start = time.monotonic()
     try:
-        while stats.kills < min_kills:
-            assert stats.rounds < 4 * min_kills, f"too few kills landed mid-fill: {stats}"
+        while stats.kills < min_kills or stats.mid_slot < mid_put:
+            assert stats.rounds < 20 * min_kills, f"too few kills landed mid-fill or inside a put: {stats}"
             _crash_round(directory, pool, rng, stats)
     finally:
         pool.close()
     stats.seconds = time.monotonic() - start
-    # Most kills must land while the writers were writing, and a good share inside a single put.
+    # Most kills must land while the writers were writing (the kill window shrinks when one finished first).
     assert stats.kills >= 2 * stats.finished, stats
-    assert stats.mid_slot >= stats.kills // 5, f"too few kills landed inside a put: {stats}"
     print(f"crash fuzz: {stats}")
     return stats
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 def test_crash_fuzz_writers_killed_mid_fill(cache_dir: Path) -> None:
     """>= 60 writers SIGKILLed at random instants mid-fill; READY stays valid, killed slots refill."""
     _crash_fuzz(cache_dir, min_kills=60, seed=1)
@@ -404,7 +407,7 @@ def test_crash_fuzz_long(cache_dir: Path) -> None:
 # -- concurrent creators ----------------------------------------------------------
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 def test_concurrent_creators_released_by_a_barrier(cache_dir: Path) -> None:
     """16 spawned processes open-or-create one path at the same instant, several rounds."""
     n = 16
@@ -656,3 +659,27 @@ def test_forked_child_keeps_the_cache_in_use_after_the_parent_closes(cache_dir: 
 def test_in_use_of_a_missing_file_raises(cache_dir: Path) -> None:
     with pytest.raises(FileNotFoundError):
         mmapcache.in_use(cache_dir / "missing.mmc")
+
+
+def _mapped_by_me(path: Path) -> bool:
+    """Whether this process still maps the file ``path`` (a removed file reads ``path (deleted)``)."""
+    with open("/proc/self/maps") as maps:
+        return any(line.rstrip().split(maxsplit=5)[-1].startswith(str(path)) for line in maps if "/" in line)
+
+
+@pytest.mark.parametrize("shape", [(4,), (None,)], ids=["fixed", "variable"])
+def test_close_unmaps_once_nothing_reads_the_mapping(cache_dir: Path, shape: tuple[int | None]) -> None:
+    # close() leaves the unmap to the last reference: a closed handle keeps none of its own,
+    # so the memory of a removed file is freed while the Cache object still lives.
+    path = cache_dir / "c.mmc"
+    cache = Cache(path, fields={"x": mmapcache.Field(shape, "float32")}, length=64, max_bytes="4MiB")
+    cache.put(0, {"x": np.arange(4, dtype=np.float32)})
+    view = cache.views["x"] if shape == (4,) else None
+    cache.close()
+    mmapcache.remove(path)
+    if view is not None:  # an array over the mapping keeps it: reading it stays safe
+        assert _mapped_by_me(path)
+        assert view[0].tolist() == [0, 1, 2, 3]
+        del view
+    assert not _mapped_by_me(path)
+    assert cache.closed

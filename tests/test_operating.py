@@ -8,6 +8,7 @@ name with ``mmapcache rm --force`` leaves it reading its intact file.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -89,3 +90,51 @@ def test_mmapcache_rm_leaves_readers_their_file_and_new_openers_get_a_new_one(ca
             reader.kill()
             reader.wait()
     assert (status, out.strip()) == (0, "read 200")
+
+
+# -- the sample outputs of ls and info are what the commands print ----------------------------
+
+_VOLATILE = [  # (in a page's line, what a real line has there): what differs between runs and machines
+    (r"/dev/shm/mmapcache-alice", r"\S+"),
+    (r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", r"\S+"),
+    (r"on node017 by pid 19375 \(uid 1000,", r"on \S+ by pid \d+ \(uid \d+,"),
+    (r"[\d.]+ GiB free", r"[\d.]+ \w+ free"),
+    (r"just now", r"(?:just now|\d+s ago)"),
+]
+
+
+def _sample(section: str) -> list[str]:
+    """The output lines the page shows after ``$ mmapcache <section>`` (its first console block with it)."""
+    lines = DOC.read_text().split(f"$ mmapcache {section}\n", 1)[1].split("```", 1)[0].splitlines()
+    return [line for line in lines if line.strip()]
+
+
+def _pattern(line: str) -> str:
+    """A page's sample line as a pattern for the real one: whitespace runs alike, volatile parts free."""
+    text = " ".join(line.split())
+    for k, (volatile, _) in enumerate(_VOLATILE):
+        text = re.sub(volatile, f"VOLATILE{k}X", text)
+    pattern = re.escape(text)
+    for k, (_, real) in enumerate(_VOLATILE):
+        pattern = pattern.replace(f"VOLATILE{k}X", real)
+    return pattern
+
+
+@pytest.mark.parametrize("section", ["ls", "info demo"])
+def test_the_sample_outputs_are_what_the_commands_print(section: str, cache_dir: Path) -> None:
+    import mmapcache
+
+    setup = DOC.read_text().split("```python\n", 1)[1].split("```", 1)[0]  # the page's demo cache
+    env = {**os.environ, "MMAPCACHE_DIR": str(cache_dir)}
+    subprocess.run([sys.executable, "-c", setup], env=env, check=True)
+    printed = subprocess.run(
+        [sys.executable, "-m", "mmapcache", *section.split()], env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    shown = _sample(section)
+    assert len(printed) == len(shown), (printed, shown)
+    for page, real in zip(shown, printed, strict=True):
+        matches = re.fullmatch(_pattern(page), " ".join(real.split()))
+        assert matches, f"the page shows {page!r}, the command prints {real!r}"
+    if section.startswith("info"):
+        assert f"mmapcache {mmapcache.__version__})" in "\n".join(shown)  # the page names this version
+    mmapcache.remove(cache_dir / "demo.mmc")

@@ -58,7 +58,7 @@ def run_leaving_nothing(command: list[str], cache_dir: Path, *, extra_env: dict[
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{command[-1]}\n{result.stdout}\n{result.stderr}"
     assert "Traceback" not in result.stderr
-    assert os.listdir(caches) == [], "the block leaves caches behind"
+    assert not caches.exists() or os.listdir(caches) == [], "the block leaves caches behind"
     assert os.listdir(cwd) == [], "the block leaves files in the working directory"
     assert ours_in_shm() <= before, f"the block leaves files in /dev/shm: {ours_in_shm() - before}"
     return result.stdout
@@ -130,3 +130,24 @@ def test_the_test_command_is_the_one_ci_runs() -> None:
 def test_install_advice_names_the_cpu_wheel_index() -> None:
     text = README.read_text(encoding="utf-8")
     assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in text
+
+
+def test_the_quick_start_leaves_no_empty_default_directory(cache_dir: Path) -> None:
+    # Without MMAPCACHE_DIR: the per-user directory in /dev/shm that default_dir() makes goes too.
+    if not SHM.is_dir():
+        pytest.skip("no /dev/shm")
+    default = SHM / f"mmapcache-{pwd.getpwuid(os.geteuid()).pw_name}"
+    if default.exists():
+        pytest.skip(f"{default} exists already (another run uses it)")
+    script = cache_dir / "quickstart.py"
+    script.write_text(blocks("python")[0], encoding="utf-8")
+    env = {key: value for key, value in os.environ.items() if key != "MMAPCACHE_DIR"}
+    result = subprocess.run([sys.executable, str(script)], cwd=cache_dir, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert not default.exists()
+
+
+def test_the_install_line_installs_from_a_checkout() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert 'pip install "mmapcache' not in text  # no such package on the index
+    assert 'pip install -e ".[torch]"' in text

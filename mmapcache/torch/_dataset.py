@@ -206,7 +206,11 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         return self._session.handle()
 
     def close(self) -> None:
-        """Release the file in this process (reopened on next use). Zero-copy tensors stay valid."""
+        """Release the file in this process (reopened on next use). Zero-copy tensors stay valid.
+
+        After ``close()``, :meth:`stats` reads the file without keeping it open:
+        :func:`mmapcache.remove` of a closed dataset's file needs no ``force=True``.
+        """
         self._session.close()
 
     # -- reading -------------------------------------------------------------------
@@ -380,10 +384,23 @@ class CachedDataset(torch.utils.data.Dataset[Any]):
         ``variable_refused``: stores turned away for lack of room, by every
         process (samples whose values find no room are served uncached).
 
-        Opens the cache (creating it from ``dataset[0]`` if missing).
+        A dataset that has the file open (it read, filled or opened it since its
+        last :meth:`close`) keeps it open. One that does not — closed, or not yet
+        used in this process — opens the file for this call only and releases it
+        again, so ``stats()`` after ``close()`` never keeps a later
+        :func:`mmapcache.remove` from deleting it; the file is created from
+        ``dataset[0]`` if missing.
         """
         session = self._session
-        cache = session.handle()
+        if session.cache is not None:
+            return self._stats(session.handle())
+        try:
+            return self._stats(session.handle())
+        finally:
+            session.close()
+
+    def _stats(self, cache: Cache) -> dict[str, int]:
+        session = self._session
         usage = cache.usage()
         region = cache.variable_region
         variable = (

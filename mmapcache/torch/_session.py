@@ -456,6 +456,8 @@ class Session:
         (the workers of concurrent jobs) share the first batches too.
         """
         cache = self.cache if self.cache is not None else self.opened()
+        if cache is not None and cache.replaced:
+            cache = self._follow()
         if cache is None:
             first = positions[:1]
             self.misses += len(first)
@@ -476,6 +478,23 @@ class Session:
         self.hits += len(positions) - fresh
         self.waited += len(positions) - fresh
         return schema.samples([batch[name] for name in schema.names])
+
+    def _follow(self) -> Cache | None:
+        """The name names another file (``resize`` renamed a larger one over it): use that one from now on.
+
+        Before any miss is loaded, so that the samples other processes — spawn
+        workers, other jobs — stored in the new file are read, not loaded again.
+        A resized file keeps the old one's id: its content is not checked again.
+        The old handles are dropped, not closed: a call of another thread may
+        still read through them, and the last reference closes them.
+        """
+        with self.lock:
+            cache = self.cache
+            if cache is not None and cache.replaced:  # not followed by another thread meanwhile
+                log.info("%s names a new file (resized): this process reads and fills that one", self.settings.path)
+                self.cache = self.readonly = None
+                self.views = None
+        return self.opened()
 
     def _first_miss(self) -> bool:
         """Whether the next load must also check that the dataset is deterministic (once per job)."""

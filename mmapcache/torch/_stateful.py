@@ -6,7 +6,8 @@ copy, worker batches gathered in the main process) on top of
 ``StatefulDataLoader``, whose ``state_dict()`` records where the loader is —
 the sampler's state (``NodeShardSampler``'s and torchdata's own samplers' are
 exact), the batches handed out — and whose ``load_state_dict()`` makes the next
-iterator yield exactly the batches that were left.
+iterator yield exactly the batches that were left (the same samples in the same
+batches; a random ``transform`` draws afresh, from generators restarted from their seed).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from .._errors import CacheError, CacheInUseError, SchemaMismatchError
 from .._field import Field, FieldsLike
 from .._removal import remove
 from .._sampler import SEEDS, checked_integer
+from .._sizes import format_bytes, parse_bytes
 from .._stream import (
     Partition,
     PartitionWriter,
@@ -179,6 +180,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         self._passes = 0  # iterations of this object in this process (see set_epoch)
         self._passing = threading.Lock()
         self._active = 0  # passes under way in this process that use the cache while it is not complete
+        self._warned_budget = False  # that an existing file ignores a larger max_bytes= (once a process)
 
     @property
     def stream(self) -> Iterable[Any]:
@@ -253,6 +255,25 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
             )
         self._cache = cache
         self._schema = Schema(cache.fields, self.path)
+        self._warn_if_budget_ignored(cache)
+
+    def _warn_if_budget_ignored(self, cache: Cache) -> None:
+        """A full file made with a smaller budget than ``max_bytes=``: the file keeps its size; say how to grow it."""
+        if self.max_bytes is None or self._warned_budget or not stream_status(cache).full:
+            return
+        budget = parse_bytes(self.max_bytes, name="max_bytes")
+        if budget > cache.nbytes:
+            self._warned_budget = True
+            log.warning(
+                "%s is full and was made %s, less than max_bytes=%r: an existing stream cache keeps its size. "
+                "Grow it with `mmapcache resize %s --max-bytes %s` (what it holds stays; the next pass stores "
+                "the rest)",
+                self.path,
+                format_bytes(cache.nbytes),
+                self.max_bytes,
+                self.path,
+                self.max_bytes,
+            )
 
     # -- iterating -----------------------------------------------------------------------
 
