@@ -16,10 +16,9 @@ import fcntl
 import logging
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ._errors import (
     CacheError,
@@ -39,47 +38,9 @@ from ._paths import (
 )
 from ._validation import open_fd
 
-if TYPE_CHECKING:
-    from .cache import Cache
-
-__all__ = ["check_removable", "exclusive_use", "in_use", "open_unrefuted", "remove"]
+__all__ = ["check_removable", "exclusive_use", "in_use", "remove"]
 
 log = logging.getLogger("mmapcache")
-
-
-def open_unrefuted(path: Path, opener: Callable[[], Cache], *, timeout: float) -> Cache | None:
-    """``opener()``'s cache at ``path``, or None: missing, or refuted (removed here, to be created anew).
-
-    A first try created it with fields inferred from a first sample that the
-    rest of the data does not fit (:meth:`Cache.refute`): it is never used
-    again, so it is replaced even while processes of that try still hold it
-    (they keep their nameless copy). mmapcache never links a removed file
-    again, so the name held the opened file if it names the same one before
-    and after the open; only that one is removed — another process may have
-    replaced it already.
-    """
-    while True:
-        try:
-            named: os.stat_result | None = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        except OSError:
-            named = None  # the opener says what is wrong, in its words
-        try:
-            cache = opener()
-        except FileNotFoundError:
-            return None
-        if named is None or not cache.refuted:
-            return cache
-        cache.close()
-        try:
-            if not os.path.samestat(named, os.stat(path, follow_symlinks=False)):
-                continue
-            remove(path, force=True, timeout=timeout, same_as=named)
-        except FileNotFoundError:
-            continue  # replaced or removed meanwhile: open what the name holds now
-        log.warning("removed %s: its fields were found not to fit the data; creating it anew", path)
-        return None
 
 
 def in_use(path: str | os.PathLike[str]) -> bool:

@@ -32,10 +32,10 @@ from ._heap import extent_size_for
 from ._holders import held_by
 from ._partitions import ENDED, FULL, PartitionState, StreamRegion, read_region
 from ._plan import creation_info
-from ._removal import open_unrefuted, remove
+from ._removal import remove
 from ._sizes import parse_bytes
 from ._validation import Expected
-from .cache import Cache, attach_opened, writer_of
+from .cache import Cache, attach_opened, open_unrefuted, writer_of
 
 __all__ = [
     "Partition",
@@ -271,7 +271,7 @@ def open_stream(
     nobody else has it open it is removed and created again, else
     :class:`CacheInUseError` says who holds it. A file refuted by a first
     try (fields inferred from an element the stream does not fit) is replaced
-    (:func:`~mmapcache._removal.open_unrefuted`). ``None`` when the file is
+    (:func:`~mmapcache.cache.open_unrefuted`). ``None`` when the file is
     missing and ``plan`` is ``None`` (nothing to create it from yet).
     """
     deadline = time.monotonic() + _RESTART_SECONDS

@@ -3,14 +3,13 @@
 A file whose fields were inferred from a first sample that the rest of the
 dataset does not fit is marked refuted (:meth:`Cache.refute`); the next
 session that opens it removes it (only the very file it opened, with
-:func:`mmapcache._removal.open_unrefuted`, which ``CachedStream`` shares) and
+:func:`mmapcache.cache.open_unrefuted`, which ``CachedStream`` shares) and
 reports the file missing, so that it is created again with the right fields.
 """
 
 from __future__ import annotations
 
-from .._removal import open_unrefuted
-from ..cache import Cache
+from ..cache import Cache, open_unrefuted
 from ._settings import Settings
 
 __all__ = ["open_existing"]
