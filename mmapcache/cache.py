@@ -20,7 +20,7 @@ from ._field import Field, FieldsLike
 from ._file import OpenedFile, open_or_create
 from ._flight import Bound
 from ._format import Header, Layout
-from ._gather import empty_aligned, gather
+from ._gather import empty_aligned, gather, take_ready
 from ._handle import closed_error
 from ._heap import VariableRegion
 from ._indices import as_given, check_index, check_out, index_array
@@ -323,6 +323,13 @@ class Cache(SingleFlight):
         """
         mapped = self._live()
         idx = index_array(indices, self._length)
+        if out is None and not (mapped.variables or mapped.readahead or self._verify):  # one pass: states and rows
+            rows, ready = take_ready(mapped.slots.states, READY, idx, tuple(mapped.arrays.values()))
+            if ready.all():
+                self._board.add(hits=len(idx))
+                return dict(zip(mapped.arrays, rows, strict=True))
+            self._board.add(misses=len(idx) - int(np.count_nonzero(ready)))
+            raise _missing_error(self._path, as_given(indices, idx)[~ready], len(idx))
         if out is not None:
             check_out(out, self._fields, len(idx))
         ready = mapped.slots.ready_mask(idx, self._capacity, self._length)
@@ -364,7 +371,14 @@ class Cache(SingleFlight):
         idx = index_array(indices, self._length)
         if out is not None:
             check_out(out, self._fields, len(idx))
-        else:
+        if not (mapped.variables or mapped.readahead or self._verify):  # fixed fields in memory: one pass
+            outs = None if out is None else [out[name] for name in mapped.arrays]
+            taken, hits = take_ready(mapped.slots.states, READY, idx, tuple(mapped.arrays.values()), outs)
+            if count:
+                found = int(np.count_nonzero(hits))
+                self._board.add(hits=found, misses=len(idx) - found)
+            return (out if out is not None else dict(zip(mapped.arrays, taken, strict=True))), hits
+        if out is None:
             out = {name: empty_aligned((len(idx), *array.shape[1:]), array.dtype) for name, array in mapped.items}
         hits = mapped.slots.ready_mask(idx, self._capacity, self._length)
         if mapped.readahead is not None:
