@@ -451,6 +451,11 @@ take(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     const uint64_t slots = (uint64_t)(table.len / record);
+    if (slots == 0) { /* an empty table (a cache of length 0): nothing is READY, nothing to copy */
+        memset(hits.buf, 0, (size_t)count);
+        result = PyLong_FromLong(0);
+        goto done;
+    }
     size_t rows[MAX_FIELDS];
     for (; opened < nfields; opened++) {
         if (get_buffer(PyTuple_GET_ITEM(sources, opened), &src[opened], PyBUF_SIMPLE, "a source") < 0)
@@ -459,7 +464,7 @@ take(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             PyBuffer_Release(&src[opened]);
             goto done;
         }
-        if (slots == 0 || src[opened].len % (Py_ssize_t)slots) {
+        if (src[opened].len % (Py_ssize_t)slots) {
             PyErr_Format(PyExc_ValueError, "take: source %zd holds %zd bytes, not one row per slot of %llu",
                          opened, src[opened].len, (unsigned long long)slots);
             opened++;
