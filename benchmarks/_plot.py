@@ -142,14 +142,14 @@ def plot_epochs(dataloader: Results, out: Path, *, name: str = "epochs.png", wha
         ax.grid(True, axis="y", which="both", alpha=0.3)
     title = (
         f"Warm epochs through DataLoader{what}: {dataloader['n']} JPEGs → uint8 {dataloader['image']}, "
-        f"batch {dataloader['batch']} (lower is better; x = speed vs stocaching)"
+        f"batch {dataloader['batch']}\n(lower is better; x = speed vs stocaching)"
     )
     return _save(fig, out / name, title)
 
 
 def plot_transform_epochs(dataloader: Results, out: Path) -> Path:
     """``bench_dataloader.py --transform crop-flip``: every variant with the same per-sample crop + flip."""
-    return plot_epochs(dataloader, out, name="epochs_transform.png", what=" with a random crop + flip")
+    return plot_epochs(dataloader, out, name="epochs_transform.png", what=", random crop + flip")
 
 
 def plot_limit(limit: Results, out: Path) -> Path:
