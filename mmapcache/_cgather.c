@@ -404,20 +404,21 @@ done:
 }
 
 PyDoc_STRVAR(take_doc,
-"take(table, record, ready, indices, sources, outs, hits) -> int\n\n"
+"take(table, record, ready, indices, sources, outs, hits, length) -> int\n\n"
 "Rows of fixed fields for the slots ``indices`` that are READY, in one pass that reads each slot's state.\n\n"
 "table: the slot table (``record`` bytes a slot, the state in its first byte); ready: the READY state;\n"
 "indices: int64 slot positions >= 0 (one at or past the table's end is not READY); sources: a tuple of\n"
 "one buffer per field, the field's rows back to back (one row per slot of the table); outs: a tuple of\n"
 "writable buffers, len(indices) rows each, in the same order; hits: a writable buffer of len(indices)\n"
 "bytes, set to 1 where the slot was READY (its rows copied) and 0 where not (its rows left as they\n"
-"were). Returns how many were READY. The state is read with acquire order, before the row.");
+"were). Returns how many were READY, or -1 as soon as an index is not in [0, length) (the caller then\n"
+"raises: indices unchecked before). The state is read with acquire order, before the row.");
 
 static PyObject *
 take(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "take takes 7 arguments, got %zd", nargs);
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "take takes 8 arguments, got %zd", nargs);
         return NULL;
     }
     PyObject *result = NULL, *sources = args[4], *outs = args[5];
@@ -426,7 +427,8 @@ take(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t nfields = 0, opened = 0;
     Py_ssize_t record = PyLong_AsSsize_t(args[1]);
     long ready = PyLong_AsLong(args[2]);
-    if ((record == -1 || ready == -1) && PyErr_Occurred())
+    unsigned long long length = PyLong_AsUnsignedLongLong(args[7]); /* a length may pass int64 */
+    if ((record == -1 || ready == -1 || length == (unsigned long long)-1) && PyErr_Occurred())
         return NULL;
     if (record < 1 || ready < 0 || ready > 255) {
         PyErr_SetString(PyExc_ValueError, "take: record must be >= 1 and ready a byte");
@@ -451,6 +453,14 @@ take(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     const uint64_t slots = (uint64_t)(table.len / record);
+    {
+        const int64_t *idx = indices.buf;
+        for (Py_ssize_t k = 0; k < count; k++)
+            if (idx[k] < 0 || (uint64_t)idx[k] >= (uint64_t)length) {
+                result = PyLong_FromLong(-1);
+                goto done;
+            }
+    }
     if (slots == 0) { /* an empty table (a cache of length 0): nothing is READY, nothing to copy */
         memset(hits.buf, 0, (size_t)count);
         result = PyLong_FromLong(0);

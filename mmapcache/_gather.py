@@ -110,27 +110,29 @@ def take_ready(
     ready: int,
     indices: np.ndarray[Any, np.dtype[np.intp]],
     sources: tuple[np.ndarray[Any, Any], ...],
+    length: int,
     outs: list[np.ndarray[Any, Any]] | None = None,
-) -> tuple[list[np.ndarray[Any, Any]], np.ndarray[Any, np.dtype[np.bool_]]]:
-    """Rows ``indices`` of each of ``sources`` (fixed fields), and which slots were ``ready``.
+) -> tuple[list[np.ndarray[Any, Any]], np.ndarray[Any, np.dtype[np.bool_]], int]:
+    """Rows ``indices`` of each of ``sources`` (fixed fields), which slots were ``ready``, and how many.
 
     ``states`` is the slot table's state column (a strided view of its
-    records); ``indices`` are validated (``>= 0``), and one past the table is
-    never ready. The rows go into ``outs`` (C-contiguous, writable, checked
-    by the caller) or new page-aligned arrays; those of slots that are not
-    ready are left as they were. Through the compiled ``take`` when it is
-    there (one pass: a state, then its rows), else :func:`take_ready_numpy`
-    (the same result).
+    records); ``indices`` must lie in ``[0, length)`` — the count is -1 when
+    one does not (the caller raises; nothing else is meaningful then) — and
+    one past the table is never ready. The rows go into ``outs``
+    (C-contiguous, writable, checked by the caller) or new arrays; those of
+    slots that are not ready are left as they were. Through the compiled
+    ``take`` when it is there (one pass: a state, then its rows), else
+    :func:`take_ready_numpy` (the same result).
     """
     if outs is None:
         outs = [empty_aligned((len(indices), *source.shape[1:]), source.dtype) for source in sources]
     if native is None or any(source.dtype.kind in "mM" for source in sources):  # datetimes export no buffer
-        return outs, _take_ready_numpy(states, ready, indices, sources, outs)
+        return outs, *_take_ready_numpy(states, ready, indices, sources, length, outs)
     hits = np.empty(len(indices), np.bool_)
     table = states.base  # the (capacity, record) table the state column is a view of
-    wanted = indices if indices.dtype == _INT64 else indices.astype(np.int64)
-    native.take(table, states.strides[0], ready, wanted, sources, tuple(outs), hits)
-    return outs, hits
+    wanted = indices if indices.dtype == _INT64 and indices.flags.c_contiguous else indices.astype(np.int64)
+    found = native.take(table, states.strides[0], ready, wanted, sources, tuple(outs), hits, length)
+    return outs, hits, found
 
 
 _INT64 = np.dtype(np.int64)
@@ -141,12 +143,13 @@ def take_ready_numpy(
     ready: int,
     indices: np.ndarray[Any, np.dtype[np.intp]],
     sources: tuple[np.ndarray[Any, Any], ...],
+    length: int,
     outs: list[np.ndarray[Any, Any]] | None = None,
-) -> tuple[list[np.ndarray[Any, Any]], np.ndarray[Any, np.dtype[np.bool_]]]:
+) -> tuple[list[np.ndarray[Any, Any]], np.ndarray[Any, np.dtype[np.bool_]], int]:
     """:func:`take_ready` in numpy: the states by one fancy index, then one ``np.take`` per field."""
     if outs is None:
         outs = [empty_aligned((len(indices), *source.shape[1:]), source.dtype) for source in sources]
-    return outs, _take_ready_numpy(states, ready, indices, sources, outs)
+    return outs, *_take_ready_numpy(states, ready, indices, sources, length, outs)
 
 
 def _take_ready_numpy(
@@ -154,22 +157,26 @@ def _take_ready_numpy(
     ready: int,
     indices: np.ndarray[Any, np.dtype[np.intp]],
     sources: tuple[np.ndarray[Any, Any], ...],
+    length: int,
     outs: list[np.ndarray[Any, Any]],
-) -> np.ndarray[Any, np.dtype[np.bool_]]:
+) -> tuple[np.ndarray[Any, np.dtype[np.bool_]], int]:
+    if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= length):
+        return np.zeros(len(indices), bool), -1
     if not len(indices) or int(indices.max()) < len(states):
         hits: np.ndarray[Any, np.dtype[np.bool_]] = states[indices] == ready
     else:
         hits = np.zeros(len(indices), bool)
         cacheable = indices < len(states)
         hits[cacheable] = states[indices[cacheable]] == ready
-    if hits.all():
+    found = int(np.count_nonzero(hits))
+    if found == len(indices):
         for source, out in zip(sources, outs, strict=True):
             np.take(source, indices, axis=0, out=out, mode="clip")  # mode="clip": see gather()
-    elif hits.any():
+    elif found:
         rows = np.flatnonzero(hits)
         for source, out in zip(sources, outs, strict=True):
             out[rows] = source[indices[rows]]
-    return hits
+    return hits, found
 
 
 LARGE_RUNS = 16 * 1024  # mean run bytes from which per-run views + one concatenate win

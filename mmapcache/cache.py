@@ -32,6 +32,8 @@ from ._slots import READY, STRONGLY_ORDERED
 from ._values import coerce_batch, coerce_sample
 from ._verify import Problem
 
+_INTP = np.dtype(np.intp)
+
 __all__ = ["Cache", "Problem"]
 
 log = logging.getLogger("mmapcache")
@@ -322,14 +324,21 @@ class Cache(SingleFlight):
         ``verify``, a row that fails its checksum raises after the gather).
         """
         mapped = self._live()
-        idx = index_array(indices, self._length)
-        if out is None and not (mapped.variables or mapped.readahead or self._verify):  # one pass: states and rows
-            rows, ready = take_ready(mapped.slots.states, READY, idx, tuple(mapped.arrays.values()))
-            if ready.all():
-                self._board.add(hits=len(idx))
+        if out is None and not (mapped.variables or mapped.readahead or self._verify):
+            # Fixed fields in memory: one pass checks the indices and each slot's state and copies its rows.
+            plain = type(indices) is np.ndarray and indices.dtype == _INTP and indices.ndim == 1
+            idx = indices if plain else index_array(indices, self._length)
+            rows, ready, found = take_ready(
+                mapped.slots.states, READY, idx, tuple(mapped.arrays.values()), self._length
+            )
+            if found < 0:
+                idx = index_array(indices, self._length)  # raises for the index out of range
+            if found == len(idx):
+                self._board.add(hits=found)
                 return dict(zip(mapped.arrays, rows, strict=True))
-            self._board.add(misses=len(idx) - int(np.count_nonzero(ready)))
+            self._board.add(misses=len(idx) - found)
             raise _missing_error(self._path, as_given(indices, idx)[~ready], len(idx))
+        idx = index_array(indices, self._length)
         if out is not None:
             check_out(out, self._fields, len(idx))
         ready = mapped.slots.ready_mask(idx, self._capacity, self._length)
@@ -373,7 +382,9 @@ class Cache(SingleFlight):
             check_out(out, self._fields, len(idx))
         if not (mapped.variables or mapped.readahead or self._verify):  # fixed fields in memory: one pass
             outs = None if out is None else [out[name] for name in mapped.arrays]
-            taken, hits = take_ready(mapped.slots.states, READY, idx, tuple(mapped.arrays.values()), outs)
+            taken, hits, _ = take_ready(
+                mapped.slots.states, READY, idx, tuple(mapped.arrays.values()), self._length, outs
+            )
             if count:
                 found = int(np.count_nonzero(hits))
                 self._board.add(hits=found, misses=len(idx) - found)

@@ -403,8 +403,9 @@ def test_the_compiled_take_reads_what_the_numpy_take_reads(tmp_path_factory: pyt
         mapped = cache._live()
         idx = np.array(data.draw(st.lists(st.integers(0, 59), max_size=200), label="idx"), np.intp)
         sources = tuple(mapped.arrays.values())
-        rows, hits = take_ready(mapped.slots.states, READY, idx, sources[:3])
-        rows_numpy, hits_numpy = take_ready_numpy(mapped.slots.states, READY, idx, sources[:3])
+        rows, hits, found = take_ready(mapped.slots.states, READY, idx, sources[:3], 60)
+        rows_numpy, hits_numpy, found_numpy = take_ready_numpy(mapped.slots.states, READY, idx, sources[:3], 60)
+        assert found == found_numpy == int(np.count_nonzero(hits))
         assert hits.tolist() == hits_numpy.tolist() == [int(i) in filled for i in idx]
         for got, want in zip(rows, rows_numpy, strict=True):
             assert got.dtype == want.dtype
@@ -414,7 +415,9 @@ def test_the_compiled_take_reads_what_the_numpy_take_reads(tmp_path_factory: pyt
         # Into given buffers: the rows of misses are left as they were.
         outs = [np.full((len(idx), *s.shape[1:]), 7, s.dtype) for s in sources[:3]]
         before = [o.copy() for o in outs]
-        take_ready(mapped.slots.states, READY, idx, sources[:3], outs)
+        take_ready(mapped.slots.states, READY, idx, sources[:3], 60, outs)
+        for take in (take_ready, take_ready_numpy):  # an index past the length: -1, the caller raises
+            assert take(mapped.slots.states, READY, np.array([0, 60]), sources[:3], 60)[2] == -1
         for o, b, want in zip(outs, before, rows_numpy, strict=True):
             assert o[~hits].tobytes() == b[~hits].tobytes()
             assert o[hits].tobytes() == want[hits].tobytes()
@@ -432,23 +435,24 @@ def test_the_compiled_take_refuses_what_the_cache_never_passes_it(tmp_path: Path
     hits = np.zeros(2, bool)
     idx = np.array([0, 1], np.int64)
     with pytest.raises(ValueError, match="out 0 holds 3 bytes, not 2 rows of 3"):
-        native.take(table, 8, 2, idx, (source,), (np.zeros(3, np.uint8),), hits)
+        native.take(table, 8, 2, idx, (source,), (np.zeros(3, np.uint8),), hits, 4)
     with pytest.raises(ValueError, match="hits must hold 2 bytes"):
-        native.take(table, 8, 2, idx, (source,), (np.zeros((2, 3), np.uint8),), np.zeros(3, bool))
+        native.take(table, 8, 2, idx, (source,), (np.zeros((2, 3), np.uint8),), np.zeros(3, bool), 4)
     with pytest.raises(ValueError, match="source 0 holds 10 bytes"):
-        native.take(table, 8, 2, idx, (np.zeros(10, np.uint8),), (np.zeros((2, 3), np.uint8),), hits)
+        native.take(table, 8, 2, idx, (np.zeros(10, np.uint8),), (np.zeros((2, 3), np.uint8),), hits, 4)
     with pytest.raises(TypeError, match="as many buffers"):
-        native.take(table, 8, 2, idx, (source,), (), hits)
+        native.take(table, 8, 2, idx, (source,), (), hits, 4)
     readonly = np.zeros((2, 3), np.uint8)
     readonly.flags.writeable = False
     with pytest.raises(TypeError, match="writable"):
-        native.take(table, 8, 2, idx, (source,), (readonly,), hits)
+        native.take(table, 8, 2, idx, (source,), (readonly,), hits, 4)
     table[1, 0] = 2
     source[1] = [4, 5, 6]
     out = np.zeros((3, 3), np.uint8)
-    found = native.take(table, 8, 2, np.array([1, 0, 9], np.int64), (source,), (out,), np.zeros(3, bool))
+    found = native.take(table, 8, 2, np.array([1, 0, 9], np.int64), (source,), (out,), np.zeros(3, bool), 10)
     assert found == 1
     assert out.tolist() == [[4, 5, 6], [0, 0, 0], [0, 0, 0]]
+    assert native.take(table, 8, 2, np.array([1, -1], np.int64), (source,), (out[:2],), hits, 10) == -1
 
 
 @pytest.mark.parametrize("extension", ["0", "1"], ids=["compiled", "numpy"])
