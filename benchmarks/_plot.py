@@ -124,7 +124,7 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def plot_epochs(dataloader: Results, out: Path) -> Path:
+def plot_epochs(dataloader: Results, out: Path, *, name: str = "epochs.png", what: str = "") -> Path:
     workers = sorted({r["workers"] for r in dataloader["epochs"]})
     fig, axes = plt.subplots(1, len(workers), figsize=(5.2 * len(workers), 4.4), squeeze=False)
     for ax, w in zip(axes[0], workers, strict=True):
@@ -141,10 +141,35 @@ def plot_epochs(dataloader: Results, out: Path) -> Path:
         ax.set_title(f"num_workers={w}", fontsize=9)
         ax.grid(True, axis="y", which="both", alpha=0.3)
     title = (
-        f"Warm epochs through DataLoader: {dataloader['n']} JPEGs → uint8 {dataloader['image']}, "
-        f"batch {dataloader['batch']} (lower is better; x = speed vs stocaching)"
+        f"Warm epochs through DataLoader{what}: {dataloader['n']} JPEGs → uint8 {dataloader['image']}, "
+        f"batch {dataloader['batch']}\n(lower is better; x = speed vs stocaching)"
     )
-    return _save(fig, out / "epochs.png", title)
+    return _save(fig, out / name, title)
+
+
+def plot_transform_epochs(dataloader: Results, out: Path) -> Path:
+    """``bench_dataloader.py --transform crop-flip``: every variant with the same per-sample crop + flip."""
+    return plot_epochs(dataloader, out, name="epochs_transform.png", what=", random crop + flip")
+
+
+def plot_limit(limit: Results, out: Path) -> Path:
+    """``bench_torch_layer.py --limit``: loader() epochs and get_many as a fraction of np.take's speed."""
+    keys = [k for k in limit if k.startswith(("loader ", "get_many "))]
+    values = [limit[k]["speed_vs_limit" if k.startswith("loader") else "speed"] for k in keys]
+    fig, ax = plt.subplots(figsize=(8, 4.4))
+    labels = [k.replace("np.take ", "").replace("get_many ", "get_many ").replace(" vs ", "\nvs ") for k in keys]
+    ax.bar(
+        range(len(keys)),
+        [v["median"] for v in values],
+        color=COLOURS["mmapcache"],
+        yerr=[[v["median"] - v["q1"] for v in values], [v["q3"] - v["median"] for v in values]],
+        capsize=3,
+    )
+    ax.set_xticks(range(len(keys)), labels, rotation=20, ha="right", fontsize=7)
+    ax.axhline(1.0, color=LIMIT, linestyle="--")
+    ax.set_ylabel("speed vs np.take (1 = the limit)")
+    ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, out / "limit.png", "Warm reads against np.take into fresh arrays (higher is faster)")
 
 
 def plot_memory(dataloader: Results, out: Path) -> Path:
@@ -326,6 +351,8 @@ PLOTS: dict[str, list[Callable[[Results, Path], Path | None]]] = {
     "bench_variable": [plot_variable],
     "bench_cold": [plot_cold],
     "bench_tokens": [plot_tokens],
+    "bench_dataloader-transform": [plot_transform_epochs],
+    "bench_torch_layer-limit": [plot_limit],
 }
 
 

@@ -153,6 +153,48 @@ class StocachingDataset(Dataset[tuple[torch.Tensor, int]]):
 
 
 LOADER = "mmapcache loader()"  # the variant read through CachedDataset.loader() instead of DataLoader(ds)
+COLLATE = "mmapcache collate"  # DataLoader(ds, collate_fn=mmapcache.torch.collate)
+BATCH_TRANSFORM = "mmapcache loader(batch_transform=)"  # the crop + flip on whole batches, no transform=
+CROP = 96  # --transform crop-flip: a random 96 px crop of the 112 px image, flipped left-right half the time
+
+
+def crop_flip(sample: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
+    """Per-sample random crop + horizontal flip with plain torch ops (what RandomCrop + RandomHorizontalFlip do)."""
+    image, label = sample
+    top, left = torch.randint(0, image.shape[1] - CROP + 1, (2,)).tolist()
+    image = image[:, top : top + CROP, left : left + CROP]
+    if torch.rand(()) < 0.5:
+        image = image.flip(-1)
+    return image, label
+
+
+class BatchCropFlip:
+    """The same crop + flip, drawn per sample, applied to a whole gathered batch (docs/recipes.md's recipe)."""
+
+    def __call__(self, batch: list[Any]) -> list[Any]:
+        images, labels = batch
+        n, channels, height, width = images.shape
+        tops = torch.randint(0, height - CROP + 1, (n,)).tolist()
+        lefts = torch.randint(0, width - CROP + 1, (n,)).tolist()
+        flips = (torch.rand(n) < 0.5).tolist()
+        out = images.new_empty((n, channels, CROP, CROP))
+        for k, (top, left, flip) in enumerate(zip(tops, lefts, flips, strict=True)):
+            crop = images[k, :, top : top + CROP, left : left + CROP]
+            out[k] = crop.flip(-1) if flip else crop
+        return [out, labels]
+
+
+class Transformed(Dataset[Any]):
+    """``base`` with a per-sample transform (the uncached and stocaching sides of ``--transform``)."""
+
+    def __init__(self, base: Dataset[Any], transform: Any) -> None:
+        self.base, self.transform = base, transform
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> Any:
+        return self.transform(self.base[i])
 
 
 def have_cached_dataset() -> bool:
@@ -172,13 +214,23 @@ def have_loader() -> bool:
     return hasattr(CachedDataset, "loader")
 
 
-def build(mode: str, base: JpegDataset, cache_path: str) -> dict[str, Dataset[Any]]:
-    """The datasets one child process serves, by variant name (``LOADER`` reads the default one)."""
+def build(mode: str, base: JpegDataset, cache_path: str, transform: str | None = None) -> dict[str, Dataset[Any]]:
+    """The datasets one child process serves, by variant name (``LOADER`` reads the default one).
+
+    With ``transform="crop-flip"`` every variant applies :func:`crop_flip` per sample, but
+    ``BATCH_TRANSFORM``, which reads the plain dataset and crops and flips each batch.
+    """
     if mode == "uncached":
-        return {"uncached": base}
+        return {"uncached": base if transform is None else Transformed(base, crop_flip)}
     if mode == "stocaching":
-        return {"stocaching": StocachingDataset(base)}
+        sto = StocachingDataset(base)
+        return {"stocaching": sto if transform is None else Transformed(sto, crop_flip)}
     from mmapcache.torch import CachedDataset
+
+    if transform is not None:
+        augmented = CachedDataset(base, cache_path, key=KEY, transform=crop_flip)
+        plain = CachedDataset(base, cache_path, key=KEY)
+        return {"mmapcache": augmented, COLLATE: augmented, LOADER: augmented, BATCH_TRANSFORM: plain}
 
     ds = CachedDataset(base, cache_path, key=KEY)
     datasets: dict[str, Dataset[Any]] = {
@@ -196,6 +248,13 @@ def make_loader(variant: str, ds: Any, workers: int, **kwargs: Any) -> DataLoade
     if variant == LOADER:
         loader: DataLoader[Any] = ds.loader(**kwargs)
         return loader
+    if variant == BATCH_TRANSFORM:
+        batched: DataLoader[Any] = ds.loader(batch_transform=BatchCropFlip(), **kwargs)
+        return batched
+    if variant == COLLATE:
+        from mmapcache.torch import collate
+
+        return DataLoader(ds, collate_fn=collate, **kwargs)
     return DataLoader(ds, **kwargs)
 
 
@@ -283,7 +342,7 @@ def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     counter = DecodeCounter()
     base = JpegDataset(args.data, args.n, args.size, counter)
-    datasets = build(args.serve, base, args.cache_path)
+    datasets = build(args.serve, base, args.cache_path, args.transform)
     loaders: dict[tuple[str, int], DataLoader[Any]] = {}
     reply({"pid": os.getpid(), "variants": list(datasets), "numpy": np.__version__, "torch": torch.__version__})
     for line in sys.stdin:
@@ -312,8 +371,8 @@ def serve(args: argparse.Namespace) -> None:
             # CRC of the image bytes of a few samples, through each variant's __getitem__.
             crcs = {}
             for name, ds in datasets.items():
-                if name == LOADER:
-                    continue  # the default variant's dataset: checked batch by batch with "compare"
+                if name in (LOADER, COLLATE, BATCH_TRANSFORM) or args.transform:
+                    continue  # the default variant's dataset (checked batch by batch with "compare"), or random
                 crc = 0
                 for i in range(0, args.n, max(1, args.n // 16)):
                     crc = zlib.crc32(ds[i][0].contiguous().numpy().tobytes(), crc)
@@ -540,6 +599,11 @@ def main() -> None:
     parser.add_argument("--stocaching-python", help=f"python of a venv with stocaching (default {VENV}/bin/python)")
     parser.add_argument("--setup-stocaching", action="store_true", help=f"create {VENV} first")
     parser.add_argument("--no-ddp", action="store_true", help="skip the DDP memory part")
+    parser.add_argument(
+        "--transform",
+        choices=["crop-flip"],
+        help="every variant applies a per-sample random 96 px crop + flip (and one crops whole batches)",
+    )
     # Internal: child processes.
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--rank", help=argparse.SUPPRESS)
@@ -601,6 +665,8 @@ def main() -> None:
         make_jpegs(jpegs, n)
         print(f"generated the JPEGs in {time.perf_counter() - t0:.1f} s")
         common = ["--data", str(jpegs), "--n", str(n), "--size", str(args.size)]
+        if args.transform:
+            common += ["--transform", args.transform]
         plan = [("uncached", sys.executable)]
         if have_sto:
             plan.append(("stocaching", sto_python))
@@ -622,7 +688,8 @@ def main() -> None:
         fill_rows = [[k, r["wall"][0], r["cpu"][0], r["decodes"][0]] for k, r in first.items()]
         print("\nfirst epoch per loader (for the cached variants at w=0: the fill)")
         print(table(["variant", "wall s", "cpu s", "decodes"], fill_rows))
-        if have_batched:
+        results["transform"] = args.transform
+        if have_batched and not args.transform:
             # The loader() figure is honest only if it yields what DataLoader(ds) yields.
             same = children["mmapcache"].call(cmd="compare", workers=worker_counts)
             results["loader_batches_equal_default"] = same
@@ -650,7 +717,7 @@ def main() -> None:
         results["rounds_raw"] = raw
         checks = {mode: child.call(cmd="check") for mode, child in children.items()}
         results["checks"] = checks
-        if have_mmc:
+        if have_mmc and not args.transform:
             times = children["mmapcache"].call(cmd="breakdown", rounds=rounds * 3, reps=25)
             floor = times["views + collate (the floor)"]
             results["batch_breakdown"] = {

@@ -15,6 +15,15 @@ adds a transform.
 
 Run ``PYTHONPATH=$PWD python benchmarks/bench_torch_layer.py --baseline /tmp/old``
 (about a minute) or ``--quick``.
+
+``--limit`` measures this checkout alone against the limit instead: a warm
+``ds.loader(batch_size=256, shuffle=True)`` epoch (no workers) of uint8 rows of
+1 KB, 12 KB and 147 KB plus an int64 label, against the same shuffled batches
+gathered by ``np.take`` from in-RAM arrays into tensors (both allocate their
+batches), and ``get_many`` of 256 random rows of 64 B and 12 KB against
+``np.take`` from an in-RAM array and from a raw mapping of a /dev/shm file
+holding the same rows. Reported: GB/s and the ratio to the limit per round
+(median, quartiles); results in ``results/bench_torch_layer-limit.json``.
 """
 
 from __future__ import annotations
@@ -67,15 +76,133 @@ def load_baseline(source: Path, scratch: Path) -> Any:
     return importlib.import_module("mmapcache_baseline.torch")
 
 
+class Rows:
+    """``n`` rows of ``row`` uint8 bytes (a pattern of the index) and an int64 label."""
+
+    def __init__(self, n: int, row: int) -> None:
+        self.n, self.row = n, row
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.full((self.row,), i % 251, dtype=torch.uint8), i
+
+
+LIMIT_ROWS = {"1KB": 1024, "12KB": 12 * 1024, "147KB": 147 * 1024}
+LIMIT_BATCH = 256
+LIMIT_BYTES = 96 * 2**20  # data per row size: well past the CPU caches
+
+
+def limit_main(rounds: int) -> None:
+    """``--limit``: loader() epochs and get_many against np.take, in interleaved rounds (see the docstring)."""
+    import mmap
+    import os
+
+    from _common import machine_info, write_results
+
+    import mmapcache
+    from mmapcache import Cache, Field
+    from mmapcache.torch import CachedDataset
+
+    results: dict[str, Any] = {"machine": machine_info(), "rounds": rounds, "batch": LIMIT_BATCH}
+    rows_out = []
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
+        scratch = Path(directory)
+        for label, row in LIMIT_ROWS.items():
+            n = max(2048, LIMIT_BYTES // row)
+            ds = CachedDataset(Rows(n, row), scratch / f"rows-{label}.mmc", key=f"limit-{label}", check=0)
+            ds.fill(progress=False, batch_size=1024)
+            images = np.ascontiguousarray(np.stack([np.full(row, i % 251, np.uint8) for i in range(n)]))
+            labels = np.arange(n, dtype=np.int64)
+            loader = ds.loader(batch_size=LIMIT_BATCH, shuffle=True)
+
+            def fast(_: Any, loader: Any = loader) -> None:
+                for _batch in loader:
+                    pass
+
+            def limit(_: Any, images: Any = images, labels: Any = labels, n: int = n) -> None:
+                order = torch.randperm(n).numpy()
+                for start in range(0, n, LIMIT_BATCH):
+                    b = order[start : start + LIMIT_BATCH]
+                    torch.from_numpy(np.take(images, b, axis=0)), torch.from_numpy(np.take(labels, b))
+
+            times = run_interleaved({"loader()": fast, "np.take": limit}, lambda r: [None] * 3, rounds=rounds)
+            per = [t / f for t, f in zip(times["np.take"], times["loader()"], strict=True)]
+            gbps = n * (row + 8) / np.median(times["loader()"]) / 1e9
+            results[f"loader {label}"] = {"speed_vs_limit": spread(per), "gb_per_s": gbps, "rows": n}
+            rows_out.append([f"loader() epoch, {label} rows", f"{gbps:.2f} GB/s", _fmt(spread(per))])
+            ds.close()
+            mmapcache.remove(ds.path)
+            del images
+        for label, row in (("64B", 64), ("12KB", 12 * 1024)):
+            n = max(4096, LIMIT_BYTES // row)
+            path = scratch / f"get-{label}.mmc"
+            cache = Cache.open(path, {"x": Field((row,), "uint8")}, n)
+            for start in range(0, n, 1024):
+                stop = min(n, start + 1024)
+                cache.put_many(range(start, stop), {"x": np.full((stop - start, row), 7, np.uint8)})
+            ram = np.full((n, row), 7, np.uint8)
+            raw_path = scratch / f"raw-{label}"
+            with open(raw_path, "wb") as f:
+                f.truncate(n * row)
+            fd = os.open(raw_path, os.O_RDWR)
+            mm = mmap.mmap(fd, n * row)
+            os.close(fd)
+            raw = np.ndarray((n, row), np.uint8, buffer=mm)
+            raw[:] = 7
+            rng = np.random.default_rng(1)
+
+            def inputs(r: int, n: int = n, rng: Any = rng) -> list[Any]:
+                return [rng.integers(0, n, LIMIT_BATCH) for _ in range(200)]
+
+            variants = {
+                "get_many": lambda idx, cache=cache: cache.get_many(idx),
+                "np.take (in RAM)": lambda idx, ram=ram: np.take(ram, idx, axis=0),
+                "np.take (raw mapping)": lambda idx, raw=raw: np.take(raw, idx, axis=0),
+            }
+            times = run_interleaved(variants, inputs, rounds=rounds)
+            for limit_name in ("np.take (in RAM)", "np.take (raw mapping)"):
+                per = [t / g for t, g in zip(times[limit_name], times["get_many"], strict=True)]
+                results[f"get_many {label} vs {limit_name}"] = {
+                    "speed": spread(per),
+                    "get_many_us": float(np.median(times["get_many"]) * 1e6),
+                    "limit_us": float(np.median(times[limit_name]) * 1e6),
+                }
+                rows_out.append(
+                    [
+                        f"get_many, 256 rows of {label} vs {limit_name}",
+                        f"{np.median(times['get_many']) * 1e6:.2f} vs {np.median(times[limit_name]) * 1e6:.2f} µs",
+                        _fmt(spread(per)),
+                    ]
+                )
+            del raw
+            mm.close()
+            cache.close()
+            mmapcache.remove(path)
+    print(f"{rounds} interleaved rounds; speed = limit's time / ours, per round: median [quartiles]")
+    print(table(["path", "figure", "speed vs limit"], rows_out))
+    print(f"results: {write_results('bench_torch_layer-limit', results, quick=False)}")
+
+
+def _fmt(s: dict[str, Any]) -> str:
+    return f"{s['median']:.2f} [{s['q1']:.2f}-{s['q3']:.2f}]"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", type=Path, required=True, help="a source tree holding mmapcache/")
+    parser.add_argument("--baseline", type=Path, help="a source tree holding mmapcache/")
+    parser.add_argument("--limit", action="store_true", help="this checkout against np.take (see the docstring)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="5 rounds")
     parser.add_argument("--copy-false", action="store_true", help="CachedDataset(copy=False)")
     parser.add_argument("--transform", choices=sorted(TRANSFORMS), default="none")
     args = parser.parse_args()
     rounds = 5 if args.quick else args.rounds
+    if args.limit:
+        return limit_main(rounds)
+    if args.baseline is None:
+        parser.error("--baseline is needed (or --limit)")
     import mmapcache.torch as current
 
     with tempfile.TemporaryDirectory() as directory:

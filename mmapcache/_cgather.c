@@ -1,4 +1,7 @@
-/* The compiled gather of a variable field: one call reads a batch's descriptors, checks each value's
+/* `take` reads a batch of fixed fields in one pass: each slot's state (acquire), then each field's row
+ * of the READY ones (one memcpy a row and field); _gather.take_ready is its numpy twin.
+ *
+ * The compiled gather of a variable field: one call reads a batch's descriptors, checks each value's
  * bounds and copies the values back to back into one buffer (mmapcache/_gather.py describes the numpy
  * fallback, which gives the same result; tests/test_cgather.py holds the two against each other).
  * `pad` then copies such a batch's rows into a padded array, one memcpy + one fill a row (Jagged.to_padded
@@ -23,6 +26,7 @@
 #include <string.h>
 
 #define MAX_DIMS 32
+#define MAX_FIELDS 64 /* fixed fields one take() copies */
 #define FREE_GIL_FROM (64 * 1024) /* bytes: below this, a GIL round trip costs more than it frees */
 /* Rows are read in random order: ask for the first bytes of the value this many rows ahead (pass 2), so
  * that their cache misses overlap with the copies instead of queueing (measured: 8 or 16, the best). */
@@ -399,16 +403,144 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(take_doc,
+"take(table, record, ready, indices, sources, outs, hits, length) -> int\n\n"
+"Rows of fixed fields for the slots ``indices`` that are READY, in one pass that reads each slot's state.\n\n"
+"table: the slot table (``record`` bytes a slot, the state in its first byte); ready: the READY state;\n"
+"indices: int64 slot positions >= 0 (one at or past the table's end is not READY); sources: a tuple of\n"
+"one buffer per field, the field's rows back to back (one row per slot of the table); outs: a tuple of\n"
+"writable buffers, len(indices) rows each, in the same order; hits: a writable buffer of len(indices)\n"
+"bytes, set to 1 where the slot was READY (its rows copied) and 0 where not (its rows left as they\n"
+"were). Returns how many were READY, or -1 as soon as an index is not in [0, length) (the caller then\n"
+"raises: indices unchecked before). The state is read with acquire order, before the row.");
+
+static PyObject *
+take(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "take takes 8 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *result = NULL, *sources = args[4], *outs = args[5];
+    Py_buffer table = {0}, indices = {0}, hits = {0};
+    Py_buffer src[MAX_FIELDS], dst[MAX_FIELDS];
+    Py_ssize_t nfields = 0, opened = 0;
+    Py_ssize_t record = PyLong_AsSsize_t(args[1]);
+    long ready = PyLong_AsLong(args[2]);
+    unsigned long long length = PyLong_AsUnsignedLongLong(args[7]); /* a length may pass int64 */
+    if ((record == -1 || ready == -1 || length == (unsigned long long)-1) && PyErr_Occurred())
+        return NULL;
+    if (record < 1 || ready < 0 || ready > 255) {
+        PyErr_SetString(PyExc_ValueError, "take: record must be >= 1 and ready a byte");
+        return NULL;
+    }
+    if (!PyTuple_Check(sources) || !PyTuple_Check(outs) || PyTuple_GET_SIZE(sources) != PyTuple_GET_SIZE(outs)
+        || PyTuple_GET_SIZE(sources) > MAX_FIELDS) {
+        PyErr_Format(PyExc_TypeError, "take: sources and outs must be tuples of as many buffers (at most %d)",
+                     MAX_FIELDS);
+        return NULL;
+    }
+    nfields = PyTuple_GET_SIZE(sources);
+    if (get_buffer(args[0], &table, PyBUF_SIMPLE, "table") < 0)
+        goto done;
+    if (get_int64s(args[3], &indices, 0, -1, "indices") < 0)
+        goto done;
+    Py_ssize_t count = indices.len / 8;
+    if (get_buffer(args[6], &hits, PyBUF_WRITABLE, "hits") < 0)
+        goto done;
+    if (hits.len != count) {
+        PyErr_Format(PyExc_ValueError, "take: hits must hold %zd bytes, got %zd", count, hits.len);
+        goto done;
+    }
+    const uint64_t slots = (uint64_t)(table.len / record);
+    {
+        const int64_t *idx = indices.buf;
+        for (Py_ssize_t k = 0; k < count; k++)
+            if (idx[k] < 0 || (uint64_t)idx[k] >= (uint64_t)length) {
+                result = PyLong_FromLong(-1);
+                goto done;
+            }
+    }
+    if (slots == 0) { /* an empty table (a cache of length 0): nothing is READY, nothing to copy */
+        memset(hits.buf, 0, (size_t)count);
+        result = PyLong_FromLong(0);
+        goto done;
+    }
+    size_t rows[MAX_FIELDS];
+    for (; opened < nfields; opened++) {
+        if (get_buffer(PyTuple_GET_ITEM(sources, opened), &src[opened], PyBUF_SIMPLE, "a source") < 0)
+            goto done;
+        if (get_buffer(PyTuple_GET_ITEM(outs, opened), &dst[opened], PyBUF_WRITABLE, "an out") < 0) {
+            PyBuffer_Release(&src[opened]);
+            goto done;
+        }
+        if (src[opened].len % (Py_ssize_t)slots) {
+            PyErr_Format(PyExc_ValueError, "take: source %zd holds %zd bytes, not one row per slot of %llu",
+                         opened, src[opened].len, (unsigned long long)slots);
+            opened++;
+            goto done;
+        }
+        rows[opened] = (size_t)src[opened].len / (size_t)slots;
+        if ((uint64_t)dst[opened].len != (uint64_t)count * rows[opened]) {
+            PyErr_Format(PyExc_ValueError, "take: out %zd holds %zd bytes, not %zd rows of %zu", opened,
+                         dst[opened].len, count, rows[opened]);
+            opened++;
+            goto done;
+        }
+    }
+    {
+        const int64_t *idx = indices.buf;
+        const unsigned char *states = table.buf;
+        unsigned char *hit = hits.buf;
+        Py_ssize_t found = 0;
+        uint64_t total = 0;
+        for (Py_ssize_t f = 0; f < nfields; f++)
+            total += (uint64_t)count * rows[f];
+        PyThreadState *saved = total >= FREE_GIL_FROM ? PyEval_SaveThread() : NULL;
+        for (Py_ssize_t k = 0; k < count; k++) {
+            uint64_t i = (uint64_t)idx[k]; /* a negative index is huge here: not READY */
+            if (k + AHEAD < count && (uint64_t)idx[k + AHEAD] < slots)
+                for (Py_ssize_t f = 0; f < nfields; f++)
+                    __builtin_prefetch((const char *)src[f].buf + (size_t)idx[k + AHEAD] * rows[f]);
+            /* Acquire: a READY state is read before the row it publishes (the writer's release store). */
+            int ok = i < slots && __atomic_load_n(states + i * (uint64_t)record, __ATOMIC_ACQUIRE) == ready;
+            hit[k] = (unsigned char)ok;
+            if (!ok)
+                continue;
+            found++;
+            for (Py_ssize_t f = 0; f < nfields; f++)
+                memcpy((char *)dst[f].buf + (size_t)k * rows[f], (const char *)src[f].buf + i * rows[f], rows[f]);
+        }
+        if (saved)
+            PyEval_RestoreThread(saved);
+        result = PyLong_FromSsize_t(found);
+    }
+
+done:
+    for (Py_ssize_t f = 0; f < opened; f++) {
+        PyBuffer_Release(&src[f]);
+        PyBuffer_Release(&dst[f]);
+    }
+    if (hits.obj)
+        PyBuffer_Release(&hits);
+    if (indices.obj)
+        PyBuffer_Release(&indices);
+    if (table.obj)
+        PyBuffer_Release(&table);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, gather_doc},
     {"pad", (PyCFunction)(void (*)(void))pad, METH_FASTCALL, pad_doc},
+    {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL, take_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_cgather",
-    .m_doc = "The compiled gather of a variable field, and its padding (see _cgather.c).",
+    .m_doc = "The compiled gather of a variable field, its padding, and the one-pass read of fixed fields (see _cgather.c).",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -17,3 +17,14 @@ def gather(
     /,
 ) -> tuple[Any, list[int]]: ...
 def pad(values: Any, offsets: Any, fill: Any, out: Any, /) -> None: ...
+def take(
+    table: Any,
+    record: int,
+    ready: int,
+    indices: Any,
+    sources: tuple[Any, ...],
+    outs: tuple[Any, ...],
+    hits: Any,
+    length: int,
+    /,
+) -> int: ...

@@ -31,6 +31,11 @@ view, so runs are cut into chunks of ``C`` bytes:
 Runs of 16 KiB and more on average are copied with one ``concatenate`` of
 per-run views instead: the views then cost nothing next to the copy.
 
+A batch of fixed fields is read by :func:`take_ready`: each slot's state and, for
+the READY ones, each field's row, in one pass of the compiled ``take`` (about a
+third of the fixed cost of a state lookup plus one ``np.take`` per field, its
+numpy twin).
+
 That is the fallback. Where the optional compiled gather (``_cgather.c``) was
 built, a variable field's batch is read by one call of it instead — descriptors
 read and checked, one ``memcpy`` per row, offsets filled — which takes about a
@@ -48,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["accelerated", "empty_aligned", "gather", "gather_runs", "native"]
+__all__ = ["accelerated", "empty_aligned", "gather", "gather_runs", "native", "take_ready"]
 
 
 def _load_native() -> ModuleType | None:
@@ -69,10 +74,20 @@ accelerated = native is not None  # public as mmapcache.accelerated
 PAGE = 4096
 
 
+ALIGNED_ROWS = 2048  # rows of at least this many bytes are gathered into page-aligned buffers
+
+
 def empty_aligned(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-    """An uninitialised array whose data starts on a page boundary (small ones: plain)."""
+    """An uninitialised array of rows (``shape[0]`` of them) whose data starts on a page boundary.
+
+    Only rows of :data:`ALIGNED_ROWS` bytes or more alias (their sources are
+    page aligned and large): an array of smaller rows, or a small one, is a
+    plain ``np.empty``, whose allocation costs a fifth as much (measured at
+    256 rows of 64 B: 0.4 µs against 3.4 µs, and the gather into it 3.2 µs
+    against 8.6 µs in all).
+    """
     nbytes = math.prod(shape) * dtype.itemsize  # math.prod: ~0.1 µs where np.prod takes ~3 µs
-    if nbytes < PAGE:
+    if nbytes < PAGE or (shape and shape[0] and nbytes // shape[0] < ALIGNED_ROWS):
         return np.empty(shape, dtype)
     raw = np.empty(nbytes + PAGE, np.uint8)
     start = -raw.__array_interface__["data"][0] % PAGE
@@ -88,6 +103,80 @@ def gather(source: np.ndarray[Any, Any], indices: np.ndarray[Any, np.dtype[np.in
     out = empty_aligned((len(indices), *source.shape[1:]), source.dtype)
     np.take(source, indices, axis=0, out=out, mode="clip")
     return out
+
+
+def take_ready(
+    states: np.ndarray[Any, np.dtype[np.uint8]],
+    ready: int,
+    indices: np.ndarray[Any, np.dtype[np.intp]],
+    sources: tuple[np.ndarray[Any, Any], ...],
+    length: int,
+    outs: list[np.ndarray[Any, Any]] | None = None,
+) -> tuple[list[np.ndarray[Any, Any]], np.ndarray[Any, np.dtype[np.bool_]], int]:
+    """Rows ``indices`` of each of ``sources`` (fixed fields), which slots were ``ready``, and how many.
+
+    ``states`` is the slot table's state column (a strided view of its
+    records); ``indices`` must lie in ``[0, length)`` — the count is -1 when
+    one does not (the caller raises; nothing else is meaningful then) — and
+    one past the table is never ready. The rows go into ``outs``
+    (C-contiguous, writable, checked by the caller) or new arrays; those of
+    slots that are not ready are left as they were. Through the compiled
+    ``take`` when it is there (one pass: a state, then its rows), else
+    :func:`take_ready_numpy` (the same result).
+    """
+    if outs is None:
+        outs = [empty_aligned((len(indices), *source.shape[1:]), source.dtype) for source in sources]
+    if native is None or any(source.dtype.kind in "mM" for source in sources):  # datetimes export no buffer
+        return outs, *_take_ready_numpy(states, ready, indices, sources, length, outs)
+    hits = np.empty(len(indices), np.bool_)
+    table = states.base  # the (capacity, record) table the state column is a view of
+    wanted = indices if indices.dtype == _INT64 and indices.flags.c_contiguous else indices.astype(np.int64)
+    found = native.take(table, states.strides[0], ready, wanted, sources, tuple(outs), hits, length)
+    return outs, hits, found
+
+
+_INT64 = np.dtype(np.int64)
+
+
+def take_ready_numpy(
+    states: np.ndarray[Any, np.dtype[np.uint8]],
+    ready: int,
+    indices: np.ndarray[Any, np.dtype[np.intp]],
+    sources: tuple[np.ndarray[Any, Any], ...],
+    length: int,
+    outs: list[np.ndarray[Any, Any]] | None = None,
+) -> tuple[list[np.ndarray[Any, Any]], np.ndarray[Any, np.dtype[np.bool_]], int]:
+    """:func:`take_ready` in numpy: the states by one fancy index, then one ``np.take`` per field."""
+    if outs is None:
+        outs = [empty_aligned((len(indices), *source.shape[1:]), source.dtype) for source in sources]
+    return outs, *_take_ready_numpy(states, ready, indices, sources, length, outs)
+
+
+def _take_ready_numpy(
+    states: np.ndarray[Any, np.dtype[np.uint8]],
+    ready: int,
+    indices: np.ndarray[Any, np.dtype[np.intp]],
+    sources: tuple[np.ndarray[Any, Any], ...],
+    length: int,
+    outs: list[np.ndarray[Any, Any]],
+) -> tuple[np.ndarray[Any, np.dtype[np.bool_]], int]:
+    if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= length):
+        return np.zeros(len(indices), bool), -1
+    if not len(indices) or int(indices.max()) < len(states):
+        hits: np.ndarray[Any, np.dtype[np.bool_]] = states[indices] == ready
+    else:
+        hits = np.zeros(len(indices), bool)
+        cacheable = indices < len(states)
+        hits[cacheable] = states[indices[cacheable]] == ready
+    found = int(np.count_nonzero(hits))
+    if found == len(indices):
+        for source, out in zip(sources, outs, strict=True):
+            np.take(source, indices, axis=0, out=out, mode="clip")  # mode="clip": see gather()
+    elif found:
+        rows = np.flatnonzero(hits)
+        for source, out in zip(sources, outs, strict=True):
+            out[rows] = source[indices[rows]]
+    return hits, found
 
 
 LARGE_RUNS = 16 * 1024  # mean run bytes from which per-run views + one concatenate win

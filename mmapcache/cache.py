@@ -20,7 +20,7 @@ from ._field import Field, FieldsLike
 from ._file import OpenedFile, open_or_create
 from ._flight import WAIT_TIMEOUT, Claims, Flight, SingleFlight
 from ._format import Header, Layout
-from ._gather import empty_aligned, gather
+from ._gather import empty_aligned, gather, take_ready
 from ._handle import closed_error
 from ._heap import VariableRegion
 from ._indices import as_given, check_index, check_out, index_array
@@ -31,6 +31,8 @@ from ._removal import remove
 from ._slots import READY, STRONGLY_ORDERED
 from ._verify import Problem
 from ._writer import Writer, readonly_error
+
+_INTP = np.dtype(np.intp)
 
 __all__ = ["Cache", "Problem"]
 
@@ -340,6 +342,20 @@ class Cache:
         ``verify``, a row that fails its checksum raises after the gather).
         """
         mapped = self._live()
+        if out is None and not (mapped.variables or mapped.readahead or self._verify):
+            # Fixed fields in memory: one pass checks the indices and each slot's state and copies its rows.
+            plain = type(indices) is np.ndarray and indices.dtype == _INTP and indices.ndim == 1
+            idx = indices if plain else index_array(indices, self._length)
+            rows, ready, found = take_ready(
+                mapped.slots.states, READY, idx, tuple(mapped.arrays.values()), self._length
+            )
+            if found < 0:
+                idx = index_array(indices, self._length)  # raises for the index out of range
+            if found == len(idx):
+                self._board.add(hits=found)
+                return dict(zip(mapped.arrays, rows, strict=True))
+            self._board.add(misses=len(idx) - found)
+            raise _missing_error(self._path, as_given(indices, idx)[~ready], len(idx))
         idx = index_array(indices, self._length)
         if out is not None:
             check_out(out, self._fields, len(idx))
@@ -384,7 +400,16 @@ class Cache:
         idx = index_array(indices, self._length)
         if out is not None:
             check_out(out, self._fields, len(idx))
-        else:
+        if not (mapped.variables or mapped.readahead or self._verify):  # fixed fields in memory: one pass
+            outs = None if out is None else [out[name] for name in mapped.arrays]
+            taken, hits, _ = take_ready(
+                mapped.slots.states, READY, idx, tuple(mapped.arrays.values()), self._length, outs
+            )
+            if count:
+                found = int(np.count_nonzero(hits))
+                self._board.add(hits=found, misses=len(idx) - found)
+            return (out if out is not None else dict(zip(mapped.arrays, taken, strict=True))), hits
+        if out is None:
             out = {name: empty_aligned((len(idx), *array.shape[1:]), array.dtype) for name, array in mapped.items}
         out, hits = mapped.read(idx, out, self._capacity, self._length, self._verify)
         if count:

@@ -380,3 +380,103 @@ def test_a_value_offset_that_is_not_a_multiple_of_the_item_size_is_a_damaged_slo
     accelerated = str(extension == "0")
     expected = [accelerated, "None", "[True,", "False,", "True,", "True]", "None", "[1]", "[20,", "21,", "22,"]
     assert out.split()[: len(expected)] == expected
+
+
+# -- take: fixed fields, the slot states read in the same pass -------------------------------------
+
+
+@needs_native
+@SETTINGS
+@given(data=st.data())
+def test_the_compiled_take_reads_what_the_numpy_take_reads(tmp_path_factory: pytest.TempPathFactory, data: Any) -> None:
+    """Random batches (repeats, misses, indices past the capacity) over fields of several dtypes and shapes."""
+    from mmapcache._gather import take_ready, take_ready_numpy
+    from mmapcache._slots import READY
+
+    path = tmp_path_factory.mktemp("take") / "c.mmc"
+    fields = {"a": Field((3, 5), "uint8"), "b": Field((), "<f8"), "c": Field((2,), "int16"), "d": Field((7,), "M8[s]")}
+    capacity = 40
+    with Cache.open(path, fields, 60, capacity=capacity) as cache:
+        filled = data.draw(st.sets(st.integers(0, capacity - 1)), label="filled")
+        for i in sorted(filled):
+            cache.put(i, {"a": np.full((3, 5), i, np.uint8), "b": i / 3, "c": [i, -i], "d": np.full(7, i, "M8[s]")})
+        mapped = cache._live()
+        idx = np.array(data.draw(st.lists(st.integers(0, 59), max_size=200), label="idx"), np.intp)
+        sources = tuple(mapped.arrays.values())
+        rows, hits, found = take_ready(mapped.slots.states, READY, idx, sources[:3], 60)
+        rows_numpy, hits_numpy, found_numpy = take_ready_numpy(mapped.slots.states, READY, idx, sources[:3], 60)
+        assert found == found_numpy == int(np.count_nonzero(hits))
+        assert hits.tolist() == hits_numpy.tolist() == [int(i) in filled for i in idx]
+        for got, want in zip(rows, rows_numpy, strict=True):
+            assert got.dtype == want.dtype
+            assert got.shape == want.shape
+            assert got[hits].tobytes() == want[hits].tobytes()
+        np.testing.assert_array_equal(rows[0][hits][:, 0, 0], idx[hits])
+        # Into given buffers: the rows of misses are left as they were.
+        outs = [np.full((len(idx), *s.shape[1:]), 7, s.dtype) for s in sources[:3]]
+        before = [o.copy() for o in outs]
+        take_ready(mapped.slots.states, READY, idx, sources[:3], 60, outs)
+        for take in (take_ready, take_ready_numpy):  # an index past the length: -1, the caller raises
+            assert take(mapped.slots.states, READY, np.array([0, 60]), sources[:3], 60)[2] == -1
+        for o, b, want in zip(outs, before, rows_numpy, strict=True):
+            assert o[~hits].tobytes() == b[~hits].tobytes()
+            assert o[hits].tobytes() == want[hits].tobytes()
+        arrays, read = cache.read_many(idx)
+        assert read.tolist() == hits.tolist()
+        assert arrays["d"][read].astype(np.int64)[:, 0].tolist() == idx[read].tolist()
+    mmapcache.remove(path)
+
+
+@needs_native
+def test_the_compiled_take_refuses_what_the_cache_never_passes_it(tmp_path: Path) -> None:
+    assert native is not None
+    table = np.zeros((4, 8), np.uint8)
+    source = np.zeros((4, 3), np.uint8)
+    hits = np.zeros(2, bool)
+    idx = np.array([0, 1], np.int64)
+    with pytest.raises(ValueError, match="out 0 holds 3 bytes, not 2 rows of 3"):
+        native.take(table, 8, 2, idx, (source,), (np.zeros(3, np.uint8),), hits, 4)
+    with pytest.raises(ValueError, match="hits must hold 2 bytes"):
+        native.take(table, 8, 2, idx, (source,), (np.zeros((2, 3), np.uint8),), np.zeros(3, bool), 4)
+    with pytest.raises(ValueError, match="source 0 holds 10 bytes"):
+        native.take(table, 8, 2, idx, (np.zeros(10, np.uint8),), (np.zeros((2, 3), np.uint8),), hits, 4)
+    with pytest.raises(TypeError, match="as many buffers"):
+        native.take(table, 8, 2, idx, (source,), (), hits, 4)
+    readonly = np.zeros((2, 3), np.uint8)
+    readonly.flags.writeable = False
+    with pytest.raises(TypeError, match="writable"):
+        native.take(table, 8, 2, idx, (source,), (readonly,), hits, 4)
+    table[1, 0] = 2
+    source[1] = [4, 5, 6]
+    out = np.zeros((3, 3), np.uint8)
+    found = native.take(table, 8, 2, np.array([1, 0, 9], np.int64), (source,), (out,), np.zeros(3, bool), 10)
+    assert found == 1
+    assert out.tolist() == [[4, 5, 6], [0, 0, 0], [0, 0, 0]]
+    assert native.take(table, 8, 2, np.array([1, -1], np.int64), (source,), (out[:2],), hits, 10) == -1
+
+
+@pytest.mark.parametrize("extension", ["0", "1"], ids=["compiled", "numpy"])
+def test_get_many_and_read_many_of_fixed_fields_agree_with_and_without_the_extension(
+    tmp_path: Path, extension: str
+) -> None:
+    if extension == "0" and not BUILT:
+        pytest.skip("the compiled gather is not built")
+    code = (
+        "import sys, numpy as np, mmapcache\n"
+        "from mmapcache import Cache, Field\n"
+        "with Cache.open(sys.argv[1], {'x': Field((64,), 'uint8'), 'y': Field((), 'int64')}, 10) as c:\n"
+        "    x = (np.arange(3 * 64).reshape(3, 64) % 251).astype(np.uint8)\n"
+        "    c.put_many([1, 3, 4], {'x': x, 'y': [10, 30, 40]})\n"
+        "    got = c.get_many([4, 1, 4])\n"
+        "    arrays, hits = c.read_many([0, 3, 9])\n"
+        "    try:\n"
+        "        c.get_many([1, 2])\n"
+        "    except KeyError as e:\n"
+        "        missing = [int(i) for i in e.missing]\n"
+        "    print(mmapcache.accelerated, got['y'].tolist(), int(got['x'][1].sum()), hits.tolist(),\n"
+        "          int(arrays['y'][1]), missing, c.usage().total.hits, c.usage().total.misses)\n"
+        "mmapcache.remove(sys.argv[1])\n"
+    )
+    out = run_python("-c", code, str(tmp_path / "c.mmc"), MMAPCACHE_NO_EXTENSION=extension)
+    expected = f"{extension == '0'} [40, 10, 40] {sum(range(64))} [False, True, False] 30 [2] 4 3"
+    assert out.split() == expected.split()
