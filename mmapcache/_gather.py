@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["accelerated", "empty_aligned", "gather", "gather_runs", "native", "take_ready"]
+__all__ = ["accelerated", "compiled", "empty_aligned", "gather", "gather_runs", "native", "take_ready"]
 
 
 def _load_native() -> ModuleType | None:
@@ -70,6 +70,12 @@ def _load_native() -> ModuleType | None:
 
 native = _load_native()
 accelerated = native is not None  # public as mmapcache.accelerated
+
+
+def compiled() -> ModuleType | None:
+    """The compiled gather in use now (``native``, read at each call: tests turn it off), or ``None``."""
+    return native
+
 
 PAGE = 4096
 

@@ -23,10 +23,10 @@ from ._slots import EMPTY
 from ._validation import read_header
 from ._verify import Problem, region_problems, slot_problems
 
-__all__ = ["clear", "sync", "verify"]
+__all__ = ["clear_cache", "sync_cache", "verify_cache"]
 
 
-def clear(path: Path, handle: Handle, mapped: Mapped, *, timeout: float) -> None:
+def clear_cache(path: Path, handle: Handle, mapped: Mapped, *, timeout: float) -> None:
     """Mark every slot empty, once no other handle has the file open (else :class:`CacheInUseError`)."""
     with handle.write_lock:
         handle.check_usable(writing=True)
@@ -55,7 +55,7 @@ def clear(path: Path, handle: Handle, mapped: Mapped, *, timeout: float) -> None
     )
 
 
-def sync(handle: Handle, mapped: Mapped) -> int:
+def sync_cache(handle: Handle, mapped: Mapped) -> int:
     """``fdatasync`` the file and mark its filled slots synced: how many were marked (0 in memory)."""
     with handle.write_lock:
         handle.check_usable(writing=True)
@@ -65,7 +65,7 @@ def sync(handle: Handle, mapped: Mapped) -> int:
         return sync_slots(handle.fd, mapped.slots)
 
 
-def verify(path: Path, header: Header, handle: Handle, mapped: Mapped, *, fix: bool) -> list[Problem]:
+def verify_cache(path: Path, header: Header, handle: Handle, mapped: Mapped, *, fix: bool) -> list[Problem]:
     """The header's and every slot's problems; with ``fix``, bad slots reset to EMPTY."""
     with handle.write_lock:
         handle.check_usable(writing=fix)

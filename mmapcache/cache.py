@@ -13,7 +13,6 @@ from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
-from . import _maintenance as maintenance
 from ._counters import REFUTED, Counts, Usage
 from ._errors import CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike
@@ -24,6 +23,7 @@ from ._gather import empty_aligned, gather, take_ready
 from ._handle import closed_error
 from ._heap import VariableRegion
 from ._indices import as_given, check_index, check_out, index_array
+from ._maintenance import clear_cache, sync_cache, verify_cache
 from ._mapping import Mapped
 from ._opening import attach
 from ._plan import plan
@@ -555,7 +555,7 @@ class Cache:
         mapped = self._live()
         if self._readonly:
             raise self._readonly_error("clear")
-        maintenance.clear(self._path, self._handle, mapped, timeout=self._timeout)
+        clear_cache(self._path, self._handle, mapped, timeout=self._timeout)
 
     def sync(self) -> int:
         """Make what is cached durable: ``fdatasync`` the file and mark its filled slots synced.
@@ -571,7 +571,7 @@ class Cache:
         mapped = self._live()
         if self._readonly:
             raise self._readonly_error("sync")
-        return maintenance.sync(self._handle, mapped)
+        return sync_cache(self._handle, mapped)
 
     # -- checking -------------------------------------------------------------
 
@@ -587,7 +587,7 @@ class Cache:
         mapped = self._live()
         if fix and self._readonly:
             raise self._readonly_error("verify(fix=True)")
-        return maintenance.verify(self._path, self._header, self._handle, mapped, fix=fix)
+        return verify_cache(self._path, self._header, self._handle, mapped, fix=fix)
 
     # -- lifecycle ------------------------------------------------------------
 

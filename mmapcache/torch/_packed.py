@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .. import _gather
 from .._errors import CacheError
+from .._gather import compiled, empty_aligned
 from ..cache import Cache
 from ._collate import as_is
 from ._dataset import CachedDataset
@@ -375,9 +375,9 @@ def _read(source: _Source, plan: Plan, seqs: np.ndarray[Any, Any], pad_id: int) 
     table["length"][pad_at] = pads[padded]
     doc_of = np.full(described, -1, np.int64)
     doc_of[where] = docs
-    out = _gather.empty_aligned((count, seq_len), source.dtype)
+    out = empty_aligned((count, seq_len), source.dtype)
     offsets = np.empty(described + 1, np.int64)
-    native = _gather.native
+    native = compiled()
     if native is not None and int(pads.max(initial=0)) * item <= len(source.region):
         # A padding run reads the region's first bytes (overwritten with pad_id below): one gather in all.
         flat = out.reshape(-1)
