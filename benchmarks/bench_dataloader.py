@@ -396,7 +396,7 @@ def breakdown(datasets: dict[str, Any], n: int, rounds: int, reps: int) -> dict[
     cache = ds.cache
     image, label = (torch.from_numpy(a) for a in cache.views.values())  # read-only views: warns once
     states = cache._mapped.states
-    ready = 2  # mmapcache._slots.READY
+    ready = 2  # mmapcache._region.slots.READY
 
     def views(batch: list[int]) -> object:
         return default_collate([(image[i], int(label[i])) for i in batch if states[i] == ready])

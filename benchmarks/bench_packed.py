@@ -36,7 +36,7 @@ import torch
 from _common import bench_parser, machine_info, ratio, run_rounds, spread, table, write_results
 
 from mmapcache import Field
-from mmapcache._names import plans_of
+from mmapcache._file.names import plans_of
 from mmapcache.torch import CachedDataset, PackedSequences
 from mmapcache.torch._packing_plan import make_plan
 

@@ -35,12 +35,12 @@ from _common import bench_parser, index_sets, machine_info, ratio, ratio_of_mins
 
 import mmapcache
 from mmapcache import Cache, Field
-from mmapcache._checksum import checksum
-from mmapcache._gather import gather
-from mmapcache._writer import _fill
+from mmapcache._format.digests import checksum
+from mmapcache._region.gathers import gather
+from mmapcache._region.writer import _fill
 
 SIZES: dict[str, tuple[int, ...]] = {"64B": (64,), "12KB": (3, 64, 64), "150KB": (3, 224, 224)}
-EMPTY, READY = 0, 2  # slot state bytes (mmapcache._slots)
+EMPTY, READY = 0, 2  # slot state bytes (mmapcache._region.slots)
 GET_BATCH = 256
 PUT_OPS = 32  # puts per timed call
 PUT_MANY_ROWS = 64

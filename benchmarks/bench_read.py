@@ -9,7 +9,7 @@ Measures, for 12 KB and 150 KB uint8 samples, in interleaved rounds:
   least 0.85x the speed of (a) and 0.7x of (b).
 * **get** — ``cache.get(i)`` for 256 random indices against a ``view[i].copy()``
   loop over the mmap view. Target: at most 2x the time of the copy loop.
-* **gather** — how ``mmapcache._gather`` should produce the output of a gather:
+* **gather** — how ``mmapcache._region.gathers`` should produce the output of a gather:
   page-aligned ``out=`` (what it does), plain allocating ``np.take``, fancy
   indexing, ``out=`` buffers at various offsets from a page boundary,
   ``mode="raise"`` vs ``"clip"``, a reused buffer (no allocation at all) and a
@@ -50,12 +50,12 @@ from _common import (
 
 import mmapcache
 from mmapcache import Cache, Field
-from mmapcache._gather import PAGE, empty_aligned, gather
-from mmapcache._indices import check_index, index_array
+from mmapcache._region.gathers import PAGE, empty_aligned, gather
+from mmapcache._region.indices import check_index, index_array
 
 SIZES: dict[str, tuple[int, ...]] = {"12KB": (3, 64, 64), "150KB": (3, 224, 224)}
 BATCH = 256
-READY = 2  # the slot state byte of a filled slot (mmapcache._slots.READY)
+READY = 2  # the slot state byte of a filled slot (mmapcache._region.slots.READY)
 
 
 @dataclass

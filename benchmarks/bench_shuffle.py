@@ -44,7 +44,7 @@ import torch
 from _common import machine_info, rotated
 from torch.utils.data.distributed import DistributedSampler
 
-import mmapcache._sampler
+import mmapcache.torch._sampler
 from mmapcache.torch import NodeShardSampler
 
 COST_TOPOLOGY = (8, 8)  # nodes, ranks per node
@@ -217,13 +217,13 @@ def main() -> int:
     result["machine"] = machine_info()
     names = ("DistributedSampler", "NodeShardSampler", "NodeShardSampler, keyed bijection")
     for kind, name in zip(("dist", "node", "node"), names, strict=True):
-        exact = mmapcache._sampler.EXACT_MAX
+        exact = mmapcache.torch._sampler.EXACT_MAX
         if name.endswith("bijection"):
-            mmapcache._sampler.EXACT_MAX = 0  # the path of datasets above 2**21 samples, at this size
+            mmapcache.torch._sampler.EXACT_MAX = 0  # the path of datasets above 2**21 samples, at this size
         try:
             result[name] = measure(kind, n, nodes, ranks, epochs, batch)
         finally:
-            mmapcache._sampler.EXACT_MAX = exact
+            mmapcache.torch._sampler.EXACT_MAX = exact
     print(f"{n} samples, {nodes} nodes x {ranks} ranks, {epochs} epochs, batch {batch} per rank")
     print(f"{'':34}{'displacement':>14}{'rank corr.':>12}{'ranks visited':>15}{'class share sd':>16}")
     for name in names:

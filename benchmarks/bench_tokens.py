@@ -60,7 +60,7 @@ import torch  # noqa: E402 - after the path of this checkout
 from torch.utils.data import DataLoader  # noqa: E402
 
 from mmapcache import Field  # noqa: E402
-from mmapcache._format import slot_nbytes  # noqa: E402
+from mmapcache._format.spec import slot_nbytes  # noqa: E402
 from mmapcache.torch import CachedDataset, pad_collate  # noqa: E402
 
 BATCH = 64

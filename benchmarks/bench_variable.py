@@ -52,8 +52,9 @@ from _common import (
 )
 
 import mmapcache
-from mmapcache import Cache, Field, _gather
-from mmapcache._format import slot_nbytes
+from mmapcache import Cache, Field
+from mmapcache._format.spec import slot_nbytes
+from mmapcache._region import gathers as _gather
 
 BATCH = 256
 SPAWN = multiprocessing.get_context("spawn")

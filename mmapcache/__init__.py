@@ -4,10 +4,7 @@
 >>> cache = Cache.open("/dev/shm/x.mmc", {"x": Field((3,), "float32")}, length=10)  # doctest: +SKIP
 """
 
-from ._budget import Budget, CacheShare, budget, set_budget
-from ._collect import GcReport, gc
-from ._counters import Counts, Usage
-from ._disk_usage import DiskUsage, disk_usage
+from ._admin import CacheInfo, DiskUsage, GcReport, Resized, disk_usage, gc, info, list_caches, resize
 from ._errors import (
     CacheError,
     CacheFormatError,
@@ -21,14 +18,8 @@ from ._errors import (
     UnsafeCacheFileError,
 )
 from ._field import Field
-from ._flight import Claims
-from ._gather import accelerated
-from ._heap import VariableRegion
-from ._inspect import CacheInfo, info, list_caches
-from ._jagged import Jagged
-from ._paths import default_dir
-from ._removal import in_use, remove
-from ._resize import Resized, resize
+from ._file import Budget, CacheShare, budget, default_dir, in_use, remove, set_budget
+from ._region import Claims, Counts, Jagged, Usage, VariableRegion, accelerated
 from ._version import __version__
 from .cache import Cache, Problem
 

@@ -5,7 +5,7 @@ A field's values are stored as a numpy dtype. torch dtypes that numpy lacks
 an unsigned integer of the same width and remembered by name in
 ``Field.torch_dtype``, so :mod:`mmapcache.torch` hands them back as the torch
 dtype they were. Such a field needs no torch to exist, nor to store and read
-its raw bits (see :mod:`mmapcache._values`).
+its raw bits (see :mod:`mmapcache._region.values`).
 """
 
 from __future__ import annotations

@@ -13,24 +13,38 @@ from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
-from ._counters import REFUTED, Counts, Usage
 from ._errors import CacheMissError, ReadonlyCacheError
 from ._field import Field, FieldsLike
-from ._file import OpenedFile, open_or_create
-from ._flight import WAIT_TIMEOUT, Claims, Flight, SingleFlight
+from ._file import OpenedFile, open_or_create, plan, remove
 from ._format import Header, Layout
-from ._gather import empty_aligned, gather, take_ready
-from ._handle import closed_error
-from ._heap import VariableRegion
-from ._indices import as_given, check_index, check_out, index_array
-from ._maintenance import clear_cache, sync_cache, verify_cache
-from ._mapping import Mapped
-from ._opening import attach
-from ._plan import plan
-from ._removal import remove
-from ._slots import READY, STRONGLY_ORDERED
-from ._verify import Problem
-from ._writer import Writer, readonly_error
+from ._region import (
+    READY,
+    REFUTED,
+    STRONGLY_ORDERED,
+    WAIT_TIMEOUT,
+    Claims,
+    Counts,
+    Flight,
+    Mapped,
+    Problem,
+    SingleFlight,
+    Usage,
+    VariableRegion,
+    Writer,
+    as_given,
+    attach,
+    check_index,
+    check_out,
+    clear_cache,
+    closed_error,
+    empty_aligned,
+    gather,
+    index_array,
+    readonly_error,
+    sync_cache,
+    take_ready,
+    verify_cache,
+)
 
 _INTP = np.dtype(np.intp)
 
@@ -138,7 +152,7 @@ class Cache:
         self._path = path
         self._readonly = readonly
         self._user_verify = verify
-        # Weakly ordered CPUs verify every read: see the argument in _slots.py.
+        # Weakly ordered CPUs verify every read: see the argument in _region/slots.py.
         self._verify = verify or not STRONGLY_ORDERED
         self._timeout = timeout
         self._header: Header = header
@@ -369,7 +383,7 @@ class Cache:
             out = {name: gather(array, idx) for name, array in mapped.items}
         else:
             for name, array in mapped.items:
-                # mode="clip": numpy buffers take(out=) in mode="raise" (see _gather.py).
+                # mode="clip": numpy buffers take(out=) in mode="raise" (see _region/gathers.py).
                 np.take(array, idx, axis=0, out=out[name], mode="clip")
         out, bad = mapped.checked(idx, out, np.arange(len(idx)), self._verify)
         if len(bad):
@@ -471,7 +485,7 @@ class Cache:
         writer = self._store()
         return writer.put_many(index_array(indices, self._length), batch)
 
-    # -- single flight: one load per sample per node (see _flight.py) ----------
+    # -- single flight: one load per sample per node (see _region/flight.py) ----------
 
     def get_or_load_many(
         self,

@@ -1,7 +1,7 @@
 """``mmapcache`` (and ``python -m mmapcache``): see, check and clean up caches from a shell.
 
 The one module that prints. Each command calls a library function that returns
-data (``mmapcache._inspect``, ``_collect``, ``_disk_usage``, ``Cache.verify``, ``mmapcache.remove``) and formats
+data (``mmapcache._admin.listing``, ``_collect``, ``_disk_usage``, ``Cache.verify``, ``mmapcache.remove``) and formats
 it here. Errors the user can act on print ``ErrorName: message`` on stderr,
 without a traceback, and exit with ``EXIT_PROBLEMS``.
 
@@ -24,18 +24,28 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._budget import budget, set_budget
-from ._collect import DEFAULT_GC_AGE, gc, is_lock_name, orphan_lock, remove_orphan_lock
-from ._disk_usage import disk_usage
+from ._admin import (
+    DEFAULT_GC_AGE,
+    disk_usage,
+    error_message,
+    format_budget,
+    format_df,
+    format_gc,
+    format_info,
+    format_ls,
+    format_problems,
+    gc,
+    info,
+    is_lock_name,
+    list_caches,
+    orphan_lock,
+    remove_orphan_lock,
+    resize,
+)
 from ._errors import CacheError, CacheFormatError
-from ._gather import accelerated
-from ._inspect import error_message, info, list_caches
-from ._names import LOCK_SUFFIX, SUFFIX, TEMP_MARK
-from ._paths import default_dir
-from ._removal import remove
-from ._reports import format_budget, format_df, format_gc, format_info, format_ls, format_problems
-from ._resize import resize
-from ._sizes import format_bytes, parse_bytes, parse_duration
+from ._file import LOCK_SUFFIX, SUFFIX, TEMP_MARK, budget, default_dir, remove, set_budget
+from ._format import format_bytes, parse_bytes, parse_duration
+from ._region import accelerated
 from ._version import __version__
 from .cache import Cache, Problem
 

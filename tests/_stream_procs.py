@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from mmapcache import Field
-from mmapcache._stream import Partition, PartitionWriter, open_stream, plan_stream, region
+from mmapcache._streams.stream_cache import Partition, PartitionWriter, open_stream, plan_stream, region
 from mmapcache.cache import writer_of
 
 FIELDS = {"value": Field((4,), "int64"), "tokens": Field((None,), "int32")}

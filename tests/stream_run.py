@@ -75,7 +75,7 @@ def main() -> None:
 
 def _kill_in_store(k: int) -> None:
     """SIGKILL this process inside its ``k``-th batch store: the rows in their slots, the run not counted."""
-    from mmapcache._writer import Writer
+    from mmapcache._region.writer import Writer
 
     put_run, calls = Writer.put_run, [0]
 

@@ -44,19 +44,19 @@ fields in a batch, ``Packed``) · ``_collate.py`` (``pad_collate``,
 ``Padded``) · ``_fill.py`` (``fill()``) · ``_packed.py`` (:class:`PackedSequences`: packed
 sequences over cached documents; its plans in ``_packing_plan.py`` and their file in
 ``_plan_file.py``) · ``_stream.py`` (:class:`CachedStream`, over the
-core's ``mmapcache._stream``) · ``_mixture.py`` (:class:`Mixture`, whose draws
+core's ``mmapcache._streams.stream_cache``) · ``_mixture.py`` (:class:`Mixture`, whose draws
 are ``_draws.py``'s and whose ``loader()`` is ``_mixture_loader.py``). :class:`NodeShardSampler` is
-:mod:`mmapcache._sampler`'s.
+:mod:`mmapcache.torch._sampler`'s.
 """
 
 from __future__ import annotations
 
-from .._sampler import NodeShardSampler
 from ._collate import Padded, collate, pad_collate
 from ._dataset import CachedDataset
 from ._mixture import Mixture
 from ._packed import PackedSequences
 from ._ragged import Packed, ragged_collate
+from ._sampler import NodeShardSampler
 from ._schema import infer_fields
 from ._stream import CachedStream
 

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .._structure import Step, name_of
 from ._columns import shared_empty
+from ._structure import Step, name_of
 
 __all__ = [
     "Padded",

@@ -6,7 +6,7 @@ per field, the rows stacked into one array (fixed fields) or a list of arrays
 (:func:`columns`). A hit gathers into tensors made by :func:`new_batch`.
 
 Buffers start on a page boundary: a gather into a buffer a few bytes off a page
-boundary runs many times slower (4K aliasing, see ``mmapcache/_gather.py``).
+boundary runs many times slower (4K aliasing, see ``mmapcache/_region/gathers.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .._gather import empty_aligned
+from .._region import empty_aligned
 from ._leaves import LeafShapeError, converted, fit, variable_column, write_column
 from ._schema import Schema, describe
 

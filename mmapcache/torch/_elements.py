@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from .._field import Field
-from .._structure import Node
-from .._tensors import torch_dtype
+from .._region import torch_dtype
 from ._schema import Schema
+from ._structure import Node
 
 __all__ = ["ElementPath"]
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from .._compare import difference
 from .._errors import CacheError, StaleCacheError
-from .._stream import region
+from .._streams import region
 from ..cache import Cache
 from ._schema import Schema
 

@@ -4,7 +4,7 @@ A leaf is a tensor, a numpy array or scalar, or a Python bool/int/float/str/
 bytes (:func:`is_leaf`). :func:`leaf_field` is the field a first sample's leaf
 makes; :func:`fit` is the only place that decides whether a leaf fits a field
 (tensors and arrays keep its dtype exactly and fit its shape; Python scalars
-and text follow the core's casting rules, :func:`mmapcache._values.coerce_value`);
+and text follow the core's casting rules, :func:`mmapcache._region.values.coerce_value`);
 :func:`misfit` asks it for a whole sample without raising. A field whose dtype
 the user chose (``fields=``, ``dtypes=``) first converts a leaf of another
 numeric dtype with :func:`convert_leaf`, which refuses any conversion that
@@ -23,9 +23,8 @@ import numpy as np
 import torch
 
 from .._field import Field
-from .._structure import name_leaves
-from .._tensors import BITS, as_tensor, torch_dtype
-from .._values import coerce_value
+from .._region import BITS, as_tensor, coerce_value, torch_dtype
+from ._structure import name_leaves
 
 __all__ = [
     "SUPPORTED",
@@ -295,7 +294,7 @@ def fit(leaf: Any, field: Field, name: str, *, convert: bool = False) -> Any:
     size; a mismatch raises :class:`LeafShapeError`). ``convert`` (the user
     chose the field's dtype) first converts them when no value changes
     (:func:`converted`). Text and Python scalars follow the core's casting
-    rules (:func:`mmapcache._values.coerce_value`). TypeError/ValueError
+    rules (:func:`mmapcache._region.values.coerce_value`). TypeError/ValueError
     naming the field otherwise.
     """
     if convert:

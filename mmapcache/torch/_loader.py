@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .._jagged import Jagged
+from .._region import Jagged
 from ._collate import Padded, Padder, collate, collate_tree
 from ._ragged import Packed, jagged_batch, tensors_batch
 from ._session import Session

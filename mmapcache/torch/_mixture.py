@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .._sampler import SEEDS, checked_integer, seed_words, seeded_permutation
 from . import _draws
 from ._draws import BLOCK, Ints
+from ._sampler import SEEDS, checked_integer, seed_words, seeded_permutation
 
 __all__ = ["Mixture", "Weights"]
 

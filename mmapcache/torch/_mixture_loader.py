@@ -26,12 +26,12 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .._sampler import checked_integer, node_topology
 from ._collate import as_is, collate_tree
 from ._columns import new_batch
 from ._dataset import CachedDataset
 from ._loader import Loader
 from ._mixture import Mixture
+from ._sampler import checked_integer, node_topology
 
 __all__ = ["Drawn", "MixtureBatches", "MixtureLoader", "Pending", "StepSampler", "make_loader"]
 

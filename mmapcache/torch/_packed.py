@@ -4,7 +4,7 @@ The plan (:mod:`._packing_plan`) is computed once from the documents' lengths
 as the file records them (``Cache.lengths``: no token is read) and kept in a
 file beside the cache (:mod:`._plan_file`); later runs and other processes map
 it. A batch of sequences is read by one call of the core's compiled gather
-(``mmapcache._gather.native``) over a table of descriptors made for the batch:
+(``mmapcache._region.gathers.native``) over a table of descriptors made for the batch:
 one per fragment (its document's offset in the variable region plus its first
 token, its length) and one per padding run, so the tokens land straight in the
 ``(batch, seq_len)`` array, and the gather's offsets are the batch's
@@ -23,7 +23,7 @@ import torch
 import torch.utils.data
 
 from .._errors import CacheError
-from .._gather import compiled, empty_aligned
+from .._region import compiled, empty_aligned
 from ..cache import Cache
 from ._collate import as_is
 from ._dataset import CachedDataset
@@ -102,7 +102,7 @@ def _dataset_documents(docs: CachedDataset) -> Slots:
 
 
 def _stream_documents(docs: CachedStream) -> Slots:
-    from .._stream import checked_records, stream_status
+    from .._streams import checked_records, stream_status
 
     cache = docs.cache
     if cache is None or not stream_status(cache).complete:
@@ -389,6 +389,7 @@ def _read(source: _Source, plan: Plan, seqs: np.ndarray[Any, Any], pad_id: int) 
             None,
             (-1,),
             item,
+            item,  # fragments start at any token of a document: offsets are multiples of the item size
             offsets,
             None,
             lambda shape: flat,

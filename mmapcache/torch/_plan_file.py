@@ -19,7 +19,7 @@ version of the packing algorithms (``planner``), the cache's ``uuid``, the
 token field, the number of documents, the SHA-1 digest of their lengths
 (uint32, in document order), and the packing arguments (``seq_len``, ``mode``,
 ``long_docs``). The file is named
-``<cache stem>.plan-<16 hex>`` (``mmapcache._names.plan_path_for``), the hex
+``<cache stem>.plan-<16 hex>`` (``mmapcache._file.names.plan_path_for``), the hex
 digits the first of the SHA-256 of the key's canonical JSON.
 
 A reader validates in this order — size >= 24, magic, version, the JSON's
@@ -48,8 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from .._file import creation_lock, fsync_dir
-from .._names import new_temp_path, plan_path_for
+from .._file import creation_lock, fsync_dir, new_temp_path, plan_path_for
 from ._packing_plan import Plan
 
 __all__ = ["PLAN_MAGIC", "PLAN_VERSION", "content_digest", "open_or_make", "plan_key", "read_plan", "write_plan"]

@@ -25,8 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .._jagged import Jagged
-from .._tensors import nested
+from .._region import Jagged, nested
 from ._collate import Padded, Padder, leaf_names, pad_tensors
 
 __all__ = ["RAGGED", "Packed", "check_ragged", "jagged_batch", "ragged_collate", "tensors_batch"]

@@ -1,7 +1,7 @@
 """A cache's fields as the torch layer sees them: inferred from a sample, declared, described.
 
 :class:`Schema` goes between samples and per-field leaves (through the pure
-structure codec, :mod:`mmapcache._structure`) and between storage arrays and
+structure codec, :mod:`mmapcache.torch._structure`) and between storage arrays and
 tensors. The functions decide which fields a new file gets — the first
 sample's own (:func:`infer_fields`, with ``dtypes=``), or ``fields=`` checked
 against it — and spell them in messages.
@@ -20,10 +20,7 @@ import torch
 
 from .._errors import SchemaMismatchError
 from .._field import Field, FieldsLike, normalize_fields
-from .._jagged import Jagged
-from .._structure import BARE, Structure, name_leaves
-from .._tensors import torch_dtype
-from .._variable import text_value
+from .._region import Jagged, text_value, torch_dtype
 from ._leaves import (
     SUPPORTED,
     check_declared,
@@ -38,6 +35,7 @@ from ._leaves import (
     misfit,
     variable_column,
 )
+from ._structure import BARE, Structure, name_leaves
 
 if TYPE_CHECKING:
     from ._columns import ShapeVariesError

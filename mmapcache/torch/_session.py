@@ -29,8 +29,8 @@ import torch
 
 from .._errors import CacheInUseError, SchemaMismatchError, StaleCacheError
 from .._field import Field
-from .._removal import remove
-from .._slots import STRONGLY_ORDERED
+from .._file import remove
+from .._region import STRONGLY_ORDERED
 from ..cache import Cache, flight_of
 from ._checks import (
     Verdict,
@@ -70,7 +70,7 @@ class Session:
 
     def __init__(self, settings: Settings, verdict: Verdict | None = None) -> None:
         self.settings = settings
-        # Weakly ordered CPUs check every read (see mmapcache._slots); zero-copy views too.
+        # Weakly ordered CPUs check every read (see mmapcache._region.slots); zero-copy views too.
         self.check_reads = settings.verify or not STRONGLY_ORDERED
         self.cache: Cache | None = None
         self.schema: Schema | None = None
@@ -84,6 +84,7 @@ class Session:
         self.lock = threading.Lock()
         self.hits = self.misses = self.written = 0
         self.waited = 0  # misses read from the file once another process had loaded them (among the hits)
+        self._sized_here: set[int] = set()  # positions this process loaded to size the file it made
         _LIVE.add(self)
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -453,7 +454,9 @@ class Session:
         also loads its first sample twice (the determinism check). Before the
         file exists, the batch's first sample creates it (:meth:`store`) and
         the rest go through single flight: processes that start together
-        (the workers of concurrent jobs) share the first batches too.
+        (the workers of concurrent jobs) share the first batches too. A rest
+        that does not fit the new file refutes it (removed when nobody else
+        has it open), so a refused first batch leaves no file behind.
         """
         cache = self.cache if self.cache is not None else self.opened()
         if cache is not None and cache.replaced:
@@ -464,7 +467,20 @@ class Session:
             samples = self.store(first, self.fetch(first), first_miss=self._first_miss())
             assert self.cache is not None
             self.cache.count(misses=len(first))
-            return samples + self.load(positions[1:]) if len(positions) > 1 else samples
+            if len(positions) == 1:
+                return samples
+            # Samples of the batch that sizing the new file loaded here are misses of this process, not hits.
+            own = sum(1 for p in positions[1:] if p in self._sized_here)
+            self._sized_here = set()
+            try:
+                rest = self.load(positions[1:])
+                self.hits, self.waited, self.misses = self.hits - own, self.waited - own, self.misses + own
+                return samples + rest
+            except ValueError:
+                # The rest of the first batch does not fit the file its first sample made (a lossy dtypes=, a
+                # shape that varies): the file goes with the error, as when the whole batch was checked first.
+                self._refute()
+                raise
         schema = self.schema
         assert schema is not None
         before = _written(cache)
@@ -544,7 +560,9 @@ class Session:
                     sized = sized._replace(columns=self._columns(schema, sized.indices, sized.raw))
             if sized is not None and sized.positions:  # the samples loaded for sizing are stored, not wasted
                 batch = dict(zip(schema.names, sized.columns, strict=True))
-                self.written += int(np.count_nonzero(cache.put_many(sized.positions, batch)))
+                wrote = cache.put_many(sized.positions, batch)
+                self.written += int(np.count_nonzero(wrote))
+                self._sized_here = {p for p, w in zip(sized.positions, np.asarray(wrote).tolist(), strict=True) if w}
         else:
             if not self.checked:
                 self._check_sample(raw[0], indices[0])

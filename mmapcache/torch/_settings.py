@@ -20,9 +20,8 @@ import numpy as np
 import torch
 
 from .._field import Field, FieldsLike
+from .._file import SUFFIX, default_dir
 from .._format import indices_digest
-from .._names import SUFFIX
-from .._paths import default_dir
 from ._schema import declared_fields, storage_dtypes, with_dtypes
 
 __all__ = ["Settings", "default_path"]

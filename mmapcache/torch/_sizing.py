@@ -6,10 +6,9 @@ import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .._heap import place
-from .._paths import free_bytes
-from .._plan import VARIABLE_HEADROOM, variable_budget
-from .._sizes import format_bytes
+from .._file import VARIABLE_HEADROOM, free_bytes, variable_budget
+from .._format import format_bytes
+from .._region import place
 from ._columns import columns
 from ._schema import Schema
 from ._settings import Settings
@@ -46,7 +45,7 @@ def size_variable(
     ``SIZING_SAMPLES`` positions spread evenly over the file (the middles of as
     many equal parts; the first batch's rows among them are not loaded again)
     are loaded, checked and measured: the budget is the core's one sizing
-    policy (:func:`mmapcache._plan.variable_budget`) for the mean bytes of a
+    policy (:func:`mmapcache._file.planning.variable_budget`) for the mean bytes of a
     sample's variable values — the fixed parts of every slot, plus
     ``SIZING_HEADROOM`` times that mean per slot, plus 1 MiB (writers claim the
     region in extents). It is capped by the file system's free space (a warning

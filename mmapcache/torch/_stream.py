@@ -1,7 +1,7 @@
 """``CachedStream``: an ``IterableDataset`` streamed once into a cache file, then read from it with a true shuffle.
 
-The file format and the store-once protocol are the core's (``mmapcache._stream``,
-``mmapcache._partitions``); this module says which partition a process reads
+The file format and the store-once protocol are the core's (``mmapcache._streams.stream_cache``,
+``mmapcache._region.partitions``); this module says which partition a process reads
 (its DDP rank and DataLoader worker), turns stream elements into cache fields
 and back, and chooses, per epoch, between filling, reading and streaming.
 """
@@ -26,10 +26,10 @@ import torch.utils.data
 
 from .._errors import CacheError, CacheInUseError, SchemaMismatchError
 from .._field import Field, FieldsLike
-from .._removal import remove
-from .._sampler import SEEDS, checked_integer
-from .._sizes import format_bytes, parse_bytes
-from .._stream import (
+from .._file import remove
+from .._format import format_bytes, parse_bytes
+from .._region import tensor_to_numpy
+from .._streams import (
     Partition,
     PartitionWriter,
     StreamPlan,
@@ -43,13 +43,13 @@ from .._stream import (
     stream_status,
     usable,
 )
-from .._tensors import tensor_to_numpy
 from ..cache import Cache
 from ._checks import schema_problem
 from ._elements import ElementPath
 from ._epochs import EpochBoard
 from ._fill_checks import RepeatCheck, StoredCheck
 from ._leaves import LeafShapeError, convert_leaf, fit
+from ._sampler import SEEDS, checked_integer
 from ._schema import Schema, declaration, declared_fields, describe, first_fields, storage_dtypes, with_dtypes
 from ._settings import default_path
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .._stream import Partition, checked_records, epoch_slots, stream_status
+from .._streams import Partition, checked_records, epoch_slots, stream_status
 from ..cache import Cache
 from ._columns import new_batch
 from ._loader import Batched, Loader, WorkerBatch, _pinned

@@ -1,0 +1,644 @@
+"""Single flight: each sample is loaded once per node, however many processes miss it together.
+
+``Cache`` holds a :class:`SingleFlight` per open handle and delegates its
+verbs to it (``get_or_load_many``, ``get_or_load``, ``claim_many``,
+``wait_for``); the handle's :class:`Flight` records which thread holds which
+slot and the mean load time. Reads go through the mapping's views, stores
+through the handle's one writer (``_region/writer.py``): the flight never calls
+back into ``Cache``.
+
+A process that misses a slot **holds** it before loading its sample: the kernel
+record lock on the slot's state byte that every fill takes (``_region/slots.py``),
+taken *before* the load instead of just before the copy. Another process that
+misses the same slot finds it held and waits for it to become READY instead of
+loading it too. The rules, and why they are enough:
+
+1. **Hold without waiting, load, store, let go.** Holds are taken with a
+   non-blocking lock, a few slots at a time (about ``CHUNK_SECONDS`` of loading,
+   at most ``MAX_CHUNK`` slots), just before those slots are loaded; each is let go the moment its sample is
+   published, or when the load raises. Two processes walking the same batch
+   therefore share it: each holds the next free slots while the other loads.
+2. **Never wait while holding.** A thread waits only once it holds no slot
+   (:meth:`Flight.wait` refuses otherwise). Every held slot thus belongs to a
+   thread that is loading, not waiting; a load that ends lets its slots go, so
+   no cycle of waits can form: two processes holding overlapping batches in
+   opposite orders cannot deadlock.
+3. **Every wait is bounded.** A waiter polls the state byte (READY: read it)
+   and the lock (free but not READY: the holder died — the kernel dropped its
+   lock — or its load failed; the waiter now holds the slot and loads it
+   itself). Past its deadline it stops waiting and loads the sample itself;
+   the fill then stores it only if the slot is still free, so nothing is
+   stored twice and nothing hangs.
+4. **Wait only when it pays.** A process measures its mean load time per
+   sample; when that is below ``CHEAP_LOAD`` seconds, loading again costs
+   less than waiting, and a held slot is loaded again rather than waited for.
+
+Threads of one process share a handle's open file description, and with it
+every lock: the kernel cannot tell them apart. A :class:`Flight` therefore
+also records which thread holds which slot, and a thread that finds a slot
+held by another thread of its process waits for it like for another process.
+
+A forked child inherits the parent's description *and* this record; the
+parent's holds stay the parent's. The child starts with an empty record (its
+handle reopened its descriptor, see ``_region/handle.py``), and a :class:`Claims`
+taken in the parent refuses to store in the child.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .gathers import empty_aligned
+from .handle import Handle, closed_error
+from .indices import check_index, index_array
+from .jagged import Jagged, rows_like
+from .slots import READY, SlotTable
+from .values import coerce_batch
+from .variable import text_value
+from .writer import Writer, readonly_error
+
+if TYPE_CHECKING:
+    from .mapped import Mapped
+
+__all__ = [
+    "CHEAP_LOAD",
+    "CHUNK_SECONDS",
+    "HELD_HERE",
+    "MAX_CHUNK",
+    "READY_NOW",
+    "TIMED_OUT",
+    "WAIT_TIMEOUT",
+    "Claims",
+    "Flight",
+    "SingleFlight",
+    "as_batch",
+    "check_flight",
+    "check_timeout",
+]
+
+WAIT_TIMEOUT = 10.0  # seconds a call waits at most for samples other processes are loading
+CHEAP_LOAD = 0.0005  # a mean load below this (seconds per sample) is repeated rather than waited for
+CHUNK_SECONDS = 0.01  # slots held together: about this much loading, so that concurrent loaders share a batch
+MAX_CHUNK = 64  # and at most this many: every kernel lock call walks the locks held on the file
+
+READY_NOW, HELD_HERE, TIMED_OUT = range(3)  # what a wait for one slot ended with
+
+_FIRST_POLL = 50e-6
+_MAX_POLL = 0.005
+
+
+class Flight:
+    """One handle's holds in this process: which thread holds which slot, and its mean load time."""
+
+    __slots__ = ("_lock", "_owners", "_pid", "_samples", "_seconds", "_threads")
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._owners: dict[int, int] = {}  # slot -> the thread holding it
+        self._threads: dict[int, int] = {}  # thread -> how many slots it holds
+        self._seconds = 0.0
+        self._samples = 0
+
+    def _here(self) -> threading.Lock:
+        """The record lock; after a fork, the record emptied first (the parent's holds are not ours)."""
+        if self._pid != os.getpid():
+            # The parent's lock may have been held by a thread that does not exist here.
+            self._lock = threading.Lock()
+            self._owners, self._threads, self._pid = {}, {}, os.getpid()
+        return self._lock
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    # -- holding ------------------------------------------------------------------
+
+    def hold(self, handle: Handle, slots: SlotTable, index: int) -> bool:
+        """Hold slot ``index`` for this thread without waiting; False if it is READY or held elsewhere."""
+        me = threading.get_ident()
+        with self._here():
+            if index in self._owners:
+                return False
+            with handle.write_lock:
+                handle.check_usable(writing=True)
+                if not slots.hold(index):
+                    return False
+            self._owners[index] = me
+            self._threads[me] = self._threads.get(me, 0) + 1
+        return True
+
+    def let_go(self, handle: Handle, slots: SlotTable, indices: Iterable[int], *, filled: bool = False) -> None:
+        """Forget this thread's holds of ``indices``, releasing their locks unless a fill released them."""
+        me = threading.get_ident()
+        with self._here():
+            mine = [i for i in indices if self._owners.get(i) == me]
+            if not mine:
+                return
+            if not filled:
+                with handle.write_lock:
+                    if handle.fd >= 0:  # closed: the kernel released every lock with the descriptor
+                        for i in mine:
+                            slots.release(i)
+            for i in mine:
+                del self._owners[i]
+            left = self._threads[me] - len(mine)
+            if left:
+                self._threads[me] = left
+            else:
+                del self._threads[me]
+
+    def forget(self, indices: Iterable[int]) -> None:
+        """Forget this thread's holds of ``indices`` whose locks are gone already (a closed descriptor)."""
+        me = threading.get_ident()
+        with self._here():
+            for i in indices:
+                if self._owners.get(i) == me:
+                    del self._owners[i]
+                    self._threads[me] -= 1
+            if not self._threads.get(me, 1):
+                del self._threads[me]
+
+    def holding(self) -> int:
+        """How many slots the calling thread holds."""
+        with self._here():
+            return self._threads.get(threading.get_ident(), 0)
+
+    def held_by_me(self, index: int) -> bool:
+        with self._here():
+            return self._owners.get(index) == threading.get_ident()
+
+    def held_here(self, index: int) -> bool:
+        """Whether a thread of this process holds slot ``index`` through this handle."""
+        with self._here():
+            return index in self._owners
+
+    # -- waiting ------------------------------------------------------------------
+
+    def wait(self, handle: Handle, slots: SlotTable, index: int, deadline: float) -> int:
+        """Wait for slot ``index`` until it is READY, or free (then hold it), or ``deadline`` passes.
+
+        Returns ``READY_NOW``, ``HELD_HERE`` (this thread now holds it: its
+        holder died or gave it up, load it) or ``TIMED_OUT``. Looks once even
+        when the deadline has passed.
+        """
+        held = self.holding()
+        if held:
+            raise RuntimeError(
+                f"this thread holds {held} slot(s) of {handle.path} and may not wait for another: store or "
+                "release them first (Claims.put_many, Claims.release). A process that waits while holding a "
+                "slot can deadlock with one that waits for that slot"
+            )
+        states = slots.state_bytes
+        delay = _FIRST_POLL
+        most = min(_MAX_POLL, max(0.0005, (self.mean_load_time() or 0.0) / 8))
+        while True:
+            if states[index] == READY:
+                return READY_NOW
+            if self.hold(handle, slots, index):
+                return HELD_HERE
+            now = time.monotonic()
+            if now >= deadline:
+                return TIMED_OUT
+            time.sleep(min(delay, deadline - now))
+            delay = min(delay * 2, most)
+
+    # -- the load-time meter ------------------------------------------------------
+
+    def timed(self, load: Callable[[list[int]], Any], indices: list[int]) -> Any:
+        """``load(indices)``, its time added to the mean load time."""
+        start = time.perf_counter()
+        result = load(indices)
+        seconds = time.perf_counter() - start
+        with self._here():
+            self._seconds += seconds
+            self._samples += len(indices)
+        return result
+
+    def mean_load_time(self) -> float | None:
+        """Seconds per sample of this handle's loads (in this process and, after a fork, its parent's)."""
+        return self._seconds / self._samples if self._samples else None
+
+    def worth_waiting(self) -> bool:
+        mean = self.mean_load_time()
+        return mean is None or mean >= CHEAP_LOAD
+
+    def chunk(self, left: int) -> int:
+        """How many slots to hold for the next load: about ``CHUNK_SECONDS`` of loading (1 before a measure).
+
+        At most ``MAX_CHUNK``: a claim is a kernel record lock, and the kernel
+        walks every lock held on the file at each lock call (any process's),
+        so thousands held at once — cheap loads, a large batch — would cost
+        seconds per batch here and slow every other writer.
+        """
+        mean = self.mean_load_time()
+        if mean is None:
+            return 1
+        return max(1, min(left, MAX_CHUNK, int(CHUNK_SECONDS / mean) if mean > 0 else left))
+
+
+class SingleFlight:
+    """A handle's single flight over its open mapping: the verbs ``Cache`` delegates to, and the holds they make.
+
+    ``Cache`` holds one per open handle (and drops it on ``close``). It
+    reaches the file through the mapping's views and stores through the
+    handle's :class:`~mmapcache._region.writer.Writer`; it never calls back into the
+    cache. ``readonly``: it holds and stores nothing (a readonly handle loads
+    every miss itself).
+    """
+
+    __slots__ = ("capacity", "fields", "flight", "handle", "length", "mapped", "readonly", "verify", "writer")
+
+    def __init__(self, flight: Flight, writer: Writer, *, verify: bool) -> None:
+        self.flight, self.writer, self.verify = flight, writer, verify
+        self.handle, self.mapped, self.fields = writer.handle, writer.mapped, writer.fields
+        self.length, self.capacity, self.readonly = writer.length, writer.capacity, writer.readonly
+
+    # -- the verbs ----------------------------------------------------------------
+
+    def get_or_load_many(
+        self,
+        indices: Any,
+        load: Callable[[list[int]], Any],
+        *,
+        out: dict[str, np.ndarray[Any, Any]] | None = None,
+        timeout: float = WAIT_TIMEOUT,
+        wait: bool | None = None,
+        chunk: int | None = None,
+        first: tuple[np.ndarray[Any, Any], dict[str, Any], np.ndarray[Any, Any]] | None = None,
+    ) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]]]:
+        """:meth:`Cache.get_or_load_many <mmapcache.Cache.get_or_load_many>`: the rules in this module's docstring.
+
+        ``first``: ``(idx, batch, hits)`` of a read the caller made already
+        (validated ``idx``; ``batch`` and ``hits`` as :meth:`read` returns them,
+        uncounted): handed on, not read again. Its rows are filled in place.
+        """
+        seconds = check_flight(load, timeout, wait, chunk)
+        if first is None:
+            idx = index_array(indices, self.length)
+            batch, hits = self.read(idx, out)
+        else:
+            idx, batch, hits = first
+        return _get_or_load_many(self, idx, batch, hits, load, timeout=seconds, wait=wait, chunk=chunk)
+
+    def get_or_load(
+        self, index: int, load: Callable[[int], Any], *, timeout: float = WAIT_TIMEOUT, wait: bool | None = None
+    ) -> dict[str, Any]:
+        """:meth:`Cache.get_or_load <mmapcache.Cache.get_or_load>`."""
+        i = check_index(index, self.length)
+        if load is None or not callable(load):
+            raise TypeError(f"load must be a function of an index, not {type(load).__name__}")
+        batch, _ = self.get_or_load_many([i], lambda idx: [load(idx[0])], timeout=timeout, wait=wait, chunk=1)
+        return {name: values[0, ...] if isinstance(values, np.ndarray) else values[0] for name, values in batch.items()}
+
+    def claim_many(self, indices: Any) -> Claims:
+        """:meth:`Cache.claim_many <mmapcache.Cache.claim_many>`: hold what is cacheable and free."""
+        self._writable("claim_many")
+        idx = index_array(indices, self.length)
+        return _claim(self, idx[idx < self.capacity])
+
+    def wait_for(self, indices: Any, *, timeout: float = WAIT_TIMEOUT) -> Claims:
+        """:meth:`Cache.wait_for <mmapcache.Cache.wait_for>`."""
+        self._writable("wait_for")
+        seconds = check_timeout(timeout)
+        idx = index_array(indices, self.length)
+        return _wait_for(self, idx[idx < self.capacity], seconds)
+
+    # -- what the rules are made of -----------------------------------------------
+
+    def read(
+        self, idx: np.ndarray[Any, Any], out: dict[str, np.ndarray[Any, Any]] | None = None
+    ) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]]]:
+        """What is cached of validated ``idx`` (``Cache.read_many`` with ``count=False``)."""
+        mapped = self._live()
+        if out is None:
+            out = {name: empty_aligned((len(idx), *array.shape[1:]), array.dtype) for name, array in mapped.items}
+        return mapped.read(idx, out, self.capacity, self.length, self.verify)
+
+    def _writable(self, verb: str) -> None:
+        self._live()
+        if self.readonly:
+            raise readonly_error(self.handle.path, verb)
+
+    def _live(self) -> Mapped:
+        if self.handle.fd < 0:
+            raise closed_error(self.handle.path)
+        return self.mapped
+
+    def can_hold(self) -> bool:
+        return not self.readonly and self.handle.refused is None
+
+    def hold(self, index: int) -> bool:
+        return self.flight.hold(self.handle, self._live().slots, index)
+
+    def wait_one(self, index: int, deadline: float) -> int:
+        return self.flight.wait(self.handle, self._live().slots, index, deadline)
+
+    def put_claimed(self, idx: np.ndarray[Any, Any], batch: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        return self.put_coerced(idx, coerce_batch(batch, self.fields, len(idx)))
+
+    def put_coerced(
+        self, idx: np.ndarray[Any, Any], arrays: list[Any], *, held: bool = True
+    ) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        """Store coerced rows at ``idx``: slots this thread holds (let go of each), or free ones (``held=False``).
+
+        Free ones that a thread of this process holds are left to it.
+        """
+        if not held:
+            flight = self.flight
+            rows = np.array([row for row, i in enumerate(idx.tolist()) if not flight.held_here(i)], np.intp)
+            return self.writer.put_many(idx, arrays, rows=rows, coerced=True)
+        # A batch refused, or a store that raises, leaves the slots held: the claims' owner lets them go.
+        stored = self.writer.put_many(idx, arrays, coerced=True)  # releases the lock of each slot it fills
+        self.flight.let_go(self.handle, self.mapped.slots, idx.tolist(), filled=True)
+        return stored
+
+    def release(self, indices: list[int]) -> None:
+        if self.handle.fd < 0:  # closed: the descriptor took every lock with it
+            self.flight.forget(indices)
+            return
+        self.flight.let_go(self.handle, self.mapped.slots, indices)
+
+
+class Claims:
+    """Slots this thread holds to load their samples: store them with :meth:`put_many`, or let them go.
+
+    Returned by :meth:`Cache.claim_many <mmapcache.Cache.claim_many>` and
+    :meth:`Cache.wait_for <mmapcache.Cache.wait_for>`. A context manager:
+    leaving the ``with`` block lets go of every slot not stored yet (also when
+    the load raised), so that a process waiting for one takes it over. A
+    process that dies lets go of its slots too (the kernel drops its locks).
+    Only the thread and process that took the claims may store them: in a
+    forked child, :meth:`put_many` raises and :meth:`release` does nothing
+    (the parent still holds them).
+    """
+
+    __slots__ = ("_bound", "_pid", "_thread", "held", "indices")
+
+    def __init__(self, bound: SingleFlight, indices: Sequence[int], held: Sequence[int] = ()) -> None:
+        self._bound = bound
+        self._pid = os.getpid()
+        self._thread = threading.get_ident()
+        #: The slots held (each once, in the order asked for): load these, then :meth:`put_many` them.
+        self.indices: np.ndarray[Any, np.dtype[np.intp]] = np.asarray(indices, np.intp)
+        #: Slots among those asked for that another process or thread was loading (not held here).
+        self.held: np.ndarray[Any, np.dtype[np.intp]] = np.asarray(held, np.intp)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __repr__(self) -> str:
+        path = str(self._bound.handle.path)
+        return f"<Claims of {len(self.indices)} slots of {path!r}, {len(self.held)} held elsewhere>"
+
+    def put_many(self, indices: Any, batch: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        """Store row ``k`` of ``batch`` at ``indices[k]`` (slots held here), publish each and let it go.
+
+        ``batch`` is what :meth:`Cache.put_many <mmapcache.Cache.put_many>`
+        takes. Returns which rows were stored (False only for a variable value
+        that found no room). A bad batch raises before anything is stored; the
+        slots stay held.
+        """
+        self._check_owner()
+        idx = np.asarray(indices, np.intp).reshape(-1)
+        strangers = [i for i in idx.tolist() if not self._bound.flight.held_by_me(i)]
+        if strangers:
+            raise ValueError(
+                f"indices {strangers[:10]} are not held by these claims (held: {self.indices[:10].tolist()}"
+                f"{', ...' if len(self.indices) > 10 else ''}): store only the slots you claimed"
+            )
+        return self._bound.put_claimed(idx, batch)
+
+    def release(self) -> None:
+        """Let go of every slot not stored yet (idempotent); nothing is stored. A no-op in a forked child."""
+        if self._pid != os.getpid() or self._thread != threading.get_ident():
+            return
+        self._bound.release(self.indices.tolist())
+
+    def _check_owner(self) -> None:
+        if self._pid != os.getpid():
+            raise RuntimeError(
+                f"these claims on {self._bound.handle.path} were taken by process {self._pid}; a forked child cannot "
+                "store through them (the parent still holds the slots). Claim again in the child "
+                "(cache.claim_many) or use cache.get_or_load_many"
+            )
+        if self._thread != threading.get_ident():
+            raise RuntimeError("claims belong to the thread that took them: store them from that thread")
+
+    def __enter__(self) -> Claims:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def as_batch(result: Any, names: Sequence[str], count: int) -> Mapping[str, Any]:
+    """What a ``load`` returned as a batch ``{field: rows}``: a batch as it is, or a list of ``count`` samples."""
+    if isinstance(result, Mapping):
+        return result
+    if isinstance(result, (str, bytes)) or not isinstance(result, Sequence):
+        raise TypeError(
+            f"load must return a batch {{field: rows}} or a list of {count} samples {{field: value}}, "
+            f"not {type(result).__name__}"
+        )
+    if len(result) != count:
+        raise ValueError(f"load returned {len(result)} samples for {count} indices: return one per index, in order")
+    for sample in result:
+        if not isinstance(sample, Mapping):
+            raise TypeError(f"load returned a list holding {type(sample).__name__}: each sample must be a mapping")
+        if sample.keys() != set(names):
+            raise ValueError(f"load returned a sample with the fields {list(sample)}; the cache has {list(names)}")
+    return {name: [sample[name] for sample in result] for name in names}
+
+
+def _get_or_load_many(
+    single: SingleFlight,
+    idx: np.ndarray[Any, Any],
+    batch: dict[str, Any],
+    hits: np.ndarray[Any, Any],
+    load: Callable[[list[int]], Any],
+    *,
+    timeout: float,
+    wait: bool | None,
+    chunk: int | None,
+) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]]]:
+    """:meth:`SingleFlight.get_or_load_many` once the batch was read: ``batch`` and ``hits`` of ``idx``."""
+    loaded = np.zeros(len(idx), bool)
+    board = single.handle.board
+    if hits.all():
+        board.add(hits=len(idx))
+        return batch, loaded
+    flight = single.flight
+    run = _Run(single, idx, batch, loaded, load)
+    for row in np.flatnonzero(~hits).tolist():
+        run.rows.setdefault(int(idx[row]), []).append(row)
+    todo = list(run.rows)  # in the caller's order: concurrent callers in one order share the work
+    ready: list[int] = []  # cached by another process since the first read: read them at the end
+    held: list[int] = []  # being loaded elsewhere
+    here: list[int] = []  # loaded here without holding (not cacheable, or nothing can be held)
+    can_hold = single.can_hold()
+    states, capacity = single.mapped.slots.state_bytes, single.capacity
+    holding: list[int] = []
+    for i in todo:
+        if i >= capacity or not can_hold:
+            here.append(i)
+        elif single.hold(i):
+            holding.append(i)
+            if len(holding) >= (chunk or flight.chunk(len(todo))):
+                run.load_held(holding)
+                holding = []
+        elif states[i] == READY:
+            ready.append(i)
+        else:
+            held.append(i)
+    if holding:
+        run.load_held(holding)
+    if held and (wait if wait is not None else flight.worth_waiting()) and timeout > 0:
+        deadline = time.monotonic() + timeout
+        for i in held:
+            outcome = single.wait_one(i, deadline)
+            if outcome == READY_NOW:
+                ready.append(i)
+            elif outcome == HELD_HERE:
+                run.load_held([i])
+            else:
+                here.append(i)
+    else:
+        here += held
+    if ready:
+        here += run.read(ready)  # those that fail their checks are loaded here
+    if here:
+        run.load_free(here)
+    found = int(np.count_nonzero(loaded))
+    board.add(hits=len(idx) - found, misses=found)
+    return run.finished(), loaded
+
+
+class _Run:
+    """One :func:`get_or_load_many` call: the batch it fills and the rows of each missing slot."""
+
+    def __init__(
+        self,
+        single: SingleFlight,
+        idx: np.ndarray[Any, Any],
+        batch: dict[str, Any],
+        loaded: np.ndarray[Any, Any],
+        load: Callable[[list[int]], Any],
+    ) -> None:
+        self.bound, self.idx, self.loaded, self.load = single, idx, loaded, load
+        self.flight = single.flight
+        self.rows: dict[int, list[int]] = {}
+        self.fields = single.fields
+        # A read-only Jagged batch becomes a list of rows while rows are filled in (see finished).
+        self.jagged = {name: values for name, values in batch.items() if isinstance(values, Jagged)}
+        self.batch: dict[str, Any] = {
+            name: list(values) if name in self.jagged else values for name, values in batch.items()
+        }
+
+    def finished(self) -> dict[str, Any]:
+        """The batch with every row filled, as a read returns it (variable fields: one Jagged each)."""
+        return {
+            name: rows_like(self.jagged[name], values) if name in self.jagged else values
+            for name, values in self.batch.items()
+        }
+
+    def load_held(self, indices: list[int]) -> None:
+        """Load slots this thread holds, store and let go of each; on error let go of them all."""
+        claims = Claims(self.bound, indices)
+        with claims:
+            arrays = self._load(indices)
+            self.bound.put_coerced(claims.indices, arrays)
+        self._place(indices, arrays)
+
+    def load_free(self, indices: list[int]) -> None:
+        """Load slots without holding them; store those still free (a live holder keeps its own)."""
+        arrays = self._load(indices)
+        if self.bound.can_hold():
+            self.bound.put_coerced(np.asarray(indices, np.intp), arrays, held=False)
+        self._place(indices, arrays)
+
+    def read(self, indices: list[int]) -> list[int]:
+        """Read slots that became READY into their rows; the ones that fail the read's checks."""
+        got, hits = self.bound.read(np.asarray(indices, np.intp))
+        for j, i in enumerate(indices):
+            if not hits[j]:
+                continue
+            for name, field in self.fields.items():
+                if field.variable:
+                    for row in self.rows[i]:
+                        self.batch[name][row] = got[name][j]
+                else:
+                    self.batch[name][self.rows[i]] = got[name][j]
+        return [i for j, i in enumerate(indices) if not hits[j]]
+
+    def _load(self, indices: list[int]) -> list[Any]:
+        result = self.flight.timed(self.load, indices)
+        return coerce_batch(as_batch(result, list(self.fields), len(indices)), self.fields, len(indices))
+
+    def _place(self, indices: list[int], arrays: list[Any]) -> None:
+        for (name, field), values in zip(self.fields.items(), arrays, strict=True):
+            for j, i in enumerate(indices):
+                rows = self.rows[i]
+                self.loaded[rows] = True
+                if not field.variable:
+                    self.batch[name][rows] = values[j]
+                    continue
+                value = values[j] if field.text is None else text_value(field.text, values[j])
+                for row in rows:
+                    self.batch[name][row] = value
+
+
+def check_timeout(timeout: Any) -> float:
+    """A wait's ``timeout`` as a float: finite and non-negative, else ``ValueError``."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+        raise ValueError(
+            f"timeout must be a finite number of seconds >= 0 (0: never wait), not {timeout!r}; "
+            "every wait is bounded, so that a stuck loader cannot hang the others"
+        )
+    return float(timeout)
+
+
+def check_flight(load: Any, timeout: Any, wait: Any, chunk: Any) -> float:
+    """:meth:`Cache.get_or_load_many <mmapcache.Cache.get_or_load_many>`'s arguments checked; the timeout."""
+    if load is None or not callable(load):
+        raise TypeError(f"load must be a function of a list of indices, not {type(load).__name__}")
+    seconds = check_timeout(timeout)
+    if wait is not None and not isinstance(wait, bool):
+        raise TypeError(f"wait must be True, False or None (wait when it pays), not {wait!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be a positive int (slots held per load) or None, not {chunk!r}")
+    return seconds
+
+
+def _claim(bound: SingleFlight, idx: np.ndarray[Any, Any]) -> Claims:
+    """:meth:`Cache.claim_many <mmapcache.Cache.claim_many>` of cacheable ``idx``: hold what is free."""
+    flight, handle, slots = bound.flight, bound.handle, bound.mapped.slots
+    states = slots.state_bytes
+    mine, held = [], []
+    for i in dict.fromkeys(idx.tolist()):
+        if states[i] == READY:
+            continue
+        if flight.hold(handle, slots, i):
+            mine.append(i)
+        elif states[i] != READY:
+            held.append(i)
+    return Claims(bound, mine, held)
+
+
+def _wait_for(bound: SingleFlight, idx: np.ndarray[Any, Any], timeout: float) -> Claims:
+    """:meth:`Cache.wait_for <mmapcache.Cache.wait_for>` of cacheable ``idx``."""
+    flight, handle, slots = bound.flight, bound.handle, bound.mapped.slots
+    states = slots.state_bytes
+    todo = list(dict.fromkeys(idx.tolist()))
+    deadline = time.monotonic() + timeout
+    for k, i in enumerate(todo):
+        if flight.wait(handle, slots, i, deadline) == HELD_HERE:
+            rest = [j for j in todo[k + 1 :] if states[j] != READY]
+            return Claims(bound, [i], rest)
+    return Claims(bound, [], [i for i in todo if states[i] != READY])
