@@ -309,10 +309,16 @@ def test_concurrent_jobs_never_allocate_past_the_budget_many_rounds(cache_dir: P
         shutil.rmtree(directory)
 
 
-def kill_creators(directory: Path, procs: list[Any], rounds: int) -> int:
-    """Creators SIGKILLed at random points, two at a time; how many died before their cache was made."""
+def kill_creators(directory: Path, procs: list[Any], rounds: int, *, until: int = 0, most: int = 60) -> int:
+    """Creators SIGKILLed at random points, two at a time; how many died before their cache was made.
+
+    ``rounds`` rounds, and more (up to ``most``) until ``until`` of them died unfinished: how many kills land
+    mid-creation depends on the machine's load, so the test counts the kills it needs rather than a share.
+    """
     unfinished = 0
-    for round_ in range(rounds):
+    round_ = 0
+    while round_ < rounds or (unfinished < until and round_ < most):
+        round_ += 1
         pair = [
             start(helper("create", directory, f"k{round_}{side}.mmc", random.randint(2, 10) * 256, ROW), procs)
             for side in "ab"
@@ -347,7 +353,7 @@ def check_nothing_leaked(directory: Path, budget: int) -> None:
 def test_creators_killed_at_random_points_leak_nothing(cache_dir: Path, procs: list[Any]) -> None:
     budget = 128 * MiB
     mmapcache.set_budget(cache_dir, budget)
-    unfinished = kill_creators(cache_dir, procs, rounds=6)
+    unfinished = kill_creators(cache_dir, procs, rounds=6, until=1)
     assert unfinished >= 1  # some died mid-creation (the check below is about them)
     check_nothing_leaked(cache_dir, budget)
 
@@ -356,7 +362,7 @@ def test_creators_killed_at_random_points_leak_nothing(cache_dir: Path, procs: l
 def test_creators_killed_at_random_points_leak_nothing_many_rounds(cache_dir: Path, procs: list[Any]) -> None:
     budget = 1024 * MiB
     mmapcache.set_budget(cache_dir, budget)
-    assert kill_creators(cache_dir, procs, rounds=60) >= 10
+    assert kill_creators(cache_dir, procs, rounds=60, until=10, most=200) >= 10
     check_nothing_leaked(cache_dir, budget)
 
 

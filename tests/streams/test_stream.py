@@ -279,9 +279,11 @@ def test_values_that_overflow_the_variable_region_stop_the_fill_of_the_partition
 def test_another_partitioning_restarts_an_incomplete_fill_when_nobody_else_uses_it(tmp_path: Path) -> None:
     path = tmp_path / "s.mmc"
     _killed(path, Partition(), 30, "--die", "before-store", "10")
-    inode = path.stat().st_ino
+    with Cache(path, readonly=True) as old:
+        before = old.uuid
     assert _run(path, Partition(0, 1, 0, 2), 30) == {"stored": 30, "ended": 1}  # a run with two workers
-    assert path.stat().st_ino != inode  # a new file
+    with Cache(path, readonly=True) as new:
+        assert new.uuid != before  # a new file (its inode number may be the old one's, freed meanwhile)
     with _open(path, Partition(0, 1, 0, 2)) as cache:
         assert cache._header.stream == (1, 2)
         assert stream_status(cache).stored == 30
