@@ -4,8 +4,9 @@ Three warm caches in /dev/shm (``web``, ``code``, ``math``: 70 / 20 / 10 % of
 ``--n`` samples of ``--row`` bytes each, uint8 plus an int64 label) are mixed
 0.7 / 0.2 / 0.1 and read through ``mixture.loader(batch)``; the baseline is one
 warm cache of all ``--n`` samples (the same bytes) read through
-``ds.loader(batch, shuffle=True)``. Each variant reads ``--samples`` samples per
-round, in rotated order over ``--rounds`` rounds, with 0 workers and with 2
+``ds.loader(batch, shuffle=True)``. A round is one epoch of each: the baseline's
+``--n`` samples, and one pass of ``mixture.loader(batch, num_samples=n)`` (``n``
+positions), in rotated order over ``--rounds`` rounds, with 0 workers and with 2
 (persistent), after one pass over every cache in the measuring process (a warm
 process: no first-touch page faults). Reported: the median over rounds of the per-round throughput
 ratio mixture / baseline (target >= 0.95), and the seconds of each.
@@ -48,30 +49,26 @@ class Rows(torch.utils.data.Dataset[Any]):
         return torch.full((self.row,), (self.code * 7 + index) % 251, dtype=torch.uint8), self.code * 10**6 + index
 
 
-def _epoch(loader: Any, batches: int) -> Callable[[int], float]:
-    """Seconds to read ``batches`` batches from a fresh iterator of ``loader`` (each round continues the run)."""
+def _epoch(loader: Any) -> Callable[[int], float]:
+    """Seconds to read one epoch of ``loader`` (a mixture's: its next pass)."""
 
     def run(_: int) -> float:
         start = time.perf_counter()
-        for k, _batch in enumerate(loader, start=1):
-            if k == batches:
-                break
+        for _batch in loader:
+            pass
         return time.perf_counter() - start
 
     return run
 
 
 def main() -> None:
-    parser = bench_parser(__doc__ or "", quick="fewer, smaller samples and rounds", rounds=(7, 3))
+    parser = bench_parser(__doc__ or "", quick="fewer, smaller samples and rounds", rounds=(15, 3))
     parser.add_argument("--n", type=int, help="samples over the three caches (default 40000, quick 8000)")
     parser.add_argument("--row", type=int, default=12 * 1024, help="bytes per sample (default 12 KiB)")
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--samples", type=int, help="samples read per round (default 32768, quick 7680)")
     args = parser.parse_args()
     n = args.n or (8000 if args.quick else 40_000)
-    rounds = args.rounds or (3 if args.quick else 7)
-    samples = args.samples or (7680 if args.quick else 32_768)
-    batches = samples // args.batch
+    rounds = args.rounds or (3 if args.quick else 15)
     directory = Path(tempfile.mkdtemp(prefix="bench-mixture-", dir=args.dir))
     results: dict[str, Any] = {"machine": machine_info(), "quick": args.quick, "n": n, "row": args.row}
     try:
@@ -92,9 +89,9 @@ def main() -> None:
             if workers:
                 extra |= {"persistent_workers": True, "multiprocessing_context": "fork"}
             baseline = one.loader(args.batch, shuffle=True, generator=torch.Generator().manual_seed(0), **extra)
-            mixed = mixture.loader(args.batch, **extra)
+            mixed = mixture.loader(args.batch, num_samples=len(one), **extra)
             times = run_rounds(
-                {"one CachedDataset.loader()": _epoch(baseline, batches), "Mixture.loader()": _epoch(mixed, batches)},
+                {"one CachedDataset.loader()": _epoch(baseline), "Mixture.loader()": _epoch(mixed)},
                 rounds=rounds,
             )
             ratios = [
@@ -104,9 +101,9 @@ def main() -> None:
                 "ratio": spread(ratios),
                 "seconds": {name: spread(values) for name, values in times.items()},
             }
-            gbps = samples * args.row / min(times["Mixture.loader()"]) / 1e9
+            gbps = n * args.row / min(times["Mixture.loader()"]) / 1e9
             rows.append([workers, float(np.median(ratios)), min(ratios), max(ratios), gbps])
-        print(f"{n} samples of {args.row} B, batch {args.batch}, {samples} samples a round, {rounds} rounds")
+        print(f"{n} samples of {args.row} B, batch {args.batch}, one epoch of each a round, {rounds} rounds")
         print(table(["workers", "mixture/one (median)", "min", "max", "mixture GB/s (best)"], rows))
         print(f"load average at the end: {os.getloadavg()}")
         path = write_results("bench_mixture", results, quick=args.quick, path=args.json)

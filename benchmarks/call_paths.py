@@ -22,7 +22,7 @@ standard library are looked through):
 
 The ``miss 32`` trace is the target a miss batch is held to (a 32-sample batch
 through ``__getitems__``: its functions and re-entry sites; see
-tests/test_call_paths.py).
+tests/torch/test_call_paths.py).
 
 Run it in a checkout (``PYTHONPATH=$PWD python benchmarks/call_paths.py``), or
 against another source tree of mmapcache with ``--source DIR`` (e.g. a

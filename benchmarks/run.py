@@ -61,6 +61,8 @@ STEPS = [
     Step("bench_singleflight", ("--quick",), optional=True),
     Step("bench_stream", ("--quick", "--rounds", "1"), optional=True),
     Step("bench_tokens", ("--quick",), optional=True),
+    Step("bench_packed", ("--quick",), optional=True),
+    Step("bench_mixture", ("--quick",), optional=True),
 ]
 
 

@@ -7,7 +7,7 @@ without a traceback, and exit with ``EXIT_PROBLEMS``.
 
 ``EXIT_STATUSES`` below is the one statement of what each exit status means:
 ``mmapcache --help``, the end of this docstring and docs/operating.md's table
-are made from it (tests/test_cli.py checks the table).
+are made from it (tests/admin/test_cli.py checks the table).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Helpers shared by the operating tests (tests/test_admin.py, tests/test_cli.py)."""
+"""Helpers shared by the operating tests (tests/admin/test_admin.py, tests/admin/test_cli.py)."""
 
 from __future__ import annotations
 

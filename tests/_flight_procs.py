@@ -1,4 +1,4 @@
-"""Processes for tests/test_flight.py: loaders that share a cache by path and log every load they make.
+"""Processes for tests/region/test_flight.py: loaders that share a cache by path and log every load they make.
 
 Every function here runs in a *spawned* process (a fresh interpreter, as
 another job or a spawn DataLoader worker is). A load appends one line

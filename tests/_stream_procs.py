@@ -1,4 +1,4 @@
-"""A process that streams one partition of a deterministic stream through a stream cache (for tests/test_stream.py).
+"""A process streaming one partition of a deterministic stream through a stream cache (tests/streams/test_stream.py).
 
 Run as ``python tests/_stream_procs.py PATH RANK RANKS WORKER WORKERS LENGTH [--die MODE AT] [--pause S]
 [--batch K] [--stop N]``. Element ``j`` of partition ``p`` is :func:`element` ``(p, j)``; the

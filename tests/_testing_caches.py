@@ -1,4 +1,4 @@
-"""Datasets for tests/test_testing.py: correct ones for CachedDataset, and a small cache of our own with known flaws.
+"""Datasets for tests/testing/test_testing.py: correct ones for CachedDataset, and a small cache of ours with flaws.
 
 Everything here is importable by the spawned worker processes of
 ``mmapcache.testing.check_concurrent_access``.

@@ -1,4 +1,4 @@
-"""Processes for tests/test_torch_flight.py: jobs that read one CachedDataset through its loader.
+"""Processes for tests/torch/test_torch_flight.py: jobs that read one CachedDataset through its loader.
 
 Every function here runs in a *spawned* process (a fresh interpreter, as another
 job is). The wrapped dataset is ``Slow``: ``Recorded`` (each load logged as one

@@ -1,4 +1,4 @@
-"""A training run over a ``Mixture`` of three corpora, for tests/test_mixture_resume.py.
+"""A training run over a ``Mixture`` of three corpora, for tests/torch/test_mixture_resume.py.
 
 Run as a script (one process, or each rank of a ``torchrun --nproc-per-node W``
 launch on gloo): reads ``--samples`` global positions through

@@ -1,6 +1,6 @@
 """One "node" of a simulated multi-node job: NodeShardSampler + CachedDataset(cached_indices=...).
 
-Launched twice by tests/test_many_nodes.py, as ``torchrun --nnodes 2 --node-rank {0,1}
+Launched twice by tests/torch/test_many_nodes.py, as ``torchrun --nnodes 2 --node-rank {0,1}
 --nproc-per-node 2 ... tests/nodes_run.py --out DIR`` on loopback (gloo), each launch
 with its own ``MMAPCACHE_DIR`` (its node's local cache directory). ``--lightning`` runs
 the same job through ``Trainer(num_nodes=2, use_distributed_sampler=False)``.

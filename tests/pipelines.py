@@ -1,4 +1,4 @@
-"""Datasets for tests/test_pipelines.py, importable by spawned DataLoader workers and child processes.
+"""Datasets for tests/torch/test_pipelines.py, importable by spawned DataLoader workers and child processes.
 
 Each is deterministic unless it says otherwise; ``version``/``size`` parameters stand for a change in
 the data or its preprocessing between two runs.

@@ -1,4 +1,4 @@
-"""One training run over a CachedDataset through ``ds.loader(stateful=True)``, for tests/test_resume.py.
+"""One training run over a CachedDataset through ``ds.loader(stateful=True)``, for tests/torch/test_resume.py.
 
 Run as a script: reads one epoch and appends each batch's sample indices, one
 JSON line per batch, to ``--out``. ``--save-at k`` saves the loader's state

@@ -248,7 +248,7 @@ def unpack_header(region: bytes, *, path: str) -> Header:
         stream = _stream_metadata(meta.get("stream"))
     # numpy parses comma-string dtypes ("(2,)u1,") with ast.literal_eval, so a
     # damaged descriptor can also raise SyntaxError; deeply nested JSON raises
-    # RecursionError. Found by tests/test_header_fuzz.py.
+    # RecursionError. Found by tests/format/test_header_fuzz.py.
     except (ValueError, KeyError, TypeError, SyntaxError, OverflowError, RecursionError) as error:
         raise CacheFormatError(
             f"{path} has a corrupt header: cannot decode its metadata ({type(error).__name__}: {error})", path=path

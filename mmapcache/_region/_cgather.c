@@ -3,9 +3,9 @@
  *
  * The compiled gather of a variable field: one call reads a batch's descriptors, checks each value's
  * bounds and copies the values back to back into one buffer (mmapcache/_gather.py describes the numpy
- * fallback, which gives the same result; tests/test_cgather.py holds the two against each other).
+ * fallback, which gives the same result; tests/region/test_cgather.py holds the two against each other).
  * `pad` then copies such a batch's rows into a padded array, one memcpy + one fill a row (Jagged.to_padded
- * falls back to a numpy masked assignment, which tests/test_cgather.py holds it against).
+ * falls back to a numpy masked assignment, which tests/region/test_cgather.py holds it against).
  *
  * Safety: a descriptor comes from a file that other processes write, and may be damaged. Each one is
  * read once, into memory of our own, and only those copies are checked and used: a row is copied only

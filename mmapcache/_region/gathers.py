@@ -24,7 +24,7 @@ view, so runs are cut into chunks of ``C`` bytes:
    end are garbage that the next head rewrites, and the last one spills into
    ``C`` bytes of slack after the output. This relies on a fancy assignment
    writing its items in index order, which numpy's 1-D loop does
-   (tests/test_jagged.py checks it against per-run copies).
+   (tests/region/test_jagged.py checks it against per-run copies).
 3. A run that ends within ``C`` bytes of the region's end would read past it:
    its chunks are clamped (garbage) and the run is copied exactly at the end.
 
@@ -41,7 +41,7 @@ built, a variable field's batch is read by one call of it instead — descriptor
 read and checked, one ``memcpy`` per row, offsets filled — which takes about a
 tenth of the numpy calls' fixed cost. :data:`native` is that module, or ``None``
 when it was not built or ``MMAPCACHE_NO_EXTENSION=1`` turns it off (the two
-give the same batches: tests/test_cgather.py).
+give the same batches: tests/region/test_cgather.py).
 """
 
 from __future__ import annotations

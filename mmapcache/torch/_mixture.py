@@ -36,7 +36,7 @@ _ORDER_KEY = 0x6F726472
 _DRAWS_KEY = 0x64726177
 _KEPT_PASSES = 2  # permutations kept per source: the pass being read and the next (a batch can straddle both)
 _RECENT_BLOCKS = 64  # a schedule's blocks whose thresholds are kept
-_COUNTED = 1 << 16  # positions after the last range drawn that are counted rather than computed
+_COUNTED = 1 << 13  # positions after the last range drawn that are counted rather than computed (beyond: floor sums)
 _PER_POSITION = 4  # a spread of positions up to this many times their number is drawn as one range
 
 _U64 = np.uint64
@@ -100,6 +100,7 @@ class Mixture(torch.utils.data.Dataset[Any]):
         self._cumulative: list[Ints] = [np.zeros(len(self.names), dtype=np.int64)]  # schedules: draws before block b
         self._recent: dict[int, Ints] = {}  # schedules: the thresholds of blocks read lately
         self._anchor: tuple[int, Ints] = (0, np.zeros(len(self.names), dtype=np.int64))  # draws before a position
+        self._window: _Window | None = None  # positions drawn ahead (draw_ahead)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_remake, (self.datasets, self.weights, self.seed, self.replacement))
@@ -200,15 +201,42 @@ class Mixture(torch.utils.data.Dataset[Any]):
         """``(codes, indices)`` of positions ``start .. stop - 1``: each one's source (its place in
         :attr:`names`) and the index drawn from it, computed at once."""
         start, stop = _position(start), _position(stop)
+        codes, indices = self._drawn(start, stop)
+        if _holds(self._window, start, stop):
+            return codes.copy(), indices.copy()  # the window's own arrays stay the window's
+        return codes, indices
+
+    def _drawn(self, start: int, stop: int) -> tuple[Ints, Ints]:
+        """:meth:`draws` of positions already checked: views of the window when it holds them."""
         if stop <= start:
             return np.empty(0, np.int64), np.empty(0, np.int64)
-        positions, counts, grouped = self.by_source(start, stop)
-        codes = np.repeat(np.arange(len(self.names), dtype=np.int64), counts)
-        rows = positions - start
-        in_order = np.empty_like(codes), np.empty_like(grouped)
-        in_order[0][rows] = codes
-        in_order[1][rows] = grouped
-        return in_order
+        window = self._window
+        if _holds(window, start, stop):
+            assert window is not None
+            lo, hi = start - window.start, stop - window.start
+            return window.codes[lo:hi], window.indices[lo:hi]
+        codes = self._codes(start, stop)
+        counts = np.bincount(codes, minlength=len(self.names))
+        before = self._before(start)
+        indices = np.empty(len(codes), np.int64)
+        for code, count in enumerate(counts.tolist()):
+            if count:  # one pass over the codes a source: no sort of the whole range
+                indices[codes == code] = self._indices(code, int(before[code]), count)
+        self._anchor = (stop, before + counts)
+        return codes, indices
+
+    def draw_ahead(self, start: int, stop: int) -> None:
+        """Draw positions ``start .. stop - 1`` at once for the :meth:`by_source` calls that follow.
+
+        A loader calls it with the positions of its next steps: each batch then slices
+        what was drawn instead of drawing its few hundred positions on its own (the
+        draws are a function of ``(seed, position)``, so this changes no draw).
+        """
+        start, stop = _position(start), _position(stop)
+        if _holds(self._window, start, stop):
+            return
+        self._window = None
+        self._window = _Window(start, stop, *self._drawn(start, stop))
 
     def by_source(self, start: int, stop: int) -> tuple[Ints, Ints, Ints]:
         """Positions ``start .. stop - 1`` grouped by source: ``(positions, counts, indices)``.
@@ -218,19 +246,13 @@ class Mixture(torch.utils.data.Dataset[Any]):
         drawn for ``positions``.
         """
         start, stop = _position(start), _position(stop)
-        codes = self._codes(start, stop)
+        codes, drawn = self._drawn(start, stop)
+        narrow = codes.astype(np.uint16) if len(self.names) <= 1 << 16 else codes  # a radix sort
+        order = np.argsort(narrow, kind="stable")
         counts = np.bincount(codes, minlength=len(self.names))
-        before = self._before(start)
-        positions = np.argsort(codes, kind="stable")
-        indices = np.empty(len(codes), np.int64)
-        first = 0
-        for code, count in enumerate(counts.tolist()):
-            if count:
-                indices[first : first + count] = self._indices(code, int(before[code]), count)
-                first += count
-        self._anchor = (stop, before + counts)
-        positions += start
-        return positions, counts, indices
+        indices: Ints = drawn[order]
+        order += start
+        return order, counts, indices
 
     def draws_at(self, positions: Sequence[int] | Ints) -> tuple[Ints, Ints]:
         """``(codes, indices)`` of any positions, in their order (as :meth:`draws`)."""
@@ -351,6 +373,19 @@ class Mixture(torch.utils.data.Dataset[Any]):
             stateful=stateful,
             **dataloader_kwargs,
         )
+
+
+class _Window:
+    """The draws of positions ``start .. stop - 1``, made at once ahead of the batches that read them."""
+
+    __slots__ = ("codes", "indices", "start", "stop")
+
+    def __init__(self, start: int, stop: int, codes: Ints, indices: Ints) -> None:
+        self.start, self.stop, self.codes, self.indices = start, stop, codes, indices
+
+
+def _holds(window: _Window | None, start: int, stop: int) -> bool:
+    return window is not None and window.start <= start and stop <= window.stop
 
 
 def read_samples(dataset: Any, indices: list[int]) -> list[Any]:

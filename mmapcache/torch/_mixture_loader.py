@@ -37,6 +37,8 @@ __all__ = ["Drawn", "MixtureBatches", "MixtureLoader", "Pending", "StepSampler",
 
 STATE_VERSION = 1
 _END = 2**63  # a pass without end
+_AHEAD = 1 << 16  # positions drawn at once ahead of the batches that read them (1 MiB of draws)...
+_AHEAD_STEPS = 16  # ...when they hold this many steps or more: beyond, the other ranks' draws would cost more
 
 
 class Frontier:
@@ -82,8 +84,14 @@ class StepSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         start, stop = self.begin()
+        width = self.world_size * self.batch_size
+        ahead = _AHEAD if width <= _AHEAD // _AHEAD_STEPS else 0  # wide steps: each rank draws its own part
+        drawn = start
         for lo, hi, _ in self.steps(start, stop):
             if hi > lo:
+                if ahead and hi > drawn:
+                    drawn = min(stop, max(hi, lo + ahead))
+                    self.mixture.draw_ahead(lo, drawn)
                 yield grouped(self.mixture, lo, hi)
 
     def __len__(self) -> int:

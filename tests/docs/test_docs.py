@@ -1,4 +1,4 @@
-"""Every Python example in docs/ runs (the README's: tests/test_readme.py); the format spec in docs matches the code."""
+"""Every Python example in docs/ runs (the README's: tests/docs/test_readme.py); the format spec is the code's."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import mmapcache._format.spec
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = sorted((ROOT / "docs").glob("*.md"))
-# operating.md interleaves shell sessions with Python; tests/test_cli.py runs both kinds in order.
-# The README's blocks each run alone, as a reader copies them: tests/test_readme.py.
+# operating.md interleaves shell sessions with Python; tests/admin/test_cli.py runs both kinds in order.
+# The README's blocks each run alone, as a reader copies them: tests/docs/test_readme.py.
 PYTHON_ONLY = [d for d in DOCUMENTS if d.name != "operating.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 

@@ -100,6 +100,27 @@ def test_the_draws_are_a_function_of_seed_and_position() -> None:
     assert not np.array_equal(other, codes), "another seed draws other sources"
 
 
+@pytest.mark.parametrize("kind", ["static", "schedule", "replacement"])
+def test_drawing_ahead_changes_no_draw_and_keeps_its_arrays_its_own(kind: str) -> None:
+    sources = _sources({"web": 700, "code": 90, "math": 13})
+    weights: Any = WEIGHTS if kind != "schedule" else (lambda p: WEIGHTS if p < 3 * BLOCK else {"web": 1, "math": 3})
+    make = lambda: Mixture(sources, weights, seed=5, replacement=kind == "replacement")  # noqa: E731
+    fresh, ahead = make(), make()
+    rng = np.random.default_rng(3)
+    position = 0
+    for _ in range(60):
+        if rng.random() < 0.2:
+            ahead.draw_ahead(position, position + int(rng.integers(1, 5000)))
+        size = int(rng.integers(1, 700))
+        got, want = ahead.by_source(position, position + size), fresh.by_source(position, position + size)
+        assert [part.tolist() for part in got] == [part.tolist() for part in want]
+        position += size + int(rng.integers(0, 2)) * int(rng.integers(0, 3000))
+    ahead.draw_ahead(0, 4000)
+    codes, _ = ahead.draws(100, 200)
+    codes[:] = 99  # a caller's copy: the window is not changed
+    assert ahead.draws(100, 200)[0].tolist() == fresh.draws(100, 200)[0].tolist()
+
+
 def test_without_replacement_each_pass_of_a_source_is_a_fresh_permutation() -> None:
     mixture = Mixture(_sources({"web": 200, "code": 60, "math": 15}), WEIGHTS, seed=2)
     codes, indices = mixture.draws(0, 30_000)

@@ -1,6 +1,6 @@
 """Resume mid-epoch over packed sequences: ``PackedSequences.loader(stateful=True)`` killed, then resumed.
 
-This file is also the training run (``python tests/test_packed_resume.py
+This file is also the training run (``python tests/torch/test_packed_resume.py
 --path ...``): it reads one epoch of packed batches and appends each batch's
 rows, one JSON line per batch, to ``--out``; ``--save-at k`` saves the
 loader's state after batch k, says so by writing ``--saved``, and keeps going

@@ -3,7 +3,7 @@
 The user-level property -- every sample a dataset over the cache returns,
 whatever its processes do, equals the truth -- is checked by
 ``mmapcache.testing.check_concurrent_access``: the last tests here run it on
-a dataset over ``Cache``, tests/test_testing.py on ``CachedDataset``. This machine checks what
+a dataset over ``Cache``, tests/testing/test_testing.py on ``CachedDataset``. This machine checks what
 only the protocol can tell, with a model of which writer won each slot:
 
 three spawned worker processes (see ``_procs.py``) open, fill, read, verify,

@@ -1,7 +1,7 @@
 """CachedDataset with variable-shape fields: fields=, ragged samples through DataLoaders, pad_collate.
 
 Tests that count loads from the dataset pass ``check=0``: the stale and determinism checks load a few
-samples more per process (tests/test_pipelines.py tests them).
+samples more per process (tests/torch/test_pipelines.py tests them).
 """
 
 from __future__ import annotations
