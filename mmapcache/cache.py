@@ -29,6 +29,7 @@ from ._region import (
     Problem,
     SingleFlight,
     Usage,
+    VariableColumn,
     VariableRegion,
     Writer,
     as_given,
@@ -685,6 +686,11 @@ class Cache:
 def writer_of(cache: Cache) -> Writer:
     """The one writer of an open cache: for the core's own writers that are not ``put`` (a stream's fill)."""
     return cache._store()
+
+
+def column_of(cache: Cache, field: str) -> VariableColumn:
+    """A variable field's column in an open cache's mapping: for readers of parts of its values (packed sequences)."""
+    return next(column for column in cache._live().variables if column.name == field)
 
 
 def flight_of(cache: Cache) -> SingleFlight:

@@ -19,7 +19,7 @@ from .partitions import _ALLOCATED, _ELEMENT, _PARTITION, ENDED, FULL, HOLE, Par
 from .residency import resident_bytes
 from .slots import READY, STRONGLY_ORDERED, WRITING
 from .values import coerce_value
-from .variable import text_value, value_bytes
+from .variable import VariableColumn, text_value, value_bytes
 from .verify import Problem, intact_parts
 from .writer import Writer, readonly_error
 
@@ -67,6 +67,7 @@ __all__ = [
     "SingleFlight",
     "StreamRegion",
     "Usage",
+    "VariableColumn",
     "VariableRegion",
     "Writer",
     "accelerated",

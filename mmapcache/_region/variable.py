@@ -44,6 +44,7 @@ _DIM = np.dtype("<u4")
 _OFFSET = np.dtype("<u8")
 _LITTLE = sys.byteorder == "little"
 _INT64 = np.dtype(np.int64)
+_FRAGMENT = np.dtype([("offset", "<u8"), ("length", "<u4"), ("unused", "<u4")])  # a 1-D descriptor's layout
 NO_ROWS = np.zeros(0, np.intp)  # an empty, read-only row list (no row failed)
 NO_ROWS.flags.writeable = False
 
@@ -386,6 +387,57 @@ class VariableColumn:
                 shapes[~present, head:] = self._unit_tail
             return Jagged._trusted(values, offsets, shapes, present), impossible
         return Jagged._trusted(values, offsets, None, present), impossible
+
+    def fragments(
+        self,
+        slots: np.ndarray[Any, np.dtype[np.int64]],
+        starts: np.ndarray[Any, np.dtype[np.int64]],
+        lengths: np.ndarray[Any, np.dtype[np.int64]],
+        out: np.ndarray[Any, Any],
+    ) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.intp]]]:
+        """Parts of one-dimensional values, back to back: ``out``'s items from ``offsets[k]`` are
+        items ``starts[k] .. starts[k] + lengths[k] - 1`` of slot ``slots[k]``'s value.
+
+        A slot of -1 is a gap of ``lengths[k]`` items, left for the caller to write (its
+        contents are undefined). The slots must hold their values (the caller read their
+        states). Returns ``(offsets, bad)``: the ``len(slots) + 1`` item offsets of the parts
+        in ``out`` (a flat array of the field's dtype, of ``offsets[-1]`` items or more), and
+        the parts that lie outside the region (a damaged descriptor; their items are not
+        written). One call of the compiled gather, or array operations and ``gather_runs``.
+        """
+        count, item = len(slots), self._item
+        gap = slots < 0
+        table = np.zeros(count, _FRAGMENT)
+        table["offset"] = self.offsets[np.where(gap, 0, slots)] + starts * item
+        table["offset"][gap] = 0
+        table["length"] = lengths
+        offsets = np.empty(count + 1, np.int64)
+        native = _gather.native
+        if native is not None and int(lengths[gap].max(initial=0)) * item <= self._size:
+            # A gap reads the region's first bytes (the caller overwrites them): one gather in all.
+            _, bad = native.gather(
+                self._region, table.view(np.uint8), _FRAGMENT.itemsize, np.arange(count, dtype=np.int64), None,
+                (-1,), item, item, offsets, None, lambda shape: out,
+            )  # fmt: skip
+            return offsets, np.asarray(bad, np.intp)
+        offsets[0] = 0
+        np.cumsum(lengths, out=offsets[1:])
+        first = table["offset"].astype(np.int64)
+        nbytes = lengths * item
+        bad = ~gap & ((first % self._align != 0) | (nbytes > self._size - first))
+        wanted = np.flatnonzero(~gap & ~bad)
+        bounds = np.zeros(len(wanted) + 1, np.int64)
+        np.cumsum(nbytes[wanted], out=bounds[1:])
+        if not len(wanted):
+            return offsets, np.flatnonzero(bad)
+        data = gather_runs(self._region, first[wanted], bounds, views=self._chunk_views)
+        flat = out.reshape(-1).view(np.uint8)
+        # The gathered parts go where they belong, a block of consecutive parts at a time.
+        breaks = np.flatnonzero(np.diff(wanted) != 1) + 1
+        for a, b in itertools.pairwise([0, *breaks.tolist(), len(wanted)]):
+            at = int(offsets[wanted[a]]) * item
+            flat[at : at + int(bounds[b] - bounds[a])] = data[bounds[a] : bounds[b]]
+        return offsets, np.flatnonzero(bad)
 
     def _copy_rows(self, firsts: np.ndarray[Any, Any], counts: np.ndarray[Any, Any]) -> list[Any]:
         """Values whose first dimension alone varies: slices of the region's row view, into one buffer."""

@@ -3,12 +3,11 @@
 The plan (:mod:`._packing_plan`) is computed once from the documents' lengths
 as the file records them (``Cache.lengths``: no token is read) and kept in a
 file beside the cache (:mod:`._plan_file`); later runs and other processes map
-it. A batch of sequences is read by one call of the core's compiled gather
-(``mmapcache._region.gathers.native``) over a table of descriptors made for the batch:
-one per fragment (its document's offset in the variable region plus its first
-token, its length) and one per padding run, so the tokens land straight in the
-``(batch, seq_len)`` array, and the gather's offsets are the batch's
-``cu_seqlens``.
+it. A batch of sequences is read by one gather of parts of the token field's
+values (``VariableColumn.fragments``: the compiled gather, or its numpy twin):
+one part per fragment (its document's slot, first token and length) and one gap
+per padding run, so the tokens land straight in the ``(batch, seq_len)`` array,
+and the gather's offsets are the batch's ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ import torch
 import torch.utils.data
 
 from .._errors import CacheError
-from .._region import compiled, empty_aligned
-from ..cache import Cache
+from .._region import empty_aligned
+from ..cache import Cache, column_of
 from ._collate import as_is
 from ._dataset import CachedDataset
 from ._loader import Loader
@@ -35,8 +34,6 @@ from ._stream import CachedStream
 __all__ = ["PackedSequences"]
 
 log = logging.getLogger("mmapcache")
-
-_DESCRIPTOR = np.dtype([("offset", "<u8"), ("length", "<u4"), ("unused", "<u4")])
 
 
 class _Source:
@@ -52,9 +49,7 @@ class _Source:
                 f"field={field!r} must be a one-dimensional variable field (Field((None,), dtype)) of {cache.path}; "
                 f"its fields of that kind: {choices}"
             )
-        mapped = cache._live()  # the mapping's variable column: descriptors and the region the gather reads
-        self.column = next(c for c in mapped.variables if c.name == field)
-        self.region = mapped.region
+        self.column = column_of(cache, field)  # its descriptors and the region its parts are gathered from
         self.dtype = variable.dtype
         lengths = cache.lengths(field)
         self.lengths = lengths[: self.count] if slots is None else lengths[slots]
@@ -368,40 +363,23 @@ def _read(source: _Source, plan: Plan, seqs: np.ndarray[Any, Any], pad_id: int) 
     where = _counting(total) + np.searchsorted(padded, seq_of)  # each fragment's row in the descriptors
     pad_at = np.cumsum(per_seq)[padded] + _counting(len(padded))
     described = total + len(padded)
-    table = np.zeros(described, _DESCRIPTOR)
-    item = source.dtype.itemsize
-    table["offset"][where] = source.column.offsets[docs if source.slots is None else source.slots[docs]] + starts * item
-    table["length"][where] = lengths
-    table["length"][pad_at] = pads[padded]
+    slots = np.full(described, -1, np.int64)  # -1: a padding run, written with pad_id below
+    slots[where] = docs if source.slots is None else source.slots[docs]
+    starts_of = np.zeros(described, np.int64)
+    starts_of[where] = starts
+    lengths_of = np.empty(described, np.int64)
+    lengths_of[where] = lengths
+    lengths_of[pad_at] = pads[padded]
     doc_of = np.full(described, -1, np.int64)
     doc_of[where] = docs
     out = empty_aligned((count, seq_len), source.dtype)
-    offsets = np.empty(described + 1, np.int64)
-    native = compiled()
-    if native is not None and int(pads.max(initial=0)) * item <= len(source.region):
-        # A padding run reads the region's first bytes (overwritten with pad_id below): one gather in all.
-        flat = out.reshape(-1)
-        _, bad = native.gather(
-            source.region,
-            table.view(np.uint8),
-            _DESCRIPTOR.itemsize,
-            _counting(described),
-            None,
-            (-1,),
-            item,
-            item,  # fragments start at any token of a document: offsets are multiples of the item size
-            offsets,
-            None,
-            lambda shape: flat,
+    offsets, bad = source.column.fragments(slots, starts_of, lengths_of, out.reshape(-1))
+    if len(bad):
+        raise CacheError(
+            f"the descriptors of {len(bad)} fragments of {source.cache.path} point outside its variable region: "
+            "the file was damaged or written by something else; run `mmapcache verify` on it",
+            path=source.cache.path,
         )
-        if bad:
-            raise CacheError(
-                f"the descriptors of {len(bad)} fragments of {source.cache.path} point outside its variable region: "
-                "the file was damaged or written by something else; run `mmapcache verify` on it",
-                path=source.cache.path,
-            )
-    else:
-        _gather_numpy(source, table, offsets, out)
     for row, start in zip(padded.tolist(), used[padded].tolist(), strict=True):
         out[row, start:] = pad_id
     runs = offsets[1:] - offsets[:-1]
@@ -415,18 +393,3 @@ def _read(source: _Source, plan: Plan, seqs: np.ndarray[Any, Any], pad_id: int) 
         "cu_seqlens": torch.from_numpy(offsets.astype(np.int32)),
         "max_seqlen": int(runs.max()) if len(runs) else 0,
     }
-
-
-def _gather_numpy(source: _Source, table: np.ndarray[Any, Any], offsets: np.ndarray[Any, Any], out: Any) -> None:
-    """The gather without the compiled extension: a slice copy per fragment (padding is left to the caller)."""
-    flat = out.reshape(-1).view(np.uint8)
-    item = source.dtype.itemsize
-    offsets[0] = 0
-    np.cumsum(table["length"].astype(np.int64), out=offsets[1:])
-    region = source.region
-    for at, start, length in zip(
-        offsets[:-1].tolist(), table["offset"].tolist(), table["length"].tolist(), strict=True
-    ):
-        nbytes = length * item
-        if nbytes and start + nbytes <= len(region):  # a padding run (offset 0) may not fit a tiny region
-            flat[at * item : at * item + nbytes] = region[start : start + nbytes]

@@ -582,3 +582,41 @@ def test_one_rule_places_values_and_one_policy_sizes_a_variable_region_without_a
     fields = {"tokens": Field((None,), "int32"), "label": Field((), "int64")}
     budget = variable_budget(fields, 1000, 100.0)
     assert budget == 1000 * slot_nbytes(fields) + int(VARIABLE_HEADROOM * 100 * 1000) + EXTENT_ROOM
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+def test_parts_of_values_are_gathered_back_to_back_with_gaps_left_and_damage_reported(
+    cache_dir: Path, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mmapcache._region import gathers
+    from mmapcache.cache import column_of
+
+    if compiled and gathers.native is None:
+        pytest.skip("the compiled gather is not built here (MMAPCACHE_NO_EXTENSION=1 or no compiler)")
+    if not compiled:
+        monkeypatch.setattr(gathers, "native", None)
+    rng = np.random.default_rng(11)
+    values = [rng.integers(0, 60_000, int(n), dtype=np.uint16) for n in rng.integers(0, 50, 30)]
+    with Cache.open(cache_dir / "t.mmc", {"t": Field((None,), "uint16")}, len(values), max_bytes=MiB) as cache:
+        cache.put_many(range(len(values)), {"t": values})
+        column = column_of(cache, "t")
+        for _ in range(40):
+            count = int(rng.integers(0, 12))
+            slots = rng.integers(-1, len(values), count)  # -1: a gap
+            starts = np.array([int(rng.integers(0, len(values[s]) + 1)) if s >= 0 else 0 for s in slots], np.int64)
+            lengths = np.array(
+                [int(rng.integers(0, len(values[s]) - a + 1)) if s >= 0 else int(rng.integers(1, 9)) for s, a in
+                 zip(slots.tolist(), starts.tolist(), strict=True)], np.int64
+            )  # fmt: skip
+            out = np.full(int(lengths.sum()), 7, np.uint16)
+            offsets, bad = column.fragments(slots.astype(np.int64), starts, lengths, out)
+            assert len(bad) == 0
+            assert offsets.tolist() == [0, *np.cumsum(lengths).tolist()]
+            for k, (s, a, n) in enumerate(zip(slots.tolist(), starts.tolist(), lengths.tolist(), strict=True)):
+                if s >= 0:
+                    assert out[offsets[k] : offsets[k] + n].tolist() == values[s][a : a + n].tolist()
+        column.offsets[3] = 2**40  # a damaged descriptor: the part lies outside the region
+        offsets, bad = column.fragments(
+            np.array([0, 3, 5], np.int64), np.zeros(3, np.int64), np.array([1, 1, 1], np.int64), np.zeros(3, np.uint16)
+        )
+        assert bad.tolist() == [1]
