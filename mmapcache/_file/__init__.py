@@ -3,8 +3,9 @@ validating one in the documented order, removing one, who holds it, the boot id.
 ``Cache``, streams and administration.
 """
 
+from .admission import admitted
 from .boot import BootPage, boot_page, current_boot_id
-from .budgets import Budget, CacheShare, admitted, budget, set_budget
+from .budgets import Budget, CacheShare, budget, set_budget
 from .create import (
     LockStatus,
     NewFile,

@@ -1,4 +1,4 @@
-"""A byte budget per cache directory: the ledger, admission of every new file against it, reclaim.
+"""A byte budget per cache directory: its setting, its default and its ledger (what admission reads).
 
 The budget of a directory is, first found: ``MMAPCACHE_BUDGET`` (a size, for this process), the
 size set in the directory (:func:`set_budget`, kept in ``.mmapcache-budget``), and on a tmpfs a
@@ -15,15 +15,8 @@ The ledger has no counter to drift. It is derived, whenever it is needed, from
   is free is dead: ignored, and deleted by the next admission. A live reservation counts only the
   bytes its temp file has not allocated yet, so no byte is counted twice.
 
-Admission (:func:`admitted`, the one function every creation path calls where the file size is
-decided: ``open_or_create`` for ``Cache.open``, ``CachedDataset`` and ``CachedStream``, and
-``resize``) runs under the directory's lock, an exclusive ``flock`` on the directory itself
-(never deleted while a cache is in it): two creators never both take the last bytes. A file
-that does not fit is planned smaller — fewer slots, a smaller variable region, so the first
-indices are cached — with one warning; when not even a header and one slot (and one page of
-variable region) fit, :class:`CacheSpaceError`.
-With ``reclaim_unused_after`` set, caches that nobody has open and that were last opened longer
-ago than that are removed first, least recently used first; a cache in use is never removed.
+Admission of every new file against the budget, and reclaim, are :mod:`.admission`'s; they run
+under the directory's lock (:func:`directory_lock`), an exclusive ``flock`` on the directory itself.
 """
 
 from __future__ import annotations
@@ -33,25 +26,17 @@ import errno
 import fcntl
 import json
 import logging
-import math
 import os
-import sys
 import time
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._errors import CacheError, CacheSpaceError, CacheTimeoutError
+from .._errors import CacheError, CacheTimeoutError
 from .._format import (
-    Header,
-    compute_layout,
-    extent_size_for,
-    format_age,
     format_bytes,
-    new_header,
     parse_bytes,
     parse_duration,
 )
@@ -65,19 +50,25 @@ from .names import (
     temp_stem,
 )
 from .paths import default_dir, filesystem_type, is_memory_filesystem, memory_limit
-from .removal import in_use, remove
+from .removal import in_use
 
 __all__ = [
     "BUDGET_ENV",
     "DEFAULT_CGROUP_FRACTION",
+    "PAGE",
     "RECLAIM_GRACE",
-    "Admission",
     "Budget",
     "CacheShare",
-    "admitted",
     "budget",
     "default_limit",
+    "directory_lock",
+    "ledger_of",
+    "limit_of",
+    "release",
+    "remove_dead_temps",
+    "reserve",
     "set_budget",
+    "settings_of",
 ]
 
 log = logging.getLogger("mmapcache")
@@ -86,7 +77,7 @@ BUDGET_ENV = "MMAPCACHE_BUDGET"
 # Without a budget set, a tmpfs directory's caches may take this fraction of the memory cgroup's
 # limit (the rest is for the processes that share the limit), and never more than the tmpfs holds.
 DEFAULT_CGROUP_FRACTION = 0.5
-_PAGE = 4096
+PAGE = 4096
 # A cache opened this recently is never reclaimed, whatever the setting: its creator links it and
 # only then opens it (takes the in-use lock), and must find it there.
 RECLAIM_GRACE = 5.0
@@ -158,7 +149,7 @@ class Budget:
 def budget(directory: str | os.PathLike[str] | None = None) -> Budget:
     """The byte budget of ``directory`` (default: :func:`mmapcache.default_dir`) and what holds it."""
     base = _directory(directory)
-    return _ledger(base, _settings(base), collect=False)
+    return ledger_of(base, settings_of(base), collect=False)
 
 
 def set_budget(
@@ -179,7 +170,7 @@ def set_budget(
     limit = None if max_bytes is None else parse_bytes(max_bytes, name="max_bytes")
     after = _seconds(reclaim_unused_after)
     path = base / BUDGET_NAME
-    with _directory_lock(base, 60.0):
+    with directory_lock(base, 60.0):
         if limit is None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -227,213 +218,7 @@ def _default_limit(directory: Path) -> int | None:
     return size if cgroup is None else min(size, int(cgroup * DEFAULT_CGROUP_FRACTION))
 
 
-# -- admission -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Admission:
-    """What admission let a new file be: its ``header`` (smaller than asked when ``shrunk``), what it removed."""
-
-    header: Header
-    shrunk: bool = False
-    removed: tuple[CacheShare, ...] = ()
-    budget: Budget | None = field(default=None, compare=False)
-
-
-@contextmanager
-def admitted(path: Path, header: Header, *, timeout: float, floor: Header | None = None) -> Iterator[Admission]:
-    """Reserve the bytes of the file ``header`` plans at ``path`` against its directory's budget.
-
-    Yields the header to create (the one asked for, or a smaller one that
-    fits), with the reservation held until the body ends: the body allocates
-    the file and gives it its name. ``floor``: the smallest the file may be
-    (``resize`` never shrinks a cache); without one, a header and one slot.
-    """
-    directory = path.parent
-    settings = _settings(directory)
-    limit = _limit(directory, settings)
-    if limit[0] is None:
-        yield Admission(header)
-        return
-    wanted = _allocated(compute_layout(header).file_size)
-    with _directory_lock(directory, timeout):
-        _remove_dead_temps(directory)
-        reclaim = isinstance(settings.get("reclaim_unused_after"), (int, float))
-        ledger = _ledger(directory, settings, collect=True, probe=reclaim, limit=limit)
-        removed: tuple[CacheShare, ...] = ()
-        if wanted > _room(ledger) and ledger.reclaim_unused_after is not None:
-            removed = _reclaim(ledger, wanted - _room(ledger), ledger.reclaim_unused_after, path)
-            if removed:
-                ledger = _ledger(directory, settings, collect=True, probe=True, limit=limit)
-        room = _room(ledger)
-        chosen = header if wanted <= room else _smaller(header, room, floor, directory)
-        if chosen is None:
-            raise _no_budget(path, wanted, ledger, grow=floor is not None)
-        size = _allocated(compute_layout(chosen).file_size)
-        reservation = _reserve(directory, path, size)
-    try:
-        admission = Admission(chosen, chosen is not header, removed, ledger)
-        if admission.shrunk:
-            message = _shrunk_message(path, header, chosen, ledger, removed)
-            warnings.warn(message, RuntimeWarning, stacklevel=_outside_level())
-        elif removed:
-            log.warning("made room for %s under %s", path, ledger.describe() + _removed_text(removed))
-        yield admission
-    finally:
-        _release(reservation, directory)
-
-
-def _outside_level() -> int:
-    """The ``stacklevel`` of the first caller outside mmapcache (and contextlib), for a warning of the caller."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and (
-        frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename == contextlib.__file__
-    ):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _room(ledger: Budget) -> int:
-    """What a new file may take: what is free, less the page of the reservation file that admits it."""
-    assert ledger.limit is not None
-    return ledger.limit - ledger.used - ledger.reserved - _PAGE
-
-
-def _allocated(size: int) -> int:
-    return -(-size // _PAGE) * _PAGE
-
-
-def _smaller(header: Header, room: int, floor: Header | None, directory: Path) -> Header | None:
-    """The largest header like ``header`` (fewer slots, a smaller variable region) whose file fits ``room``."""
-    on_disk = not is_memory_filesystem(filesystem_type(directory))
-    top_slots, top_region = header.capacity, header.variable_size
-    low_slots = floor.capacity if floor is not None else min(1, top_slots)
-    low_region = floor.variable_size if floor is not None else min(_PAGE, top_region)
-
-    def made(fraction: float) -> Header:
-        slots = low_slots + math.floor((top_slots - low_slots) * fraction)
-        region = low_region + (top_region - low_region) * fraction
-        region = max(low_region, int(region) // _PAGE * _PAGE) if top_region else 0
-        return new_header(
-            header.fields,
-            slots if header.stream is not None else header.length,
-            slots,
-            header.key,
-            header.created,
-            variable_size=region,
-            extent_size=extent_size_for(region) if region else 0,
-            indices_digest=header.indices_digest,
-            on_disk=on_disk,
-            stream=header.stream,
-        )
-
-    def fits(candidate: Header) -> bool:
-        return _allocated(compute_layout(candidate).file_size) <= room
-
-    smallest = made(0.0)
-    if not fits(smallest):
-        return None
-    # Bisect the fraction of the way from the floor to the plan (the file size grows with both).
-    low, high = 0.0, 1.0
-    steps = max(1, (top_slots - low_slots).bit_length(), (top_region - low_region).bit_length() - 11)
-    for _ in range(min(steps + 2, 64)):
-        middle = (low + high) / 2
-        if fits(made(middle)):
-            low = middle
-        else:
-            high = middle
-    chosen = made(low)
-    if floor is not None and (chosen.capacity, chosen.variable_size) == (floor.capacity, floor.variable_size):
-        return None  # resize: no room to grow at all
-    return chosen
-
-
-def _shrunk_message(path: Path, asked: Header, chosen: Header, ledger: Budget, removed: Sequence[CacheShare]) -> str:
-    what = f"{chosen.capacity} of the {asked.capacity} slots"
-    if asked.variable_size:
-        what += f" and {format_bytes(chosen.variable_size)} of the {format_bytes(asked.variable_size)} variable region"
-    first = "" if asked.stream is not None else f" (the first {chosen.capacity} indices are cached, the rest read"
-    first += "" if asked.stream is not None else " from the dataset every time)"
-    made, wanted = _allocated(compute_layout(chosen).file_size), _allocated(compute_layout(asked).file_size)
-    sizes = (format_bytes(made), format_bytes(wanted))
-    if sizes[0] == sizes[1]:
-        sizes = (f"{made} bytes", f"{wanted}")
-    return (
-        f"{path} does not fit {ledger.describe()}{_removed_text(removed)}; it was made with {what}{first}, "
-        f"{sizes[0]} instead of {sizes[1]}. {_how_to_raise(ledger)}"
-    )
-
-
-def _no_budget(path: Path, wanted: int, ledger: Budget, *, grow: bool) -> CacheSpaceError:
-    what = "no room to grow it in" if grow else "not even its header and one slot fit"
-    return CacheSpaceError(
-        f"cannot {'resize' if grow else 'create'} {path}: {what} {ledger.describe()}, "
-        f"{format_bytes(max(_room(ledger), 0))} left (the whole file takes {format_bytes(wanted)}). "
-        + _how_to_raise(ledger),
-        path=path,
-        needed=wanted,
-        free=max(_room(ledger), 0),
-    )
-
-
-def _how_to_raise(ledger: Budget) -> str:
-    where = ledger.directory
-    text = (
-        f"Raise it with `mmapcache budget {where} --set SIZE` (or {BUDGET_ENV}=SIZE for one process), "
-        f"remove caches you no longer need (`mmapcache ls {where}`, `mmapcache rm PATH`, `mmapcache gc`)"
-    )
-    if ledger.reclaim_unused_after is None:
-        text += ", or let new caches remove unused ones with `--reclaim-unused-after 7d`"
-    return text
-
-
-def _removed_text(removed: Sequence[CacheShare]) -> str:
-    if not removed:
-        return ""
-    now = time.time()
-    names = ", ".join(
-        f"{share.path.name} ({format_bytes(share.bytes)}, last used {format_age(now - share.last_used)})"
-        for share in removed
-    )
-    return f", after removing the unused caches {names}"
-
-
-# -- reclaim ---------------------------------------------------------------------------
-
-
-def _reclaim(ledger: Budget, needed: int, after: float, path: Path) -> tuple[CacheShare, ...]:
-    """Remove unused caches last opened over ``after`` seconds ago, least recently used first, until ``needed``."""
-    cutoff = time.time() - after
-    removed: list[CacheShare] = []
-    freed = 0
-    for share in ledger.caches:  # least recently used first
-        if freed >= needed:
-            break
-        if share.in_use or share.last_used > min(cutoff, time.time() - RECLAIM_GRACE) or share.path == path:
-            continue
-        try:
-            st = os.stat(share.path, follow_symlinks=False)
-            if st.st_mtime > min(cutoff, time.time() - RECLAIM_GRACE):
-                continue  # opened since the ledger was read
-            # A creator or resizer of it holds its creation lock: wait for nobody (timeout 0).
-            remove(share.path, timeout=0, same_as=st)
-        except (CacheError, OSError) as error:
-            log.info("kept %s while making room for %s: %s", share.path, path, error)
-            continue
-        log.warning(
-            "removed %s (%s, unused, last used %s) to make room for %s",
-            share.path,
-            format_bytes(share.bytes),
-            format_age(time.time() - share.last_used),
-            path,
-        )
-        removed.append(share)
-        freed += share.bytes
-    return tuple(removed)
-
-
-def _remove_dead_temps(directory: Path) -> None:
+def remove_dead_temps(directory: Path) -> None:
     """Delete the temp files of creators that died (their cache's creation lock is free): bytes nobody will use."""
     try:
         names = os.listdir(directory)
@@ -457,7 +242,7 @@ class _Reservation:
     path: Path
 
 
-def _reserve(directory: Path, target: Path, size: int) -> _Reservation:
+def reserve(directory: Path, target: Path, size: int) -> _Reservation:
     """Write a reservation of ``size`` bytes for ``target`` and hold its lock (under the directory lock)."""
     path = directory / new_reservation_name()
     try:
@@ -476,7 +261,7 @@ def _reserve(directory: Path, target: Path, size: int) -> _Reservation:
     return _Reservation(fd, path)
 
 
-def _release(reservation: _Reservation, directory: Path) -> None:
+def release(reservation: _Reservation, directory: Path) -> None:
     # Unlink first, unlock last: whoever finds the file unlocked finds it dead.
     with contextlib.suppress(FileNotFoundError):
         os.unlink(reservation.path)
@@ -522,7 +307,7 @@ def _in_use(path: Path) -> bool:
         return True  # cannot tell: never a candidate for removal
 
 
-def _ledger(
+def ledger_of(
     directory: Path,
     settings: dict[str, Any],
     *,
@@ -535,7 +320,7 @@ def _ledger(
     ``collect``: delete dead reservations (under the directory lock); ``probe``: ask whether each cache
     is in use (else every ``in_use`` is ``False``: admission asks only when it may reclaim).
     """
-    limit_bytes, source = limit if limit is not None else _limit(directory, settings)
+    limit_bytes, source = limit if limit is not None else limit_of(directory, settings)
     scan = _scan(directory, probe=probe)
     reserved = sum(_outstanding(path, scan, directory, collect=collect) for path in scan.reservations)
     free = None if limit_bytes is None else max(0, limit_bytes - scan.used - reserved)
@@ -589,7 +374,7 @@ def _still_needed(data: bytes, scan: _Scan, directory: Path) -> int:
     return max(0, size - allocated)
 
 
-def _limit(directory: Path, settings: dict[str, Any]) -> tuple[int | None, str]:
+def limit_of(directory: Path, settings: dict[str, Any]) -> tuple[int | None, str]:
     given = os.environ.get(BUDGET_ENV, "").strip()
     if given:
         return parse_bytes(given, name=BUDGET_ENV), f"from {BUDGET_ENV}"
@@ -601,7 +386,7 @@ def _limit(directory: Path, settings: dict[str, Any]) -> tuple[int | None, str]:
     return None, "none set"
 
 
-def _settings(directory: Path) -> dict[str, Any]:
+def settings_of(directory: Path) -> dict[str, Any]:
     try:
         fd = os.open(directory / BUDGET_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -634,7 +419,7 @@ def _directory(directory: str | os.PathLike[str] | None) -> Path:
 
 
 @contextmanager
-def _directory_lock(directory: Path, timeout: float) -> Iterator[None]:
+def directory_lock(directory: Path, timeout: float) -> Iterator[None]:
     """Hold the directory's admission lock: an exclusive ``flock`` on the directory itself.
 
     The directory is the lock file that is never deleted while anything in it

@@ -163,7 +163,7 @@ def open_or_create(
                 with creation_lock(path, timeout):
                     if not os.path.lexists(path):
                         remove_leftovers(path)
-                        from .budgets import admitted  # the directory's byte budget decides the size
+                        from .admission import admitted  # the directory's byte budget decides the size
 
                         with admitted(path, planned[0], timeout=timeout) as admission:
                             chosen = admission.header
