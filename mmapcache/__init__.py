@@ -19,6 +19,7 @@ from ._errors import (
 )
 from ._field import Field
 from ._file import Budget, CacheShare, budget, default_dir, in_use, remove, set_budget
+from ._moved import install as _install_moved
 from ._region import Claims, Counts, Jagged, Usage, VariableRegion, accelerated
 from ._version import __version__
 from .cache import Cache, Problem
@@ -61,3 +62,12 @@ __all__ = [
     "resize",
     "set_budget",
 ]
+
+# Pickles name the public module, whatever file the class lives in (names earlier releases
+# pickled under still load: ``_moved``).
+for _public in (
+    Budget, CacheInfo, CacheShare, Claims, Counts, DiskUsage, GcReport, Jagged, Problem, Resized, Usage, VariableRegion
+):  # fmt: skip
+    _public.__module__ = __name__
+_install_moved()
+del _public

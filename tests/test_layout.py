@@ -22,6 +22,7 @@ LAYERS: dict[str, int] = {
     "_field": 0,
     "_version": 0,
     "_compare": 0,
+    "_moved": 0,  # imports nothing; names the modules of today as strings, imported when a pickle asks
     "_format": 1,
     "_file": 2,
     "_region": 3,
@@ -34,8 +35,8 @@ LAYERS: dict[str, int] = {
     "__main__": 9,
 }
 FOLDERS = ("_format", "_file", "_region", "_streams", "_admin")
-# The package's public face re-exports every layer; _batches only keeps a name 0.3.0 pickled under.
-EXEMPT = {"mmapcache", "mmapcache._batches"}
+# The package's public face re-exports every layer.
+EXEMPT = {"mmapcache"}
 
 
 def module_name(path: Path) -> str:

@@ -56,6 +56,8 @@ from ._machine import STEPS, OutOfTime, Run, Summary, machine_class
 
 __all__ = ["DTYPES", "Summary", "check_concurrent_access", "fields", "samples"]
 
+Summary.__module__ = __name__  # pickles name the public module
+
 MAX_EXAMPLES = 25
 MAX_PROCESSES = 32  # worker processes a check may start (plus the observer)
 

@@ -80,4 +80,5 @@ Mixture.__module__ = __name__
 Padded.__module__ = __name__
 Packed.__module__ = __name__
 PackedSequences.__module__ = __name__
+NodeShardSampler.__module__ = __name__
 _ = infer_fields  # mmapcache.torch.infer_fields, as in 0.3.0

@@ -205,6 +205,8 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         board = state.pop("_board", None)
+        if "stream" in state:  # pickled by 0.4 or 0.5: the stream itself, under its public name
+            state["_source"] = state.pop("stream")
         self.__dict__.update(state)
         self._board = board if isinstance(board, EpochBoard) else EpochBoard()
         self._init_process_state()

@@ -1,16 +1,32 @@
-"""Pickles made by mmapcache 0.3.0 (tests/data/pickles-0.3.0.pkl, see make_pickles_0_3_0.py) still load and work."""
+"""Pickles made by mmapcache 0.3.0, 0.4.0 and 0.5.0 (tests/data/pickles-*.pkl, see make_pickles*.py) load and work."""
 
 from __future__ import annotations
 
+import importlib
 import pickle
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
-from mmapcache import Field
-from mmapcache.torch import CachedDataset, Padded
+from mmapcache import (
+    CacheInfo,
+    Claims,
+    Counts,
+    DiskUsage,
+    Field,
+    GcReport,
+    Jagged,
+    Problem,
+    Resized,
+    Usage,
+    VariableRegion,
+)
+from mmapcache._moved import MOVED
+from mmapcache.testing import Summary
+from mmapcache.torch import CachedDataset, CachedStream, NodeShardSampler, Packed, Padded
 
 FIXTURE = Path(__file__).parents[1] / "data" / "pickles-0.3.0.pkl"
 NAME = "x" * 195 + "{}.mmc"  # the datasets' paths are "/" + this (a Path pickles as its parts)
@@ -69,3 +85,63 @@ def test_new_pickles_name_the_public_module(tmp_path: Path) -> None:
     assert again.__getstate__().keys() == ds.__getstate__().keys()
     assert b"mmapcache.torch._" not in pickle.dumps(ds)
     assert b"mmapcache.torch._" not in pickle.dumps(Padded(torch.zeros(1, 2), torch.ones(1)))
+
+
+def load_release(version: str, directory: Path) -> dict[str, Any]:
+    """``pickles-<version>.pkl`` (see make_pickles.py), its caches pointed at files in ``directory``."""
+    data = (FIXTURE.parent / f"pickles-{version}.pkl").read_bytes()
+    for tag in "abc":
+        old = NAME.format(tag)
+        below = str(directory).lstrip("/")
+        new = f"{below}/{'p' * (len(old) - len(below) - len('/.mmc') - 1)}{tag}.mmc"
+        assert data.count(old.encode()) == 1
+        data = data.replace(old.encode(), new.encode())
+    loaded: dict[str, Any] = pickle.loads(data)
+    assert loaded["version"] == version
+    return loaded
+
+
+RELEASES = ["0.4.0", "0.5.0"]
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_datasets_and_streams_pickled_by_a_release_load_and_read(version: str, tmp_path: Path) -> None:
+    loaded = load_release(version, tmp_path)
+    whole, ragged, stream = loaded["whole"], loaded["ragged"], loaded["stream"]
+    assert (whole.key, whole.capacity, whole.check, whole.dtypes) == ("fixture/whole", 5, 1, {"1": torch.int32})
+    assert [int(label) for label in next(iter(whole.loader(batch_size=6)))[1]] == list(range(6))
+    assert ragged.fields == {"tokens": Field((None,), "int32"), "label": Field((), "int64")}
+    assert [ragged[i]["tokens"].tolist() for i in range(6)] == [list(range(n)) for n in (3, 0, 5, 1, 2, 4)]
+    assert isinstance(stream, CachedStream)
+    assert stream.path.parent == tmp_path
+    for _ in range(2):  # the epoch that fills the file, then one read from it
+        got = sorted((int(e["x"]), e["y"].tolist()) for e in stream)
+        assert got == [(i, [i] * (i % 3)) for i in range(10)]
+    for ds in (whole, ragged, stream):
+        ds.close()
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_values_pickled_by_a_release_load_as_the_classes_of_today(version: str, tmp_path: Path) -> None:
+    loaded = load_release(version, tmp_path)
+    sampler = loaded["sampler"]
+    assert isinstance(sampler, NodeShardSampler)
+    fresh = NodeShardSampler(list(range(10)), seed=4, num_nodes=2, node_rank=1, local_world_size=1, local_rank=0)
+    assert list(sampler) == list(fresh)
+    assert isinstance(loaded["padded"], Padded)
+    assert loaded["padded"].lengths.tolist() == [2, 1]
+    packed = loaded["packed"]
+    assert isinstance(packed, Packed)
+    assert (packed.values.tolist(), packed.cu_seqlens.tolist(), packed.max_seqlen) == ([1, 2, 3], [0, 2, 3], 2)
+    jagged = loaded["jagged"]
+    assert isinstance(jagged, Jagged)
+    assert [row.tolist() for row in jagged] == [[0, 1, 2], []]
+    assert loaded["field"] == Field((None, 4), "float32")
+
+
+def test_public_classes_pickle_under_their_public_module() -> None:
+    for cls in (Jagged, Counts, Usage, Claims, CacheInfo, GcReport, DiskUsage, Resized, Problem, VariableRegion):
+        assert cls.__module__ == "mmapcache", cls
+    assert (NodeShardSampler.__module__, Summary.__module__) == ("mmapcache.torch", "mmapcache.testing")
+    for old, new in MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new)
