@@ -665,7 +665,9 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                 self._cache = None
 
     def __repr__(self) -> str:
-        return f"CachedStream({type(self.stream).__name__}, path={str(self.path)!r}, key={self.key!r})"
+        source = self._source  # not self.stream: a repr never unpickles the stream
+        kind = source.kind if isinstance(source, _Pickled) else type(source).__name__
+        return f"CachedStream({kind}, path={str(self.path)!r}, key={self.key!r})"
 
 
 class _Filler:
@@ -817,15 +819,21 @@ class _Filler:
 class _Pickled:
     """An object pickled apart from what holds it: unpickled only when :meth:`load` is called."""
 
-    __slots__ = ("data",)
+    __slots__ = ("data", "kind")
 
-    def __init__(self, data: bytes) -> None:
-        self.data = data
+    def __init__(self, data: bytes, kind: str) -> None:
+        self.data, self.kind = data, kind  # kind: the object's type name, for what shows it unread
+
+    def __setstate__(self, state: tuple[None, dict[str, Any]]) -> None:
+        slots = state[1]
+        self.data, self.kind = slots["data"], slots.get("kind", "a pickled stream")
 
     @classmethod
     def of(cls, value: Any) -> _Pickled:
         """``value`` pickled as processes being started pickle it (what is shared by descriptor stays shared)."""
-        return value if isinstance(value, _Pickled) else cls(bytes(ForkingPickler.dumps(value)))
+        if isinstance(value, _Pickled):
+            return value
+        return cls(bytes(ForkingPickler.dumps(value)), type(value).__name__)
 
     def load(self) -> Any:
         return pickle.loads(self.data)

@@ -145,3 +145,24 @@ def test_public_classes_pickle_under_their_public_module() -> None:
     assert (NodeShardSampler.__module__, Summary.__module__) == ("mmapcache.torch", "mmapcache.testing")
     for old, new in MOVED.items():
         assert importlib.import_module(old) is importlib.import_module(new)
+
+
+class Unreadable(torch.utils.data.IterableDataset[Any]):
+    """A stream that must not be unpickled where it is only shown (its unpickling fails loudly)."""
+
+    def __init__(self) -> None:
+        self.state = "something to unpickle"
+
+    def __iter__(self) -> Any:
+        yield {"x": torch.tensor(1)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        raise AssertionError("the stream was unpickled")
+
+
+def test_a_pickled_streams_repr_does_not_unpickle_its_stream(tmp_path: Path) -> None:
+    stream = CachedStream(Unreadable(), tmp_path / "s.mmc", key="s", max_bytes="1MiB")
+    again = pickle.loads(pickle.dumps(stream))
+    assert repr(again) == f"CachedStream(Unreadable, path={str(tmp_path / 's.mmc')!r}, key='s')"
+    with pytest.raises(AssertionError, match="unpickled"):
+        _ = again.stream
