@@ -50,6 +50,7 @@ from .._file import (
     plan_variable,
     preallocate,
     remove_leftovers,
+    remove_plans,
     write_all,
 )
 from .._format import (
@@ -270,6 +271,7 @@ def _build(target: Path, old: Any, header: Header, layout: Layout) -> tuple[int,
         raise
     finally:
         os.close(fd)
+    remove_plans(target)  # packing plans name the old file's uuid: the new file makes its own
     fsync_dir(target.parent)
     return kept, dropped
 

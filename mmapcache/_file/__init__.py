@@ -45,7 +45,7 @@ from .paths import (
     memory_limit,
 )
 from .planning import VARIABLE_HEADROOM, creation_info, plan, plan_capacity, plan_variable, variable_budget
-from .removal import check_removable, exclusive_use, in_use, remove
+from .removal import check_removable, exclusive_use, in_use, remove, remove_plans
 from .validate import Expected, open_fd, read_header
 
 __all__ = [
@@ -99,6 +99,7 @@ __all__ = [
     "read_header",
     "remove",
     "remove_leftovers",
+    "remove_plans",
     "set_budget",
     "side_stem",
     "spelled_pids",

@@ -38,7 +38,7 @@ from .paths import (
 )
 from .validate import open_fd
 
-__all__ = ["check_removable", "exclusive_use", "in_use", "remove"]
+__all__ = ["check_removable", "exclusive_use", "in_use", "remove", "remove_plans"]
 
 log = logging.getLogger("mmapcache")
 
@@ -91,9 +91,7 @@ def remove(
             if os.path.samestat(st, os.stat(target, follow_symlinks=False)):
                 os.unlink(target)
             remove_leftovers(target)
-            for plan in plans_of(target):  # its packing plans (PackedSequences) go with it
-                with suppress(FileNotFoundError):
-                    os.unlink(plan)
+            remove_plans(target)  # its packing plans (PackedSequences) go with it
             # Deleting the lock file while holding it is safe: a waiter that
             # then acquires the unlinked inode sees st_nlink == 0 and retries.
             with suppress(FileNotFoundError):
@@ -159,3 +157,10 @@ def check_removable(fd: int, path: Path, st: os.stat_result) -> None:
             f"{path} is not an mmapcache file (it starts with {head!r}); refusing to delete it",
             path=path,
         )
+
+
+def remove_plans(path: Path) -> None:
+    """Delete the packing plans of the cache at ``path``: they name its file's uuid, which a new file there lacks."""
+    for plan in plans_of(path):
+        with suppress(FileNotFoundError):
+            os.unlink(plan)

@@ -251,6 +251,19 @@ def test_a_plan_made_for_another_cache_or_other_documents_is_never_used(cache_di
     check_packing(packed, [6, 30, 9], 0)
 
 
+def test_a_resized_cache_has_its_old_plans_removed_and_packs_anew(cache_dir: Path) -> None:
+    ds = dataset(cache_dir, [5, 30, 7, 12])
+    PackedSequences(ds, 16)
+    PackedSequences(ds, 16, mode="concat")
+    assert len(plans_of(ds.path)) == 2
+    ds.close()
+    mmapcache.resize(ds.path, max_bytes=4 * 64 * 1024)  # a new file at the path: another uuid
+    assert plans_of(ds.path) == [], "plans name the old file's uuid: resize removes them"
+    again = PackedSequences(dataset(cache_dir, [5, 30, 7, 12]), 16)
+    assert again.made
+    check_packing(again, [5, 30, 7, 12], 0)
+
+
 def test_a_damaged_plan_file_is_made_again_and_never_used(cache_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     ds = dataset(cache_dir, [5, 30, 7, 12])
     PackedSequences(ds, 16)
