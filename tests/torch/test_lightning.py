@@ -77,15 +77,25 @@ def _check_first_run(log: Path, ranks: Path) -> list[tuple[int, int, int]]:
     return first
 
 
-@pytest.mark.parametrize(("strategy", "loader"), [("ddp", False), ("ddp_spawn", False), ("ddp", True)])
-def test_ddp_shares_one_cache_and_the_next_run_is_warm(strategy: str, loader: bool, cache_dir: Path) -> None:
-    """With ``loader=True`` the model reads through ``CachedDataset.loader()``."""
+@pytest.mark.parametrize(
+    ("strategy", "then", "loader"),
+    [
+        # Always on: each strategy fills a node's cache once, and a run of the other finds it warm.
+        ("ddp_spawn", "ddp", False),
+        ("ddp", "ddp", True),
+        # Each strategy warm after itself: Lightning's start-up is most of a minute per pair of fits.
+        pytest.param("ddp", "ddp", False, marks=pytest.mark.slow),
+        pytest.param("ddp_spawn", "ddp_spawn", False, marks=pytest.mark.slow),
+    ],
+)
+def test_ddp_shares_one_cache_and_the_next_run_is_warm(strategy: str, then: str, loader: bool, cache_dir: Path) -> None:
+    """A fit with ``strategy``, then one with ``then``; with ``loader=True`` through ``CachedDataset.loader()``."""
     log, ranks = cache_dir / "accesses", cache_dir / "ranks"
     _fit(strategy, log, ranks, loader=loader)
     first = _check_first_run(log, ranks)
 
     # A second fit in a new process: the whole node starts warm.
-    _fit(strategy, log, ranks, loader=loader)
+    _fit(then, log, ranks, loader=loader)
     assert accesses(log) == first, "the second run must have zero misses"
     assert len(list(default_dir().glob("*.mmc"))) == 1
 

@@ -127,19 +127,16 @@ def check_packing(packed: PackedSequences, lengths: list[int], pad_id: int) -> N
 
 
 SETTINGS = settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+PACKINGS = {
+    "lengths": st.lists(st.integers(0, 80), min_size=1, max_size=24),
+    "seq_len": st.integers(1, 40),
+    "mode": st.sampled_from(["bfd", "concat"]),
+    "long_docs": st.sampled_from(["split", "truncate"]),
+    "pad_id": st.integers(-5, 5),
+}
 
 
-@SETTINGS
-@given(
-    lengths=st.lists(st.integers(0, 80), min_size=1, max_size=24),
-    seq_len=st.integers(1, 40),
-    mode=st.sampled_from(["bfd", "concat"]),
-    long_docs=st.sampled_from(["split", "truncate"]),
-    pad_id=st.integers(-5, 5),
-)
-def test_every_token_appears_once_in_order_and_ids_never_cross_a_fragment(
-    lengths: list[int], seq_len: int, mode: str, long_docs: str, pad_id: int, cache_dir: Path
-) -> None:
+def _check_a_packing(lengths: list[int], seq_len: int, mode: str, long_docs: str, pad_id: int, cache_dir: Path) -> None:
     if sum(lengths) == 0:
         lengths = [*lengths, 1]
     directory = Path(tempfile.mkdtemp(dir=cache_dir))
@@ -147,6 +144,23 @@ def test_every_token_appears_once_in_order_and_ids_never_cross_a_fragment(
     packed = PackedSequences(ds, seq_len, mode=mode, long_docs=long_docs, pad_id=pad_id)
     check_packing(packed, lengths, pad_id)
     ds.close()
+
+
+@settings(SETTINGS, max_examples=20)  # each example is a cache file and its plan; the slow test below tries more
+@given(**PACKINGS)
+def test_every_token_appears_once_in_order_and_ids_never_cross_a_fragment(
+    lengths: list[int], seq_len: int, mode: str, long_docs: str, pad_id: int, cache_dir: Path
+) -> None:
+    _check_a_packing(lengths, seq_len, mode, long_docs, pad_id, cache_dir)
+
+
+@pytest.mark.slow
+@settings(SETTINGS, max_examples=200)
+@given(**PACKINGS)
+def test_every_token_appears_once_in_order_and_ids_never_cross_a_fragment_in_many_packings(
+    lengths: list[int], seq_len: int, mode: str, long_docs: str, pad_id: int, cache_dir: Path
+) -> None:
+    _check_a_packing(lengths, seq_len, mode, long_docs, pad_id, cache_dir)
 
 
 def reference_bfd(sizes: list[int], capacity: int) -> list[int]:

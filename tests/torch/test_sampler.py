@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -218,36 +219,45 @@ def test_bad_topologies_are_refused() -> None:
 
 
 LAUNCHED = """
-import json
+import json, os, sys
 from mmapcache.torch import NodeShardSampler
 class Sized:
     def __len__(self): return 10
-s = NodeShardSampler(Sized())
-print(json.dumps([s.num_nodes, s.node_rank, s.local_world_size, s.local_rank]))
+base = dict(os.environ)
+for env in json.loads(sys.argv[1]):
+    os.environ.clear()
+    os.environ.update({**base, **env})
+    try:
+        s = NodeShardSampler(Sized())
+    except ValueError as error:
+        print(json.dumps(str(error)))
+        continue
+    print(json.dumps([s.num_nodes, s.node_rank, s.local_world_size, s.local_rank]))
 """
 
 
-def launched(env: dict[str, str]) -> Any:
+def launched(*envs: dict[str, str]) -> list[Any]:
+    """What NodeShardSampler finds under each launcher's environment: one process (torch imported once) for all."""
     clean = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("SLURM_", "LOCAL_", "GROUP_", "NODE_", "WORLD_", "RANK"))
     }
     run = subprocess.run(
-        [sys.executable, "-c", LAUNCHED], env={**clean, **env}, capture_output=True, text=True, check=False
+        [sys.executable, "-c", LAUNCHED, json.dumps(envs)], env=clean, capture_output=True, text=True, check=False
     )
-    if run.returncode:
-        return run.stderr.strip().splitlines()[-1]
-    return tuple(__import__("json").loads(run.stdout))
+    assert run.returncode == 0, run.stderr
+    found = [json.loads(line) for line in run.stdout.splitlines()]
+    return [tuple(got) if isinstance(got, list) else got for got in found]
 
 
 def test_the_topology_comes_from_the_launcher() -> None:
-    assert launched({}) == (1, 0, 1, 0), "not distributed: one node, one rank"
     torchrun = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1", "GROUP_RANK": "1"}
-    assert launched(torchrun) == (2, 1, 2, 1)
     slurm = {"SLURM_NNODES": "3", "SLURM_NODEID": "2", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "4(x3)"}
-    assert launched(slurm) == (3, 2, 4, 0)
-    partial = launched({"WORLD_SIZE": "4", "LOCAL_RANK": "0"})
+    alone, by_torchrun, by_slurm, partial = launched({}, torchrun, slurm, {"WORLD_SIZE": "4", "LOCAL_RANK": "0"})
+    assert alone == (1, 0, 1, 0), "not distributed: one node, one rank"
+    assert by_torchrun == (2, 1, 2, 1)
+    assert by_slurm == (3, 2, 4, 0)
     assert "cannot tell" in partial
     assert "num_nodes=" in partial
 
