@@ -34,7 +34,7 @@ class Run:
 
 
 SUBSET = (["bench_scale"], ["open_time.png", "readers.png"], ["--only", "bench_scale"])
-# bench_cold reads hundreds of MB cold from disk and has tests of its own: it would double this one.
+# bench_cold reads hundreds of MB cold from disk (minutes): it runs with the published figures only.
 EVERY = (BENCHMARKS, PLOTS, ["--skip", "bench_cold"])
 
 
