@@ -416,7 +416,16 @@ class Cache:
         mapped = self._mapped
         if mapped is None:
             raise closed_error(self._path)
-        idx = index_array(indices, self._length)
+        plain = type(indices) is np.ndarray and indices.dtype == _INTP and indices.ndim == 1
+        if plain and out is None and not (mapped.variables or mapped.readahead or self._verify):
+            # Fixed fields in memory, indices as an array: the one pass checks their range too.
+            rows, read, found = mapped.fixed.take(indices, self._length)
+            if found >= 0:
+                assert read is not None
+                if count:
+                    self._board.add(hits=found, misses=len(indices) - found)
+                return dict(zip(mapped.fixed.names, rows, strict=True)), read
+        idx = index_array(indices, self._length)  # raises for an index out of range
         if out is not None:
             check_out(out, self._fields, len(idx))
         if not (mapped.variables or mapped.readahead or self._verify):  # fixed fields in memory: one pass
