@@ -34,7 +34,9 @@ per-run views instead: the views then cost nothing next to the copy.
 A batch of fixed fields is read by :func:`take_ready`: each slot's state and, for
 the READY ones, each field's row, in one pass of the compiled ``take`` (about a
 third of the fixed cost of a state lookup plus one ``np.take`` per field, its
-numpy twin).
+numpy twin), which asks for states and rows ahead of the copy (random rows of
+a file without huge pages: each is a TLB and a cache miss). :class:`FixedRows`
+is that read set up once per mapping, for the hot paths.
 
 That is the fallback. Where the optional compiled gather (``_cgather.c``) was
 built, a variable field's batch is read by one call of it instead — descriptors

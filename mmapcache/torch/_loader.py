@@ -18,6 +18,14 @@ shared-memory segment to create and fault in per batch — and there the
 :class:`Loader`'s iterator gathers the batch from the file into fresh tensors:
 still one copy from the file to the batch.
 
+Without workers the batch is read where DataLoader's fetch would have asked
+for it, with nothing around it but the sampler: the batches of indices come
+as arrays drawn an epoch at a time and checked once (:mod:`._index_batches`),
+a warm batch of fixed fields is one pass of the compiled read (slot states
+and rows) into the arrays that become its tensors, and the iterator
+(:class:`_InProcess`) skips the fetcher, the pass-through collate and, unless
+a profiler records, the profiler's range per batch.
+
 A variable-shape field is gathered the same way, once per batch, into one
 :class:`~mmapcache.Jagged`, which becomes the batch ``ragged=`` asks for
 (:mod:`._ragged`: padded, nested, packed or a list), with no object made per
