@@ -43,7 +43,6 @@ from ._region import (
     index_array,
     readonly_error,
     sync_cache,
-    take_ready,
     verify_cache,
 )
 
@@ -356,19 +355,25 @@ class Cache:
         if any index is not cached; ``out`` is then left untouched (with
         ``verify``, a row that fails its checksum raises after the gather).
         """
-        mapped = self._live()
+        mapped = self._mapped
+        if mapped is None:
+            raise closed_error(self._path)
         if out is None and not (mapped.variables or mapped.readahead or self._verify):
             # Fixed fields in memory: one pass checks the indices and each slot's state and copies its rows.
             plain = type(indices) is np.ndarray and indices.dtype == _INTP and indices.ndim == 1
             idx = indices if plain else index_array(indices, self._length)
-            rows, ready, found = take_ready(
-                mapped.slots.states, READY, idx, tuple(mapped.arrays.values()), self._length
-            )
-            if found < 0:
-                idx = index_array(indices, self._length)  # raises for the index out of range
+            fixed = mapped.fixed
+            rows, ready, found = fixed.take(idx, self._length, hits=False)  # no mask: the hits are the rule
+            if 0 <= found < len(idx):  # which ones miss: read again with the mask (some may be there now)
+                rows, ready, found = fixed.take(idx, self._length)
             if found == len(idx):
                 self._board.add(hits=found)
-                return dict(zip(mapped.arrays, rows, strict=True))
+                if len(rows) == 1:
+                    return {fixed.names[0]: rows[0]}
+                return dict(zip(fixed.names, rows, strict=True))
+            if found < 0:
+                idx = index_array(indices, self._length)  # raises for the index out of range
+            assert ready is not None
             self._board.add(misses=len(idx) - found)
             raise _missing_error(self._path, as_given(indices, idx)[~ready], len(idx))
         idx = index_array(indices, self._length)
@@ -412,14 +417,22 @@ class Cache:
         mapped = self._mapped
         if mapped is None:
             raise closed_error(self._path)
-        idx = index_array(indices, self._length)
+        plain = type(indices) is np.ndarray and indices.dtype == _INTP and indices.ndim == 1
+        if plain and out is None and not (mapped.variables or mapped.readahead or self._verify):
+            # Fixed fields in memory, indices as an array: the one pass checks their range too.
+            rows, read, found = mapped.fixed.take(indices, self._length)
+            if found >= 0:
+                assert read is not None
+                if count:
+                    self._board.add(hits=found, misses=len(indices) - found)
+                return dict(zip(mapped.fixed.names, rows, strict=True)), read
+        idx = index_array(indices, self._length)  # raises for an index out of range
         if out is not None:
             check_out(out, self._fields, len(idx))
         if not (mapped.variables or mapped.readahead or self._verify):  # fixed fields in memory: one pass
             outs = None if out is None else [out[name] for name in mapped.arrays]
-            taken, hits, _ = take_ready(
-                mapped.slots.states, READY, idx, tuple(mapped.arrays.values()), self._length, outs
-            )
+            taken, hits, _ = mapped.fixed.take(idx, self._length, outs)
+            assert hits is not None
             if count:
                 found = int(np.count_nonzero(hits))
                 self._board.add(hits=found, misses=len(idx) - found)

@@ -34,7 +34,9 @@ per-run views instead: the views then cost nothing next to the copy.
 A batch of fixed fields is read by :func:`take_ready`: each slot's state and, for
 the READY ones, each field's row, in one pass of the compiled ``take`` (about a
 third of the fixed cost of a state lookup plus one ``np.take`` per field, its
-numpy twin).
+numpy twin), which asks for states and rows ahead of the copy (random rows of
+a file without huge pages: each is a TLB and a cache miss). :class:`FixedRows`
+is that read set up once per mapping, for the hot paths.
 
 That is the fallback. Where the optional compiled gather (``_cgather.c``) was
 built, a variable field's batch is read by one call of it instead — descriptors
@@ -53,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["accelerated", "compiled", "empty_aligned", "gather", "gather_runs", "native", "take_ready"]
+__all__ = ["FixedRows", "accelerated", "compiled", "empty_aligned", "gather", "gather_runs", "native", "take_ready"]
 
 
 def _load_native() -> ModuleType | None:
@@ -128,20 +130,71 @@ def take_ready(
     (C-contiguous, writable, checked by the caller) or new arrays; those of
     slots that are not ready are left as they were. Through the compiled
     ``take`` when it is there (one pass: a state, then its rows), else
-    :func:`take_ready_numpy` (the same result).
+    :func:`take_ready_numpy` (the same result). :class:`FixedRows` is this
+    read set up once for a mapping's fields.
     """
-    if outs is None:
-        outs = [empty_aligned((len(indices), *source.shape[1:]), source.dtype) for source in sources]
-    if native is None or any(source.dtype.kind in "mM" for source in sources):  # datetimes export no buffer
-        return outs, *_take_ready_numpy(states, ready, indices, sources, length, outs)
-    hits = np.empty(len(indices), np.bool_)
-    table = states.base  # the (capacity, record) table the state column is a view of
-    wanted = indices if indices.dtype == _INT64 and indices.flags.c_contiguous else indices.astype(np.int64)
-    found = native.take(table, states.strides[0], ready, wanted, sources, tuple(outs), hits, length)
+    rows = FixedRows(states, ready, {str(k): source for k, source in enumerate(sources)})
+    outs, hits, found = rows.take(indices, length, outs)
+    assert hits is not None
     return outs, hits, found
 
 
 _INT64 = np.dtype(np.int64)
+
+
+class FixedRows:
+    """The fixed fields of a mapping, read a batch at a time by :func:`take_ready`'s pass, set up once.
+
+    :meth:`take` is the hot read of ``Cache.get_many``, ``Cache.read_many`` and
+    the torch layer's batches: it allocates one output per field and makes one
+    call of the compiled ``take`` (or its numpy twin), with everything that
+    does not change between calls — the slot table, the sources, each output's
+    row shape and whether it is page aligned — worked out here (the per-call
+    Python costs as much as the copy of 256 small rows).
+    """
+
+    __slots__ = ("_allocate", "_numpy_only", "_record", "_table", "names", "ready", "sources", "states")
+
+    def __init__(self, states: np.ndarray[Any, np.dtype[np.uint8]], ready: int, arrays: dict[str, Any]) -> None:
+        self.states, self.ready = states, ready
+        self.names: tuple[str, ...] = tuple(arrays)
+        self.sources: tuple[np.ndarray[Any, Any], ...] = tuple(arrays.values())
+        self._table, self._record = states.base, states.strides[0]
+        self._numpy_only = any(source.dtype.kind in "mM" for source in self.sources)  # datetimes export no buffer
+        # (row shape, dtype, page aligned) of each output: see empty_aligned.
+        self._allocate = tuple(
+            (source.shape[1:], source.dtype, source.dtype.itemsize * math.prod(source.shape[1:]) >= ALIGNED_ROWS)
+            for source in self.sources
+        )
+
+    def empty(self, count: int) -> list[np.ndarray[Any, Any]]:
+        """One uninitialised output of ``count`` rows per field, as :func:`empty_aligned` makes them."""
+        return [
+            empty_aligned((count, *tail), dtype) if aligned else np.empty((count, *tail), dtype)
+            for tail, dtype, aligned in self._allocate
+        ]
+
+    def take(
+        self,
+        indices: np.ndarray[Any, np.dtype[np.intp]],
+        length: int,
+        outs: list[np.ndarray[Any, Any]] | None = None,
+        *,
+        hits: bool = True,
+    ) -> tuple[list[np.ndarray[Any, Any]], np.ndarray[Any, np.dtype[np.bool_]] | None, int]:
+        """:func:`take_ready` of every field: ``(outputs, hits, found)``; ``hits=False`` skips the mask (None)."""
+        if outs is None:  # self.empty(), inline: a call and a comprehension cost as much as the allocation
+            outs = []
+            count = len(indices)
+            for tail, dtype, aligned in self._allocate:
+                outs.append(empty_aligned((count, *tail), dtype) if aligned else np.empty((count, *tail), dtype))
+        compiled = native
+        if compiled is None or self._numpy_only:
+            return outs, *_take_ready_numpy(self.states, self.ready, indices, self.sources, length, outs)
+        mask = np.empty(len(indices), np.bool_) if hits else None
+        wanted = indices if indices.dtype == _INT64 and indices.flags.c_contiguous else indices.astype(np.int64)
+        found = compiled.take(self._table, self._record, self.ready, wanted, self.sources, tuple(outs), mask, length)
+        return outs, mask, found
 
 
 def take_ready_numpy(

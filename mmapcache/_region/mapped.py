@@ -30,6 +30,7 @@ import numpy as np
 from .._file import BootPage
 from .._format import Header, Layout
 from .allocator import VariableRegion
+from .gathers import FixedRows
 from .handle import Handle
 from .jagged import Jagged, rows_like
 from .partitions import StreamRegion
@@ -56,6 +57,7 @@ class Mapped:
     __slots__ = (
         "arrays",
         "boot",
+        "fixed",
         "heap",
         "indices",
         "items",
@@ -86,6 +88,7 @@ class Mapped:
             for name, field in fixed.items()
         }
         self.items = tuple(self.arrays.items())
+        self.fixed = FixedRows(self.slots.states, READY, self.arrays)  # batches of them, in one pass
         self.raws = tuple(
             np.ndarray((capacity, field.nbytes), np.uint8, buffer=mm, offset=layout.field_offsets[name])
             for name, field in fixed.items()

@@ -18,6 +18,14 @@ shared-memory segment to create and fault in per batch — and there the
 :class:`Loader`'s iterator gathers the batch from the file into fresh tensors:
 still one copy from the file to the batch.
 
+Without workers the batch is read where DataLoader's fetch would have asked
+for it, with nothing around it but the sampler: the batches of indices come
+as arrays drawn an epoch at a time and checked once (:mod:`._index_batches`),
+a warm batch of fixed fields is one pass of the compiled read (slot states
+and rows) into the arrays that become its tensors, and the iterator
+(:class:`_InProcess`) skips the fetcher, the pass-through collate and, unless
+a profiler records, the profiler's range per batch.
+
 A variable-shape field is gathered the same way, once per batch, into one
 :class:`~mmapcache.Jagged`, which becomes the batch ``ragged=`` asks for
 (:mod:`._ragged`: padded, nested, packed or a list), with no object made per
@@ -34,9 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.utils.data
+from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
 from .._region import Jagged
-from ._collate import Padded, Padder, collate, collate_tree
+from ._collate import Padded, Padder, as_is, collate, collate_tree
+from ._index_batches import IndexBatch, index_batches
 from ._ragged import Packed, jagged_batch, tensors_batch
 from ._session import Session
 
@@ -104,14 +114,14 @@ class Batched(torch.utils.data.Dataset[Any]):
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
 
-    def __getitems__(self, indices: Sequence[int]) -> Any:
+    def __getitems__(self, indices: Sequence[int] | IndexBatch) -> Any:
         if not self.collated:
             return self.dataset.__getitems__(indices)
         if torch.utils.data.get_worker_info() is not None:
             return self.in_worker(indices)
         return self.batch(indices)
 
-    def batch(self, indices: Sequence[int]) -> Any:
+    def batch(self, indices: Sequence[int] | IndexBatch) -> Any:
         """The batch ``default_collate(dataset.__getitems__(indices))`` is, with one copy for the hits.
 
         With a per-sample ``transform``, the hits are gathered once into this
@@ -123,17 +133,45 @@ class Batched(torch.utils.data.Dataset[Any]):
         finished = self._finished(indices)
         return finished if self.batch_transform is None else self.batch_transform(finished)
 
-    def _finished(self, indices: Sequence[int]) -> Any:
+    def _finished(self, indices: Sequence[int] | IndexBatch) -> Any:
         session = self.session
-        if self.dataset.transform is not None or len(indices) == 0:
-            return self._collate_samples(self.dataset.__getitems__(indices))
-        idx = session.settings.positions(session.settings.indices(indices))
+        given: Any = indices
+        checked = None
+        if type(indices) is IndexBatch:  # drawn and checked by the loader's sampler
+            given = checked = indices.indices
+        if self.dataset.transform is not None or len(given) == 0:
+            return self._collate_samples(self.dataset.__getitems__(given))
+        idx = session.settings.positions(session.settings.indices(given) if checked is None else checked)
         if idx is None:  # some are not among cached_indices
-            return self._collate_samples(self.dataset.__getitems__(indices))
+            return self._collate_samples(self.dataset.__getitems__(given))
         cache = session.opened()
         if cache is None:  # nobody created the file yet: this batch creates it
             return self._collate_samples(session.load(idx.tolist()))
-        return self._collate(session.gather(cache, idx))
+        hits = self._hits(cache, idx, counted=False)
+        return self._collate(session.gather(cache, idx)) if hits is None else hits
+
+    def _hits(self, cache: Any, idx: np.ndarray[Any, np.dtype[np.intp]], *, counted: bool) -> Any:
+        """The finished batch at file positions ``idx`` if every one is cached and every field fixed; else None.
+
+        One pass reads the slot states and the rows into fresh arrays, which become the batch tensors
+        (the common warm batch: what ``Session.gather`` does for it, in a third of the Python).
+        """
+        schema = self.session.schema
+        assert schema is not None
+        if schema.ragged:
+            return None
+        arrays, hits = cache.read_many(idx, count=False)
+        found = int(np.count_nonzero(hits))
+        if found < len(idx):
+            return None
+        if not counted:
+            self.session.hits += found
+            cache.count(hits=found)
+        tensors = []
+        for name, dtype in zip(schema.names, schema.dtypes, strict=True):
+            tensor = torch.from_numpy(arrays[name])
+            tensors.append(tensor if dtype is None else tensor.view(dtype))
+        return collate_tree(schema.tree, tensors)
 
     def _collate_samples(self, samples: list[Any]) -> Any:
         """``collate`` (``default_collate`` without restacking rows of one gathered batch), but the leaves
@@ -154,7 +192,9 @@ class Batched(torch.utils.data.Dataset[Any]):
         session = self.session
         cache = session.opened()
         assert cache is not None, "a worker sends a WorkerBatch only once the file exists"
-        gathered = self._collate(session.gather(cache, batch.positions, batch.rows, batch.leaves, counted=True))
+        gathered = None if batch.rows else self._hits(cache, batch.positions, counted=True)
+        if gathered is None:
+            gathered = self._collate(session.gather(cache, batch.positions, batch.rows, batch.leaves, counted=True))
         return gathered if self.batch_transform is None else self.batch_transform(gathered)
 
     def _collate(self, columns: list[Any]) -> Any:
@@ -169,12 +209,13 @@ class Batched(torch.utils.data.Dataset[Any]):
             ]
         return collate_tree(schema.tree, columns)
 
-    def in_worker(self, indices: Sequence[int]) -> Any:
+    def in_worker(self, indices: Sequence[int] | IndexBatch) -> Any:
         """In a DataLoader worker: store the batch's misses, and leave the gather to the main process."""
         session = self.session
         if self.dataset.transform is not None or len(indices) == 0:
             return self.batch(indices)
-        idx = session.settings.positions(session.settings.indices(indices))
+        checked = indices.indices if type(indices) is IndexBatch else session.settings.indices(indices)
+        idx = session.settings.positions(checked)
         cache = session.opened()
         if idx is None or cache is None:
             # Indices outside cached_indices, or nobody created the file yet (this batch creates it).
@@ -209,10 +250,27 @@ class Loader(torch.utils.data.DataLoader[Any]):
     from its class and arguments (Lightning's sampler injection) gets a Loader again.
     """
 
+    @property
+    def _index_sampler(self) -> Any:
+        """What the iterators draw batches of indices from: DataLoader's, as arrays (:mod:`._index_batches`).
+
+        Only for a Loader itself (a subclass such as the stateful one keeps DataLoader's batches and their
+        state) whose batches this package gathers; ``batch_sampler`` stays what DataLoader made of the arguments.
+        """
+        sampler = super()._index_sampler
+        if type(self) is not Loader or not self._auto_collation:
+            return sampler
+        dataset = self.dataset
+        if not isinstance(dataset, Batched) or not dataset.collated:
+            return sampler
+        return index_batches(sampler, len(dataset))
+
     def _get_iterator(self) -> Any:
         if isinstance(self.dataset, Batched):
             # The spot checks run here, in the main process, before the workers start: they inherit the verdict.
             self.dataset.session.opened()
+            if self.num_workers == 0 and type(self) is Loader and self.collate_fn is as_is and self._auto_collation:
+                return _InProcess(self)
         return super()._get_iterator()
 
     def __iter__(self) -> Any:
@@ -220,6 +278,27 @@ class Loader(torch.utils.data.DataLoader[Any]):
         if self.num_workers == 0 or not isinstance(self.dataset, Batched):
             return inner
         return _Gathering(inner, self.dataset, pin=self.pin_memory and torch.accelerator.is_available())
+
+
+class _InProcess(_SingleProcessDataLoaderIter):
+    """A Loader's iterator without workers: DataLoader's, the batch asked of the dataset view directly.
+
+    The view's batches are finished (the collate function passes them through), so ``__next__`` skips
+    the fetcher, the collate call and, while no profiler records, the profiler's range around each batch
+    (a few µs a batch: as much as the Python of the read itself). Under a profiler it is DataLoader's own.
+    """
+
+    def __next__(self) -> Any:
+        if torch._C._autograd._profiler_enabled():
+            return super().__next__()
+        batched: Batched = self._dataset  # type: ignore[assignment]  # a Loader's iterator reads its Batched
+        data = batched.__getitems__(next(self._sampler_iter))
+        if self._pin_memory:
+            data = torch.utils.data._utils.pin_memory.pin_memory(  # type: ignore[no-untyped-call]  # no hints
+                data, self._pin_memory_device
+            )
+        self._num_yielded += 1
+        return data
 
 
 class _Gathering:

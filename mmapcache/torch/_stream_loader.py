@@ -31,7 +31,6 @@ import torch.utils.data
 
 from .._streams import Partition, checked_records, epoch_slots, stream_status
 from ..cache import Cache
-from ._columns import new_batch
 from ._loader import Batched, Loader, WorkerBatch, _pinned
 from ._ragged import ragged_collate
 from ._stream import _rank
@@ -170,22 +169,20 @@ def gather(stream: CachedStream, cache: Cache, positions: np.ndarray[Any, np.dty
     """One column per field holding the stream's elements in slots ``positions`` (all filled: a complete cache)."""
     schema = stream._schema
     assert schema is not None
-    fixed = [schema.fields[name] for name in schema.fixed]
-    tensors, arrays = new_batch(
-        [(len(positions), *field.fixed_shape) for field in fixed],
-        [field.dtype for field in fixed],
-        [schema.dtypes[schema.names.index(name)] for name in schema.fixed],
-    )
-    read, hits = cache.read_many(positions, out=dict(zip(schema.fixed, arrays, strict=True)), count=False)
+    # Fresh arrays of this process (the main process gathers every batch), which become the batch tensors.
+    read, hits = cache.read_many(positions, count=False)
     if not hits.all():  # only a file that was cleared or damaged under us
         slot = int(positions[int(np.argmin(hits))])
         raise RuntimeError(f"slot {slot} of the stream cache {stream.path} is no longer filled")
     stream._read += len(positions)
-    batch = iter(tensors)
-    return [
-        (read[name] if schema.texts[k] is None else list(read[name])) if schema.variable[k] else next(batch)
-        for k, name in enumerate(schema.names)
-    ]
+    columns: list[Any] = []
+    for name, variable, text, dtype in zip(schema.names, schema.variable, schema.texts, schema.dtypes, strict=True):
+        if variable:
+            columns.append(read[name] if text is None else list(read[name]))
+        else:
+            tensor = torch.from_numpy(read[name])
+            columns.append(tensor if dtype is None else tensor.view(dtype))
+    return columns
 
 
 def _remake(stream: CachedStream, batch_size: int, options: dict[str, Any]) -> StreamBatches:

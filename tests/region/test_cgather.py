@@ -455,6 +455,22 @@ def test_the_compiled_take_refuses_what_the_cache_never_passes_it(tmp_path: Path
     assert native.take(table, 8, 2, np.array([1, -1], np.int64), (source,), (out[:2],), hits, 10) == -1
 
 
+@needs_native
+def test_the_compiled_take_without_a_hits_buffer_copies_the_same_rows_and_counts_them() -> None:
+    assert native is not None
+    table = np.zeros((300, 8), np.uint8)
+    table[::3, 0] = 2  # every third slot READY
+    source = np.arange(300 * 5, dtype=np.uint8).reshape(300, 5)
+    idx = np.random.default_rng(0).integers(0, 400, 257).astype(np.int64)  # past the table: never READY
+    with_mask, without = np.zeros((257, 5), np.uint8), np.zeros((257, 5), np.uint8)
+    hits = np.zeros(257, bool)
+    found = native.take(table, 8, 2, idx, (source,), (with_mask,), hits, 400)
+    assert native.take(table, 8, 2, idx, (source,), (without,), None, 400) == found == int(np.count_nonzero(hits))
+    assert hits.tolist() == [i < 300 and i % 3 == 0 for i in idx.tolist()]
+    assert without.tobytes() == with_mask.tobytes()
+    assert without[hits].tobytes() == source[idx[hits]].tobytes()
+
+
 @pytest.mark.parametrize("extension", ["0", "1"], ids=["compiled", "numpy"])
 def test_get_many_and_read_many_of_fixed_fields_agree_with_and_without_the_extension(
     tmp_path: Path, extension: str
