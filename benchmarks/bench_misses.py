@@ -65,7 +65,10 @@ def main() -> None:
             parser.error(f"{rounds} rounds need {needed} fresh samples; the dataset has {length}")
 
         def inputs(r: int) -> list[Any]:
-            return [([next(fresh) for _ in range(BATCH)], rng.integers(0, len(Images()), BATCH).tolist()) for _ in range(CALLS)]
+            return [
+                ([next(fresh) for _ in range(BATCH)], rng.integers(0, len(Images()), BATCH).tolist())
+                for _ in range(CALLS)
+            ]
 
         variants: dict[str, Any] = {}
         for name in ("before", "after"):

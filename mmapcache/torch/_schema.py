@@ -23,8 +23,10 @@ from .._field import Field, FieldsLike, normalize_fields
 from .._region import Jagged, text_value, torch_dtype
 from ._leaves import (
     SUPPORTED,
+    Exact,
     check_declared,
     declared_leaves,
+    exact_leaves,
     fit,
     is_field_value,
     is_leaf,
@@ -84,6 +86,14 @@ class Schema:
         self.fixed = [name for name, field in fields.items() if not field.variable]
         self.ragged = any(self.variable)
         self.texts = tuple(field.text for field in fields.values())
+        # A batch of the fixed fields, as a read gathers it: each one's row shape, numpy and torch dtype.
+        fixed = [(k, field) for k, field in enumerate(fields.values()) if not field.variable]
+        self.fixed_shapes = tuple(field.fixed_shape for _, field in fixed)
+        self.fixed_storage = tuple(field.dtype for _, field in fixed)
+        self.fixed_dtypes = tuple(self.dtypes[k] for k, _ in fixed)
+        # What each field's column takes as it is, when every field has such leaves (no variable field).
+        exact = tuple(exact_leaves(field) for field in fields.values())
+        self.exact: tuple[Exact, ...] = () if None in exact else exact  # type: ignore[assignment]
 
     def to_tensor(self, array: Any, position: int) -> Any:
         """A storage array of the field at ``position`` as a tensor of its torch dtype, sharing memory.
