@@ -53,12 +53,12 @@ def columns(
     if raw and schema.exact:
         rows = list(map(schema.structure.candidates, raw))
         if None not in rows:
-            stacked = []
+            stacked: list[Any] = []
             for leaves, exact in zip(zip(*rows, strict=True), schema.exact, strict=True):
-                column = exact_column(leaves, exact) if exact is not None else None
-                if column is None:
+                array = exact_column(leaves, exact)
+                if array is None:
                     break
-                stacked.append(column)
+                stacked.append(array)
             else:
                 return stacked
     origin = "as fields= declares" if declared else "from the first sample"

@@ -492,7 +492,7 @@ def exact_column(leaves: Sequence[Any], exact: Exact) -> np.ndarray[Any, Any] | 
         for leaf in leaves:
             if type(leaf) is not np.ndarray or leaf.dtype != storage or leaf.shape != shape:
                 return None
-        return np.stack(leaves)  # type: ignore[arg-type]
+        return np.stack(leaves)
     number = exact.number
     if number is None:
         return None
