@@ -547,7 +547,7 @@ def _get_or_load_many(
         run.load_free(here)
     found = int(np.count_nonzero(loaded))
     board.add(hits=len(idx) - found, misses=found)
-    return run.finished(), loaded, run.written
+    return (run.finished() if run.jagged else run.batch), loaded, run.written
 
 
 class _Run:

@@ -123,14 +123,15 @@ class Schema:
 
     def rows(self, columns: list[Any]) -> list[Any]:
         """Gathered columns (a batch tensor, a :class:`~mmapcache.Jagged` or a list per field) as leaves per sample."""
-        return [
-            column.unbind(0)
-            if isinstance(column, torch.Tensor)
-            else [None if a is None else self.to_tensor(a, k) for a in column]
-            if isinstance(column, Jagged)
-            else column
-            for k, column in enumerate(columns)
-        ]
+        rows: list[Any] = []
+        for k, column in enumerate(columns):  # a loop, not a comprehension: every batch runs it
+            if isinstance(column, torch.Tensor):
+                rows.append(column.unbind(0))
+            elif isinstance(column, Jagged):
+                rows.append([None if a is None else self.to_tensor(a, k) for a in column])
+            else:
+                rows.append(column)
+        return rows
 
     def with_rows(self, columns: list[Any], found: Mapping[int, list[Any]]) -> list[Any]:
         """Gathered columns with the leaves of the rows in ``found`` (samples loaded, not read) put in.

@@ -7,9 +7,13 @@ the file on first use — or creates it from the first batch that misses —
 runs the checks (:mod:`._checks`) at the right moments, reads hits and loads,
 checks and stores misses. Samples come back before the dataset's ``transform``.
 
-Misses go through the core's single flight (``Cache.get_or_load_many``): a
-sample that another process — another DataLoader worker, another job — is
-loading is waited for and read, not loaded again. The spot checks that load
+Misses go through the core's single flight (the rules of
+``Cache.get_or_load_many``): a sample that another process — another
+DataLoader worker, another job — is loading is waited for and read, not
+loaded again. The batch read that found the misses is handed on
+(``SingleFlight.load_misses``), and the samples loaded are converted once,
+into the storage columns single flight stores as they are
+(:func:`~._columns.columns`). The spot checks that load
 samples run once per job: a session made from a pickle (a spawned worker) or
 inherited over ``fork`` takes its parent's :class:`~._checks.Verdict`.
 """
@@ -333,7 +337,9 @@ class Session:
         schema = self.schema
         assert schema is not None
         count = len(idx)
-        shapes = [(count, *shape) for shape in schema.fixed_shapes]
+        shapes = []  # loops, not comprehensions, in this function: every batch runs it
+        for shape in schema.fixed_shapes:
+            shapes.append((count, *shape))
         tensors, arrays = new_batch(shapes, schema.fixed_storage, schema.fixed_dtypes, private=private)
         out = dict(zip(schema.fixed, arrays, strict=True))
         read, hits = cache.read_many(idx, out=out, count=False)  # variable fields: Jagged, texts: lists
@@ -346,10 +352,12 @@ class Session:
             if not counted:
                 cache.count(hits=found)
         batch = iter(tensors)
-        gathered: list[Any] = [
-            (read[name] if schema.texts[k] is None else list(read[name])) if schema.variable[k] else next(batch)
-            for k, name in enumerate(schema.names)
-        ]
+        gathered: list[Any] = []
+        for k, name in enumerate(schema.names):
+            if not schema.variable[k]:
+                gathered.append(next(batch))
+            else:
+                gathered.append(read[name] if schema.texts[k] is None else list(read[name]))
         loaded: dict[int, list[Any]] = {}
         for row, given in zip(given_rows, leaves, strict=True):
             if not hits[row]:
@@ -423,7 +431,7 @@ class Session:
     def load(self, positions: list[int]) -> list[Any]:
         """Misses: each loaded once per node and stored, then returned as a hit would be; counted in the file.
 
-        Through single flight (``Cache.get_or_load_many``): a sample another
+        Through single flight (:meth:`_load_misses`): a sample another
         process or thread is loading right now is waited for (bounded, and only
         when loads are not cheap) and read from the file — counted as a hit and
         as ``waited`` — instead of being loaded again. The first miss of a job
