@@ -259,14 +259,12 @@ class SingleFlight:
     every miss itself).
     """
 
-    __slots__ = ("capacity", "fields", "flight", "handle", "kinds", "length", "mapped", "readonly", "verify", "writer")
+    __slots__ = ("capacity", "fields", "flight", "handle", "length", "mapped", "readonly", "verify", "writer")
 
     def __init__(self, flight: Flight, writer: Writer, *, verify: bool) -> None:
         self.flight, self.writer, self.verify = flight, writer, verify
         self.handle, self.mapped, self.fields = writer.handle, writer.mapped, writer.fields
         self.length, self.capacity, self.readonly = writer.length, writer.capacity, writer.readonly
-        # What placing a loaded row needs of each field, in field order: (name, variable, text kind).
-        self.kinds = tuple((name, field.variable, field.text) for name, field in self.fields.items())
 
     # -- the verbs ----------------------------------------------------------------
 
@@ -620,14 +618,14 @@ class _Run:
         return [i for j, i in enumerate(indices) if not hits[j]]
 
     def _place(self, indices: list[int], arrays: list[Any]) -> None:
-        for (name, variable, text), values in zip(self.bound.kinds, arrays, strict=True):
+        for (name, field), values in zip(self.fields.items(), arrays, strict=True):
             for j, i in enumerate(indices):
                 rows = self.rows[i]
                 self.loaded[rows] = True
-                if not variable:
+                if not field.variable:
                     self.batch[name][rows] = values[j]
                     continue
-                value = values[j] if text is None else text_value(text, values[j])
+                value = values[j] if field.text is None else text_value(field.text, values[j])
                 for row in rows:
                     self.batch[name][row] = value
 

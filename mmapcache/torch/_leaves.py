@@ -446,10 +446,17 @@ _NUMBERS = {np.dtype(np.int64): int, np.dtype(np.float64): float, np.dtype(np.bo
 
 
 def exact_leaves(field: Field) -> Exact | None:
-    """What :func:`exact_column` takes as it is for ``field``; None for a variable or text field (leaf by leaf)."""
-    if field.variable:
+    """What :func:`exact_column` takes as it is for ``field``; None for a field whose leaves go one by one.
+
+    Those are variable and text fields, and fields of a dtype torch has no tensor of (structured, strings,
+    another byte order: a cache made without the torch layer may hold them).
+    """
+    dtype = field.dtype
+    if field.variable or not dtype.isnative or dtype.kind not in "biufc":
         return None
-    shape, dtype = field.fixed_shape, field.dtype
+    if field.torch_dtype is None and not _torch_knows(dtype):
+        return None
+    shape = field.fixed_shape
     number = _NUMBERS.get(dtype) if not shape and field.torch_dtype is None else None
     view = torch_dtype(field) if field.torch_dtype is not None else None
     return Exact(shape, dtype, torch_dtype(field), view, field.torch_dtype is None, number)
