@@ -77,7 +77,8 @@ class Session:
         # Weakly ordered CPUs check every read (see mmapcache._region.slots); zero-copy views too.
         self.check_reads = settings.verify or not STRONGLY_ORDERED
         self.cache: Cache | None = None
-        self.flight: SingleFlight | None = None  # the cache's single flight, that misses are loaded through
+        # The cache and its single flight, that misses are loaded through (one attribute: read at once).
+        self.flight: tuple[Cache, SingleFlight] | None = None
         self.schema: Schema | None = None
         self.checked = False  # a sample from the dataset was compared with the cache's fields
         self.deterministic = False  # the dataset gave the same sample twice (checked once per job)
@@ -174,7 +175,7 @@ class Session:
                     None if schema.variable[k] else schema.to_tensor(views[name], k)
                     for k, name in enumerate(schema.names)
                 ]
-        self.flight = flight_of(cache)
+        self.flight = (cache, flight_of(cache))
         self.cache = cache
 
     def _check_content(self, cache: Cache) -> None:
@@ -345,7 +346,7 @@ class Session:
         read, hits = cache.read_many(idx, out=out, count=False)  # variable fields: Jagged, texts: lists
         found = int(np.count_nonzero(hits))
         if found < count and not given_rows and not counted:  # misses: this read is handed on, not made again
-            read = self._load_misses(idx, read, hits, found)
+            read = self._load_misses(cache, idx, read, hits, found)
             hits[:] = True
         else:
             self.hits += found
@@ -469,11 +470,11 @@ class Session:
         assert schema is not None
         idx = np.asarray(positions, np.intp)
         read, hits = cache.read_many(idx, count=False)
-        batch = self._load_misses(idx, read, hits, 0)  # all of them misses, as the caller found them
+        batch = self._load_misses(cache, idx, read, hits, 0)  # all of them misses, as the caller found them
         return schema.samples([batch[name] for name in schema.names])
 
     def _load_misses(
-        self, idx: np.ndarray[Any, np.dtype[np.intp]], read: dict[str, Any], hits: Any, found: int
+        self, cache: Cache, idx: np.ndarray[Any, np.dtype[np.intp]], read: dict[str, Any], hits: Any, found: int
     ) -> dict[str, Any]:
         """The misses of a batch read (``read``, ``hits``) loaded through single flight into its rows; counted.
 
@@ -483,8 +484,8 @@ class Session:
         stores as they are — or waited for and read (``waited``: among the
         hits, but not among the ``found`` ones the read found).
         """
-        flight = self.flight
-        assert flight is not None
+        adopted = self.flight  # another thread may follow a resized file meanwhile: then ask the cache read
+        flight = adopted[1] if adopted is not None and adopted[0] is cache else flight_of(cache)
         try:
             batch, loaded, written = flight.load_misses(idx, read, hits, self._load_columns)
         except _VariesError as varies:  # raised once the held slots were let go: now the file may be refuted
