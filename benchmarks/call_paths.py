@@ -129,11 +129,13 @@ class Tracer:
             self.stack.pop()
 
     def trace(self, call: Callable[[], object]) -> dict[str, Any]:
+        result = None
         sys.setprofile(self)
         try:
-            call()
+            result = call()  # kept until the trace ends: dropping the batch is not part of the call
         finally:
             sys.setprofile(None)
+        del result
         modules = sorted({module for module, _ in self.functions})
         return {
             "functions": len(self.functions),

@@ -56,112 +56,120 @@ class Field:
     given); ``Field.dtype`` is then ``uint8`` and ``Field.text`` says which.
     """
 
-    __slots__ = ("_dtype", "_shape", "_text", "_torch_dtype")
+    __slots__ = ("dtype", "shape", "text", "torch_dtype", "variable")
+
+    # Plain read-only attributes, not properties: reading one runs no Python code (every batch reads them).
+    #: The dimensions; ``None`` where each sample has its own size.
+    shape: tuple[int | None, ...]
+    #: The numpy dtype the values are stored as.
+    dtype: np.dtype[Any]
+    #: The torch dtype's name for dtypes numpy lacks (``"bfloat16"``), else ``None``.
+    torch_dtype: str | None
+    #: ``"str"`` (UTF-8) or ``"bytes"`` for a text field, whose values are stored as their bytes; else None.
+    text: str | None
+    #: Whether some dimension is ``None`` (each sample has its own shape).
+    variable: bool
 
     def __init__(self, shape: Iterable[int | None] | int, dtype: Any) -> None:
-        self._shape = _normalize_shape(shape)
-        self._text: str | None = _text_kind(dtype)
-        if self._text is not None:
-            if self._shape != (None,):
+        dims = _normalize_shape(shape)
+        text = _text_kind(dtype)
+        if text is not None:
+            if dims != (None,):
                 raise ValueError(
-                    f"a {self._text} field holds one value of any length per sample: declare it as "
-                    f"Field((None,), {self._text}), not with shape {self._shape}"
+                    f"a {text} field holds one value of any length per sample: declare it as "
+                    f"Field((None,), {text}), not with shape {dims}"
                 )
-            self._dtype, self._torch_dtype = np.dtype(np.uint8), None
+            _set(self, dims, np.dtype(np.uint8), None, text)
             return
-        self._dtype, self._torch_dtype = _normalize_dtype(dtype)
-        if self._dtype.itemsize == 0 and None in self._shape:
+        stored, torch_dtype = _normalize_dtype(dtype)
+        _set(self, dims, stored, torch_dtype, None)
+        if stored.itemsize == 0 and None in dims:
             raise ValueError(
-                f"Field({self._shape!r}, {self.dtype_name!r}): a field with variable dimensions needs a dtype "
+                f"Field({dims!r}, {self.dtype_name!r}): a field with variable dimensions needs a dtype "
                 "of at least one byte, and this one has none (a structured dtype without fields or with "
                 "empty ones); give the dtype a field of non-zero size, or use a fixed shape"
             )
-        span = math.prod(d for d in self._shape if d) * self._dtype.itemsize  # numpy checks it even with a 0
+        span = math.prod(d for d in dims if d) * stored.itemsize  # numpy checks it even with a 0
         if span > _MAX_NBYTES:
             raise ValueError(
-                f"Field({self._shape!r}, {self.dtype_name!r}) spans {span} bytes, more than an array "
+                f"Field({dims!r}, {self.dtype_name!r}) spans {span} bytes, more than an array "
                 f"can describe ({_MAX_NBYTES} bytes); use smaller dimensions"
             )
 
-    @property
-    def shape(self) -> tuple[int | None, ...]:
-        """The dimensions; ``None`` where each sample has its own size."""
-        return self._shape
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a Field cannot be changed (its {name!r}); make a new one")
 
-    @property
-    def variable(self) -> bool:
-        """Whether some dimension is ``None`` (each sample has its own shape)."""
-        return None in self._shape
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"a Field cannot be changed (its {name!r}); make a new one")
 
     @property
     def fixed_shape(self) -> tuple[int, ...]:
         """The shape of a fixed field; ``TypeError`` for a variable one."""
-        if None in self._shape:
+        if self.variable:
             raise TypeError(f"{self!r} has variable dimensions: each sample has its own shape")
-        return self._shape  # type: ignore[return-value]  # no None in it
+        return self.shape  # type: ignore[return-value]  # no None in it
 
     def fits(self, shape: tuple[int, ...]) -> bool:
         """Whether a value of ``shape`` can be stored: same number of dimensions, and every fixed one equal."""
-        return len(shape) == len(self._shape) and all(
-            d is None or d == n for d, n in zip(self._shape, shape, strict=True)
+        return len(shape) == len(self.shape) and all(
+            d is None or d == n for d, n in zip(self.shape, shape, strict=True)
         )
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        return self._dtype
-
-    @property
-    def torch_dtype(self) -> str | None:
-        return self._torch_dtype
-
-    @property
-    def text(self) -> str | None:
-        """``"str"`` (UTF-8) or ``"bytes"`` for a text field, whose values are stored as their bytes; else None."""
-        return self._text
 
     @property
     def nbytes(self) -> int:
         """Bytes one sample of this field takes (fixed fields; ``TypeError`` for a variable one)."""
-        return math.prod(self.fixed_shape) * self._dtype.itemsize
+        return math.prod(self.fixed_shape) * self.dtype.itemsize
 
     @property
     def dtype_name(self) -> str:
         """The dtype as people write it: ``"uint8"``, ``"bfloat16"``, ``"<U10"``; ``"str"``/``"bytes"`` for text."""
-        if self._text is not None:
-            return self._text
-        if self._torch_dtype is not None:
-            return self._torch_dtype
-        if self._dtype.isbuiltin and self._dtype.isnative:
-            return str(self._dtype.name)
-        return str(self._dtype.str if self._dtype.fields is None else self._dtype)
+        if self.text is not None:
+            return self.text
+        if self.torch_dtype is not None:
+            return self.torch_dtype
+        if self.dtype.isbuiltin and self.dtype.isnative:
+            return str(self.dtype.name)
+        return str(self.dtype.str if self.dtype.fields is None else self.dtype)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Field):
             return NotImplemented
-        return (self._shape, self._dtype, self._torch_dtype, self._text) == (
-            other._shape,
-            other._dtype,
-            other._torch_dtype,
-            other._text,
+        return (self.shape, self.dtype, self.torch_dtype, self.text) == (
+            other.shape,
+            other.dtype,
+            other.torch_dtype,
+            other.text,
         )
 
     def __hash__(self) -> int:
-        return hash((self._shape, self._dtype, self._torch_dtype, self._text))
+        return hash((self.shape, self.dtype, self.torch_dtype, self.text))
 
     def __repr__(self) -> str:
-        if self._text is not None:
-            return f"Field({self._shape!r}, {self._text})"
-        return f"Field({self._shape!r}, {self.dtype_name!r})"
+        if self.text is not None:
+            return f"Field({self.shape!r}, {self.text})"
+        return f"Field({self.shape!r}, {self.dtype_name!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_field_from_state, (self._shape, self._dtype, self._torch_dtype, self._text))
+        return (_field_from_state, (self.shape, self.dtype, self.torch_dtype, self.text))
+
+
+def _set(
+    field: Field, shape: tuple[int | None, ...], dtype: np.dtype[Any], torch_dtype: str | None, text: str | None
+) -> None:
+    """A field's attributes set, once (a Field refuses ``setattr`` afterwards)."""
+    put = object.__setattr__
+    put(field, "shape", shape)
+    put(field, "dtype", dtype)
+    put(field, "torch_dtype", torch_dtype)
+    put(field, "text", text)
+    put(field, "variable", None in shape)
 
 
 def _field_from_state(
     shape: tuple[int, ...], dtype: np.dtype[Any], torch_dtype: str | None, text: str | None = None
 ) -> Field:
     field = Field.__new__(Field)
-    field._shape, field._dtype, field._torch_dtype, field._text = shape, dtype, torch_dtype, text
+    _set(field, shape, dtype, torch_dtype, text)
     return field
 
 

@@ -46,6 +46,7 @@ taken in the parent refuses to store in the child.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -54,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._field import Field
 from .gathers import empty_aligned
 from .handle import Handle, closed_error
 from .indices import check_index, index_array
@@ -138,7 +140,11 @@ class Flight:
         """Forget this thread's holds of ``indices``, releasing their locks unless a fill released them."""
         me = threading.get_ident()
         with self._here():
-            mine = [i for i in indices if self._owners.get(i) == me]
+            owners = self._owners
+            mine = []
+            for i in indices:  # a loop, not a comprehension: one frame less on every store
+                if owners.get(i) == me:
+                    mine.append(i)
             if not mine:
                 return
             if not filled:
@@ -237,9 +243,9 @@ class Flight:
         so thousands held at once — cheap loads, a large batch — would cost
         seconds per batch here and slow every other writer.
         """
-        mean = self.mean_load_time()
-        if mean is None:
+        if not self._samples:
             return 1
+        mean = self._seconds / self._samples  # mean_load_time()
         return max(1, min(left, MAX_CHUNK, int(CHUNK_SECONDS / mean) if mean > 0 else left))
 
 
@@ -271,21 +277,36 @@ class SingleFlight:
         timeout: float = WAIT_TIMEOUT,
         wait: bool | None = None,
         chunk: int | None = None,
-        first: tuple[np.ndarray[Any, Any], dict[str, Any], np.ndarray[Any, Any]] | None = None,
     ) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]]]:
-        """:meth:`Cache.get_or_load_many <mmapcache.Cache.get_or_load_many>`: the rules in this module's docstring.
-
-        ``first``: ``(idx, batch, hits)`` of a read the caller made already
-        (validated ``idx``; ``batch`` and ``hits`` as :meth:`read` returns them,
-        uncounted): handed on, not read again. Its rows are filled in place.
-        """
+        """:meth:`Cache.get_or_load_many <mmapcache.Cache.get_or_load_many>`: the rules in this module's docstring."""
         seconds = check_flight(load, timeout, wait, chunk)
-        if first is None:
-            idx = index_array(indices, self.length)
-            batch, hits = self.read(idx, out)
-        else:
-            idx, batch, hits = first
-        return _get_or_load_many(self, idx, batch, hits, load, timeout=seconds, wait=wait, chunk=chunk)
+        idx = index_array(indices, self.length)
+        batch, hits = self.read(idx, out)
+        batch, loaded, _ = _get_or_load_many(
+            self, idx, batch, hits, load, timeout=seconds, wait=wait, chunk=chunk, coerced=False
+        )
+        return batch, loaded
+
+    def load_misses(
+        self,
+        idx: np.ndarray[Any, Any],
+        batch: dict[str, Any],
+        hits: np.ndarray[Any, np.dtype[np.bool_]],
+        load: Callable[[list[int]], list[Any]],
+    ) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]], int]:
+        """The misses of a read the caller made, loaded by the rules of this module: ``(batch, loaded, written)``.
+
+        The read is handed on, not made again: ``idx`` validated, ``batch`` and
+        ``hits`` as :meth:`read` returns them (uncounted); its rows are filled
+        in place. ``load(indices)`` returns their samples in storage form —
+        per field, in field order, what :func:`~mmapcache._region.values.coerce_batch`
+        makes — stored as they are, not converted or checked again. ``written``:
+        the slots this call stored. The defaults of :meth:`get_or_load_many`
+        (wait when it pays, at most ``WAIT_TIMEOUT``).
+        """
+        return _get_or_load_many(
+            self, idx, batch, hits, load, timeout=WAIT_TIMEOUT, wait=None, chunk=None, coerced=True
+        )
 
     def get_or_load(
         self, index: int, load: Callable[[int], Any], *, timeout: float = WAIT_TIMEOUT, wait: bool | None = None
@@ -467,15 +488,21 @@ def _get_or_load_many(
     timeout: float,
     wait: bool | None,
     chunk: int | None,
-) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]]]:
-    """:meth:`SingleFlight.get_or_load_many` once the batch was read: ``batch`` and ``hits`` of ``idx``."""
+    coerced: bool,
+) -> tuple[dict[str, Any], np.ndarray[Any, np.dtype[np.bool_]], int]:
+    """:meth:`SingleFlight.get_or_load_many` once the batch was read: ``batch`` and ``hits`` of ``idx``.
+
+    ``coerced``: ``load`` returns its batch in storage form (see :meth:`SingleFlight.load_misses`).
+    Returns the batch, which rows were loaded, and how many slots were stored.
+    """
     loaded = np.zeros(len(idx), bool)
-    board = single.handle.board
+    handle = single.handle
+    board = handle.board
     if hits.all():
         board.add(hits=len(idx))
-        return batch, loaded
+        return batch, loaded, 0
     flight = single.flight
-    run = _Run(single, idx, batch, loaded, load)
+    run = _Run(single, idx, batch, loaded, load, coerced=coerced)
     for row in np.flatnonzero(~hits).tolist():
         run.rows.setdefault(int(idx[row]), []).append(row)
     todo = list(run.rows)  # in the caller's order: concurrent callers in one order share the work
@@ -483,12 +510,13 @@ def _get_or_load_many(
     held: list[int] = []  # being loaded elsewhere
     here: list[int] = []  # loaded here without holding (not cacheable, or nothing can be held)
     can_hold = single.can_hold()
-    states, capacity = single.mapped.slots.state_bytes, single.capacity
+    slots = single.mapped.slots
+    states, capacity = slots.state_bytes, single.capacity
     holding: list[int] = []
     for i in todo:
         if i >= capacity or not can_hold:
             here.append(i)
-        elif single.hold(i):
+        elif flight.hold(handle, slots, i):  # raises once the handle is closed
             holding.append(i)
             if len(holding) >= (chunk or flight.chunk(len(todo))):
                 run.load_held(holding)
@@ -517,7 +545,7 @@ def _get_or_load_many(
         run.load_free(here)
     found = int(np.count_nonzero(loaded))
     board.add(hits=len(idx) - found, misses=found)
-    return run.finished(), loaded
+    return (run.finished() if run.jagged else run.batch), loaded, run.written
 
 
 class _Run:
@@ -530,37 +558,49 @@ class _Run:
         batch: dict[str, Any],
         loaded: np.ndarray[Any, Any],
         load: Callable[[list[int]], Any],
+        *,
+        coerced: bool,
     ) -> None:
-        self.bound, self.idx, self.loaded, self.load = single, idx, loaded, load
+        self.bound, self.idx, self.loaded = single, idx, loaded
+        # Returns the batch in storage form: per field, in field order (see SingleFlight.load_misses).
+        self.load = load if coerced else functools.partial(_coerced, load, single.fields)
         self.flight = single.flight
         self.rows: dict[int, list[int]] = {}
         self.fields = single.fields
+        self.written = 0  # slots stored
         # A read-only Jagged batch becomes a list of rows while rows are filled in (see finished).
-        self.jagged = {name: values for name, values in batch.items() if isinstance(values, Jagged)}
-        self.batch: dict[str, Any] = {
-            name: list(values) if name in self.jagged else values for name, values in batch.items()
-        }
+        # Loops, not comprehensions: a miss batch crosses as few frames as it can.
+        self.jagged: dict[str, Jagged] = {}
+        self.batch: dict[str, Any] = {}
+        for name, values in batch.items():
+            if isinstance(values, Jagged):
+                self.jagged[name] = values
+                values = list(values)
+            self.batch[name] = values
 
     def finished(self) -> dict[str, Any]:
         """The batch with every row filled, as a read returns it (variable fields: one Jagged each)."""
-        return {
-            name: rows_like(self.jagged[name], values) if name in self.jagged else values
-            for name, values in self.batch.items()
-        }
+        batch = self.batch
+        for name, jagged in self.jagged.items():
+            batch[name] = rows_like(jagged, batch[name])
+        return batch
 
     def load_held(self, indices: list[int]) -> None:
         """Load slots this thread holds, store and let go of each; on error let go of them all."""
-        claims = Claims(self.bound, indices)
-        with claims:
-            arrays = self._load(indices)
-            self.bound.put_coerced(claims.indices, arrays)
+        try:
+            arrays = self.flight.timed(self.load, indices)
+            self.written += int(np.count_nonzero(self.bound.put_coerced(np.asarray(indices, np.intp), arrays)))
+        except BaseException:
+            self.bound.release(indices)  # what Claims do on leaving their block: the slots not stored yet
+            raise
         self._place(indices, arrays)
 
     def load_free(self, indices: list[int]) -> None:
         """Load slots without holding them; store those still free (a live holder keeps its own)."""
-        arrays = self._load(indices)
+        arrays = self.flight.timed(self.load, indices)
         if self.bound.can_hold():
-            self.bound.put_coerced(np.asarray(indices, np.intp), arrays, held=False)
+            stored = self.bound.put_coerced(np.asarray(indices, np.intp), arrays, held=False)
+            self.written += int(np.count_nonzero(stored))
         self._place(indices, arrays)
 
     def read(self, indices: list[int]) -> list[int]:
@@ -577,10 +617,6 @@ class _Run:
                     self.batch[name][self.rows[i]] = got[name][j]
         return [i for j, i in enumerate(indices) if not hits[j]]
 
-    def _load(self, indices: list[int]) -> list[Any]:
-        result = self.flight.timed(self.load, indices)
-        return coerce_batch(as_batch(result, list(self.fields), len(indices)), self.fields, len(indices))
-
     def _place(self, indices: list[int], arrays: list[Any]) -> None:
         for (name, field), values in zip(self.fields.items(), arrays, strict=True):
             for j, i in enumerate(indices):
@@ -592,6 +628,11 @@ class _Run:
                 value = values[j] if field.text is None else text_value(field.text, values[j])
                 for row in rows:
                     self.batch[name][row] = value
+
+
+def _coerced(load: Callable[[list[int]], Any], fields: dict[str, Field], indices: list[int]) -> list[Any]:
+    """What ``load(indices)`` returned, as :func:`~.values.coerce_batch` makes it: storage form, in field order."""
+    return coerce_batch(as_batch(load(indices), list(fields), len(indices)), fields, len(indices))
 
 
 def check_timeout(timeout: Any) -> float:

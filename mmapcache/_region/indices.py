@@ -67,7 +67,10 @@ def as_given(indices: Any, idx: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 def check_out(out: Any, fields: Mapping[str, Field], count: int) -> None:
     """``out=`` of a read of ``count`` rows: every fixed-shape field's buffer, of the right shape and dtype."""
-    fixed = {name: field for name, field in fields.items() if not field.variable}
+    fixed: dict[str, Field] = {}  # a loop, not a comprehension: every read with out= makes this
+    for name, field in fields.items():
+        if not field.variable:
+            fixed[name] = field
     if not isinstance(out, Mapping) or out.keys() != fixed.keys():
         got = list(out) if isinstance(out, Mapping) else type(out).__name__
         variable = [name for name in fields if name not in fixed]
@@ -75,7 +78,7 @@ def check_out(out: Any, fields: Mapping[str, Field], count: int) -> None:
         raise ValueError(f"out must map every fixed-shape field {list(fixed)} to an array{also}, got {got}")
     for name, field in fixed.items():
         buffer = out[name]
-        shape = (count, *field.fixed_shape)
+        shape = (count, *field.shape)  # a fixed field's: no None in it
         if not isinstance(buffer, np.ndarray):
             raise ValueError(f"out[{name!r}] must be a numpy array, not {type(buffer).__name__}")
         if buffer.shape != shape or buffer.dtype != field.dtype:

@@ -133,7 +133,9 @@ class Writer:
         todo = np.flatnonzero(free) if rows is None else rows[free[rows]]
         if not len(todo):
             return stored
-        arrays = self.checked(batch if coerced else coerce_batch(batch, self.fields, len(idx)))
+        arrays = batch if coerced else coerce_batch(batch, self.fields, len(idx))
+        if self.mapped.variables:
+            self.checked(arrays)
         self._store(arrays, idx[todo].tolist(), todo.tolist(), stored)
         return stored
 
@@ -215,9 +217,11 @@ def _fill(mapped: Mapped, index: int, arrays: list[np.ndarray[Any, Any]], row: i
     if not slots.claim(index):
         return False
     try:
-        for (_, target), source in zip(mapped.items, arrays, strict=True):
+        parts = []  # the slot's bytes, field by field (a loop: no frame of its own)
+        for (_, target), source, raw in zip(mapped.items, arrays, mapped.raws, strict=True):
             target[index] = source if row is None else source[row]
-        slots.publish(index, checksum([raw[index] for raw in mapped.raws]))
+            parts.append(raw[index])
+        slots.publish(index, checksum(parts))
         return True
     finally:
         slots.release(index)

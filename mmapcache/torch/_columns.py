@@ -3,7 +3,8 @@
 A miss turns the samples a dataset gave into what ``Cache.put_many`` stores:
 per field, the rows stacked into one array (fixed fields) or a list of arrays
 (variable fields), each leaf checked by :func:`~._leaves.fit` and copied once
-(:func:`columns`). A hit gathers into tensors made by :func:`new_batch`.
+(:func:`columns`: the one conversion of a miss, whose columns single flight
+stores as they are). A hit gathers into tensors made by :func:`new_batch`.
 
 Buffers start on a page boundary: a gather into a buffer a few bytes off a page
 boundary runs many times slower (4K aliasing, see ``mmapcache/_region/gathers.py``).
@@ -20,7 +21,7 @@ import torch
 import torch.utils.data
 
 from .._region import empty_aligned
-from ._leaves import LeafShapeError, converted, fit, variable_column, write_column
+from ._leaves import LeafShapeError, converted, exact_column, fit, variable_column, write_column
 from ._schema import Schema, describe
 
 __all__ = ["ShapeVariesError", "columns", "new_batch", "shared_empty"]
@@ -45,7 +46,21 @@ def columns(
     array, or into its own array.
     ``declared``: the fields are ``fields=``'s (else the first sample's: a leaf of another shape
     raises :class:`ShapeVariesError`). TypeError/ValueError naming the sample and the field otherwise.
+
+    A batch of flat samples whose every field takes its leaves as they are
+    (:func:`~._leaves.exact_column`) is stacked field by field, without a call per leaf.
     """
+    if raw and schema.exact:
+        rows = list(map(schema.structure.candidates, raw))
+        if None not in rows:
+            stacked: list[Any] = []
+            for leaves, exact in zip(zip(*rows, strict=True), schema.exact, strict=True):
+                array = exact_column(leaves, exact)
+                if array is None:
+                    break
+                stacked.append(array)
+            else:
+                return stacked
     origin = "as fields= declares" if declared else "from the first sample"
     fields = list(schema.fields.items())
     out: list[list[Any]] = [[] for _ in fields]

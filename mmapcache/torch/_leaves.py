@@ -11,13 +11,19 @@ numeric dtype with :func:`convert_leaf`, which refuses any conversion that
 changes a value (:func:`converted`). :func:`write_column`
 and :func:`variable_column` then copy the fitted leaves of a batch once into
 storage arrays.
+
+A miss batch asks :func:`fit` nothing when every leaf of a fixed field is one
+it would return as it is (:func:`exact_column`: a CPU tensor or an array of the
+field's dtype and shape, or a Python number of the field's own dtype): those
+are stacked into the storage array at once, and any other batch goes leaf by
+leaf through :func:`fit`, which raises for the first that does not fit.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -28,12 +34,15 @@ from ._structure import name_leaves
 
 __all__ = [
     "SUPPORTED",
+    "Exact",
     "LeafShapeError",
     "as_text",
     "check_declared",
     "convert_leaf",
     "converted",
     "declared_leaves",
+    "exact_column",
+    "exact_leaves",
     "fit",
     "is_field_value",
     "is_leaf",
@@ -420,3 +429,84 @@ def variable_column(leaves: list[Any], field: Field) -> list[np.ndarray[Any, Any
 def _storage(tensor: torch.Tensor, bits: torch.dtype | None) -> np.ndarray[Any, Any]:
     tensor = tensor.resolve_conj().resolve_neg()
     return (tensor if bits is None else tensor.view(bits)).numpy()
+
+
+class Exact(NamedTuple):
+    """The leaves :func:`fit` returns as they are for a fixed field (see :func:`exact_leaves`)."""
+
+    shape: tuple[int, ...]  # the field's
+    storage: np.dtype[Any]  # the field's numpy dtype, that of the column made
+    tensors: torch.dtype  # tensors of this dtype (the field's torch dtype), on the CPU, without grad
+    view: torch.dtype | None  # the column seen as this torch dtype (a torch-only dtype), to stack into
+    arrays: bool  # numpy arrays of ``storage`` (never for a torch-only dtype: their raw bits are converted)
+    number: type | None  # Python numbers of this type (a field of shape () whose dtype is theirs)
+
+
+_NUMBERS = {np.dtype(np.int64): int, np.dtype(np.float64): float, np.dtype(np.bool_): bool}
+
+
+def exact_leaves(field: Field) -> Exact | None:
+    """What :func:`exact_column` takes as it is for ``field``; None for a field whose leaves go one by one.
+
+    Those are variable and text fields, and fields of a dtype torch has no tensor of (structured, strings,
+    another byte order: a cache made without the torch layer may hold them).
+    """
+    dtype = field.dtype
+    if field.variable or not dtype.isnative or dtype.kind not in "biufc":
+        return None
+    if field.torch_dtype is None and not _torch_knows(dtype):
+        return None
+    shape = field.fixed_shape
+    number = _NUMBERS.get(dtype) if not shape and field.torch_dtype is None else None
+    view = torch_dtype(field) if field.torch_dtype is not None else None
+    return Exact(shape, dtype, torch_dtype(field), view, field.torch_dtype is None, number)
+
+
+def exact_column(leaves: Sequence[Any], exact: Exact) -> np.ndarray[Any, Any] | None:
+    """One fixed field of a batch stacked into a new storage array, if :func:`fit` would take every leaf as is.
+
+    That is: every leaf a dense CPU tensor of the field's torch dtype and shape
+    that needs no grad, or every leaf a numpy array of its dtype and shape, or
+    every leaf a Python number of its dtype (``int`` for int64, ``float`` for
+    float64, ``bool`` for bool). The column is then what :func:`write_column`
+    makes of them, with one copy of each leaf and no call per leaf. None for
+    any other batch: the caller asks :func:`fit` about each leaf, which
+    converts it or raises for it.
+    """
+    first = leaves[0]
+    shape = exact.shape
+    if type(first) is torch.Tensor:
+        dtype, strided = exact.tensors, torch.strided
+        for leaf in leaves:
+            if (
+                type(leaf) is not torch.Tensor
+                or leaf.is_nested
+                or leaf.layout is not strided
+                or leaf.dtype is not dtype
+                or leaf.shape != shape
+                or leaf.requires_grad
+                or not leaf.is_cpu
+            ):
+                return None
+        out = np.empty((len(leaves), *shape), exact.storage)
+        target = torch.from_numpy(out)
+        torch.stack(leaves, out=target if exact.view is None else target.view(exact.view))  # type: ignore[arg-type]
+        return out
+    if type(first) is np.ndarray:
+        if not exact.arrays:
+            return None
+        storage = exact.storage
+        for leaf in leaves:
+            if type(leaf) is not np.ndarray or leaf.dtype != storage or leaf.shape != shape:
+                return None
+        return np.stack(leaves)
+    number = exact.number
+    if number is None:
+        return None
+    for leaf in leaves:
+        if type(leaf) is not number:
+            return None
+    try:
+        return np.array(leaves, exact.storage)
+    except (OverflowError, TypeError, ValueError):  # an int beyond the dtype: fit says which
+        return None

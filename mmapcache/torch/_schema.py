@@ -23,8 +23,10 @@ from .._field import Field, FieldsLike, normalize_fields
 from .._region import Jagged, text_value, torch_dtype
 from ._leaves import (
     SUPPORTED,
+    Exact,
     check_declared,
     declared_leaves,
+    exact_leaves,
     fit,
     is_field_value,
     is_leaf,
@@ -84,6 +86,14 @@ class Schema:
         self.fixed = [name for name, field in fields.items() if not field.variable]
         self.ragged = any(self.variable)
         self.texts = tuple(field.text for field in fields.values())
+        # A batch of the fixed fields, as a read gathers it: each one's row shape, numpy and torch dtype.
+        fixed = [(k, field) for k, field in enumerate(fields.values()) if not field.variable]
+        self.fixed_shapes = tuple(field.fixed_shape for _, field in fixed)
+        self.fixed_storage = tuple(field.dtype for _, field in fixed)
+        self.fixed_dtypes = tuple(self.dtypes[k] for k, _ in fixed)
+        # What each field's column takes as it is, when every field has such leaves (no variable field).
+        exact = tuple(exact_leaves(field) for field in fields.values())
+        self.exact: tuple[Exact, ...] = () if None in exact else exact  # type: ignore[assignment]
 
     def to_tensor(self, array: Any, position: int) -> Any:
         """A storage array of the field at ``position`` as a tensor of its torch dtype, sharing memory.
@@ -113,14 +123,15 @@ class Schema:
 
     def rows(self, columns: list[Any]) -> list[Any]:
         """Gathered columns (a batch tensor, a :class:`~mmapcache.Jagged` or a list per field) as leaves per sample."""
-        return [
-            column.unbind(0)
-            if isinstance(column, torch.Tensor)
-            else [None if a is None else self.to_tensor(a, k) for a in column]
-            if isinstance(column, Jagged)
-            else column
-            for k, column in enumerate(columns)
-        ]
+        rows: list[Any] = []
+        for k, column in enumerate(columns):  # a loop, not a comprehension: every batch runs it
+            if isinstance(column, torch.Tensor):
+                rows.append(column.unbind(0))
+            elif isinstance(column, Jagged):
+                rows.append([None if a is None else self.to_tensor(a, k) for a in column])
+            else:
+                rows.append(column)
+        return rows
 
     def with_rows(self, columns: list[Any], found: Mapping[int, list[Any]]) -> list[Any]:
         """Gathered columns with the leaves of the rows in ``found`` (samples loaded, not read) put in.

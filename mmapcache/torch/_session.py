@@ -7,9 +7,13 @@ the file on first use — or creates it from the first batch that misses —
 runs the checks (:mod:`._checks`) at the right moments, reads hits and loads,
 checks and stores misses. Samples come back before the dataset's ``transform``.
 
-Misses go through the core's single flight (``Cache.get_or_load_many``): a
-sample that another process — another DataLoader worker, another job — is
-loading is waited for and read, not loaded again. The spot checks that load
+Misses go through the core's single flight (the rules of
+``Cache.get_or_load_many``): a sample that another process — another
+DataLoader worker, another job — is loading is waited for and read, not
+loaded again. The batch read that found the misses is handed on
+(``SingleFlight.load_misses``), and the samples loaded are converted once,
+into the storage columns single flight stores as they are
+(:func:`~._columns.columns`). The spot checks that load
 samples run once per job: a session made from a pickle (a spawned worker) or
 inherited over ``fork`` takes its parent's :class:`~._checks.Verdict`.
 """
@@ -21,7 +25,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +34,7 @@ import torch
 from .._errors import CacheInUseError, SchemaMismatchError, StaleCacheError
 from .._field import Field
 from .._file import remove
-from .._region import STRONGLY_ORDERED
+from .._region import STRONGLY_ORDERED, SingleFlight
 from ..cache import Cache, flight_of
 from ._checks import (
     Verdict,
@@ -73,6 +77,8 @@ class Session:
         # Weakly ordered CPUs check every read (see mmapcache._region.slots); zero-copy views too.
         self.check_reads = settings.verify or not STRONGLY_ORDERED
         self.cache: Cache | None = None
+        # The cache and its single flight, that misses are loaded through (one attribute: read at once).
+        self.flight: tuple[Cache, SingleFlight] | None = None
         self.schema: Schema | None = None
         self.checked = False  # a sample from the dataset was compared with the cache's fields
         self.deterministic = False  # the dataset gave the same sample twice (checked once per job)
@@ -169,6 +175,7 @@ class Session:
                     None if schema.variable[k] else schema.to_tensor(views[name], k)
                     for k, name in enumerate(schema.names)
                 ]
+        self.flight = (cache, flight_of(cache))
         self.cache = cache
 
     def _check_content(self, cache: Cache) -> None:
@@ -213,7 +220,7 @@ class Session:
             for cache in (self.cache, self.readonly):
                 if cache is not None:
                     cache.close()
-            self.cache = self.readonly = None
+            self.cache = self.readonly = self.flight = None
             self.views = None
             self.schema = None
 
@@ -330,28 +337,28 @@ class Session:
         """
         schema = self.schema
         assert schema is not None
-        fixed = [schema.fields[name] for name in schema.fixed]
-        tensors, arrays = new_batch(
-            [(len(idx), *field.fixed_shape) for field in fixed],
-            [field.dtype for field in fixed],
-            [schema.dtypes[schema.names.index(name)] for name in schema.fixed],
-            private=private,
-        )
+        count = len(idx)
+        shapes = []  # loops, not comprehensions, in this function: every batch runs it
+        for shape in schema.fixed_shapes:
+            shapes.append((count, *shape))
+        tensors, arrays = new_batch(shapes, schema.fixed_storage, schema.fixed_dtypes, private=private)
         out = dict(zip(schema.fixed, arrays, strict=True))
         read, hits = cache.read_many(idx, out=out, count=False)  # variable fields: Jagged, texts: lists
         found = int(np.count_nonzero(hits))
-        if found < len(idx) and not given_rows and not counted:  # misses: this read is handed on, not made again
-            read = self._fill_misses(cache, idx, read, hits, found)
+        if found < count and not given_rows and not counted:  # misses: this read is handed on, not made again
+            read = self._load_misses(cache, idx, read, hits, found)
             hits[:] = True
         else:
             self.hits += found
             if not counted:
                 cache.count(hits=found)
         batch = iter(tensors)
-        gathered: list[Any] = [
-            (read[name] if schema.texts[k] is None else list(read[name])) if schema.variable[k] else next(batch)
-            for k, name in enumerate(schema.names)
-        ]
+        gathered: list[Any] = []
+        for k, name in enumerate(schema.names):
+            if not schema.variable[k]:
+                gathered.append(next(batch))
+            else:
+                gathered.append(read[name] if schema.texts[k] is None else list(read[name]))
         loaded: dict[int, list[Any]] = {}
         for row, given in zip(given_rows, leaves, strict=True):
             if not hits[row]:
@@ -364,28 +371,6 @@ class Session:
         if loaded:
             gathered = schema.with_rows(gathered, loaded)
         return gathered
-
-    def _fill_misses(
-        self, cache: Cache, idx: np.ndarray[Any, np.dtype[np.intp]], read: dict[str, Any], hits: Any, found: int
-    ) -> dict[str, Any]:
-        """The misses of a batch read (``read``, ``hits``) loaded through single flight into its rows; counted.
-
-        Each is loaded once per node and stored (see :meth:`load`); the rows of
-        fixed fields are filled in place, in the batch tensors the read filled.
-        """
-        schema = self.schema
-        assert schema is not None
-        before = _written(cache)
-        try:
-            batch, loaded = flight_of(cache).get_or_load_many(idx, self._flight_load(schema), first=(idx, read, hits))
-        except _VariesError as varies:  # raised once the held slots were let go: now the file may be refuted
-            raise ValueError(self._varying_shapes(schema, varies.error, varies.raw)) from None
-        fresh = int(np.count_nonzero(loaded))
-        self.written += _written(cache) - before
-        self.misses += fresh
-        self.hits += len(idx) - fresh
-        self.waited += len(idx) - found - fresh
-        return batch
 
     def _read_views(self, cache: Cache, idx: np.ndarray[Any, np.dtype[np.intp]]) -> list[Any]:
         """``copy=False``: hits as views of the read-only mapping, misses loaded; the order kept.
@@ -437,7 +422,7 @@ class Session:
                 if len(samples) != len(indices):
                     raise ValueError(f"dataset.__getitems__ returned {len(samples)} samples for {len(indices)} indices")
                 return samples
-            return [dataset[i] for i in indices]
+            return list(map(dataset.__getitem__, indices))
         except NotImplementedError as error:
             # A pipeline that only streams (a WebDataset with .with_length()) has a __getitem__ that refuses.
             raise TypeError(
@@ -447,7 +432,7 @@ class Session:
     def load(self, positions: list[int]) -> list[Any]:
         """Misses: each loaded once per node and stored, then returned as a hit would be; counted in the file.
 
-        Through single flight (``Cache.get_or_load_many``): a sample another
+        Through single flight (:meth:`_load_misses`): a sample another
         process or thread is loading right now is waited for (bounded, and only
         when loads are not cheap) and read from the file — counted as a hit and
         as ``waited`` — instead of being loaded again. The first miss of a job
@@ -483,17 +468,35 @@ class Session:
                 raise
         schema = self.schema
         assert schema is not None
-        before = _written(cache)
-        try:
-            batch, loaded = cache.get_or_load_many(positions, self._flight_load(schema))
-        except _VariesError as varies:  # raised once the held slots were let go: now the file may be refuted
-            raise ValueError(self._varying_shapes(schema, varies.error, varies.raw)) from None
-        fresh = int(np.count_nonzero(loaded))
-        self.written += _written(cache) - before
-        self.misses += fresh
-        self.hits += len(positions) - fresh
-        self.waited += len(positions) - fresh
+        idx = np.asarray(positions, np.intp)
+        read, hits = cache.read_many(idx, count=False)
+        batch = self._load_misses(cache, idx, read, hits, 0)  # all of them misses, as the caller found them
         return schema.samples([batch[name] for name in schema.names])
+
+    def _load_misses(
+        self, cache: Cache, idx: np.ndarray[Any, np.dtype[np.intp]], read: dict[str, Any], hits: Any, found: int
+    ) -> dict[str, Any]:
+        """The misses of a batch read (``read``, ``hits``) loaded through single flight into its rows; counted.
+
+        The read is handed on, its rows filled in place (the fixed fields' in the
+        batch tensors it filled). Each missing sample is loaded once per node —
+        by :meth:`_load_columns`, converted once into the columns single flight
+        stores as they are — or waited for and read (``waited``: among the
+        hits, but not among the ``found`` ones the read found).
+        """
+        adopted = self.flight  # another thread may follow a resized file meanwhile: then ask the cache read
+        flight = adopted[1] if adopted is not None and adopted[0] is cache else flight_of(cache)
+        try:
+            batch, loaded, written = flight.load_misses(idx, read, hits, self._load_columns)
+        except _VariesError as varies:  # raised once the held slots were let go: now the file may be refuted
+            assert self.schema is not None
+            raise ValueError(self._varying_shapes(self.schema, varies.error, varies.raw)) from None
+        fresh = int(np.count_nonzero(loaded))
+        self.written += written
+        self.misses += fresh
+        self.hits += len(idx) - fresh
+        self.waited += len(idx) - found - fresh
+        return batch
 
     def _follow(self) -> Cache | None:
         """The name names another file (``resize`` renamed a larger one over it): use that one from now on.
@@ -508,7 +511,7 @@ class Session:
             cache = self.cache
             if cache is not None and cache.replaced:  # not followed by another thread meanwhile
                 log.info("%s names a new file (resized): this process reads and fills that one", self.settings.path)
-                self.cache = self.readonly = None
+                self.cache = self.readonly = self.flight = None
                 self.views = None
         return self.opened()
 
@@ -516,23 +519,24 @@ class Session:
         """Whether the next load must also check that the dataset is deterministic (once per job)."""
         return not self.deterministic and bool(self.settings.check)
 
-    def _flight_load(self, schema: Schema) -> Callable[[list[int]], dict[str, Any]]:
-        """The ``load`` single flight calls for the slots it holds: fetched, checked, as storage columns."""
+    def _load_columns(self, positions: list[int]) -> list[Any]:
+        """The ``load`` single flight calls for the slots it holds: fetched, checked, as storage columns.
 
-        def load(positions: list[int]) -> dict[str, Any]:
-            raw = self.fetch(positions)
-            indices = self.settings.sources(positions)
-            if not self.checked:
-                self._check_sample(raw[0], indices[0])
-            try:
-                stored = columns(schema, indices, raw, self.settings.dtypes, declared=self.settings.fields is not None)
-            except ShapeVariesError as error:
-                raise _VariesError(error, raw) from None
-            if self._first_miss():
-                self._check_deterministic(indices[0], raw[0])
-            return dict(zip(schema.names, stored, strict=True))
-
-        return load
+        In field order, in storage form (:func:`~._columns.columns`): single flight stores them as they are.
+        """
+        settings, schema = self.settings, self.schema
+        assert schema is not None
+        indices = settings.sources(positions)
+        raw = self.fetch_indices(indices)
+        if not self.checked:
+            self._check_sample(raw[0], indices[0])
+        try:
+            stored = columns(schema, indices, raw, settings.dtypes, declared=settings.fields is not None)
+        except ShapeVariesError as error:
+            raise _VariesError(error, raw) from None
+        if not self.deterministic and settings.check:  # the first miss of a job (see _first_miss)
+            self._check_deterministic(indices[0], raw[0])
+        return stored
 
     def store(self, positions: list[int], raw: list[Any], *, first_miss: bool = False) -> list[Any]:
         """Store freshly loaded samples (checked against the schema first); return them as a read would.
@@ -603,11 +607,6 @@ class Session:
     def _varying_shapes(self, schema: Schema, varies: ShapeVariesError, raw: list[Any]) -> str:
         """The message for a sample whose shape differs from the first one's (the file, if any, refuted)."""
         return varying_shapes(schema, varies, raw, self.settings.path, None if self.cache is None else self._refute())
-
-
-def _written(cache: Cache) -> int:
-    """Slots this handle has stored so far (the count it keeps in the file)."""
-    return cache.counts.written
 
 
 class _VariesError(Exception):

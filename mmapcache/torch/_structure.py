@@ -206,23 +206,19 @@ class Structure:
         self.names = tuple(names)
         self.tree = tree_from_names(self.names)
         self.build = _builder(self.tree)
-        self._flat = _flattener(self.tree)
+        #: For a flat structure, a sample's parts in name order if it has this shape (leaves or not); else
+        #: None. The fast path of :meth:`flatten`, for a caller that checks the leaves itself (a function,
+        #: not a method: a batch calls it once per sample).
+        self.candidates: Callable[[Any], list[Any] | None] = _flattener(self.tree)
 
     def flatten(
         self, sample: Any, is_leaf: Callable[[Any], bool], *, supported: str, hint: Callable[[Any], str] = _no_hint
     ) -> list[Any]:
         """``sample``'s leaves in name order; TypeError/ValueError naming the first part that does not fit."""
-        leaves = self._flat(sample)
+        leaves = self.candidates(sample)
         if leaves is not None and all(map(is_leaf, leaves)):
             return leaves
         return self._flatten_slowly(sample, is_leaf, supported, hint)
-
-    def candidates(self, sample: Any) -> list[Any] | None:
-        """For a flat structure, ``sample``'s parts in name order if it has this shape (leaves or not); else None.
-
-        The fast path of :meth:`flatten`, for a caller that checks the leaves itself.
-        """
-        return self._flat(sample)
 
     def _flatten_slowly(
         self, sample: Any, is_leaf: Callable[[Any], bool], supported: str, hint: Callable[[Any], str]
