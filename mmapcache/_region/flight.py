@@ -134,6 +134,24 @@ class Flight:
             self._threads[me] = self._threads.get(me, 0) + 1
         return True
 
+    def hold_many(self, handle: Handle, slots: SlotTable, indices: Sequence[int]) -> list[int]:
+        """:meth:`hold` of distinct ``indices``, a lock call per run of consecutive slots; those held, in order."""
+        me = threading.get_ident()
+        with self._here():
+            owners = self._owners
+            free = [i for i in indices if i not in owners]
+            if not free:
+                return []
+            with handle.write_lock:
+                handle.check_usable(writing=True)
+                got = set(slots.hold_many(free))
+            mine = [i for i in free if i in got]
+            for i in mine:
+                owners[i] = me
+            if mine:
+                self._threads[me] = self._threads.get(me, 0) + len(mine)
+        return mine
+
     def let_go(self, handle: Handle, slots: SlotTable, indices: Iterable[int], *, filled: bool = False) -> None:
         """Forget this thread's holds of ``indices``, releasing their locks unless a fill released them."""
         me = threading.get_ident()
@@ -144,8 +162,7 @@ class Flight:
             if not filled:
                 with handle.write_lock:
                     if handle.fd >= 0:  # closed: the kernel released every lock with the descriptor
-                        for i in mine:
-                            slots.release(i)
+                        slots.release_many(mine)
             for i in mine:
                 del self._owners[i]
             left = self._threads[me] - len(mine)
@@ -337,6 +354,9 @@ class SingleFlight:
     def hold(self, index: int) -> bool:
         return self.flight.hold(self.handle, self._live().slots, index)
 
+    def hold_many(self, indices: Sequence[int]) -> list[int]:
+        return self.flight.hold_many(self.handle, self._live().slots, indices)
+
     def wait_one(self, index: int, deadline: float) -> int:
         return self.flight.wait(self.handle, self._live().slots, index, deadline)
 
@@ -355,8 +375,9 @@ class SingleFlight:
             rows = np.array([row for row, i in enumerate(idx.tolist()) if not flight.held_here(i)], np.intp)
             return self.writer.put_many(idx, arrays, rows=rows, coerced=True)
         # A batch refused, or a store that raises, leaves the slots held: the claims' owner lets them go.
-        stored = self.writer.put_many(idx, arrays, coerced=True)  # releases the lock of each slot it fills
-        self.flight.let_go(self.handle, self.mapped.slots, idx.tolist(), filled=True)
+        # Stored under the locks held, then let go of a run of consecutive slots at a time.
+        stored = self.writer.put_many(idx, arrays, coerced=True, held=True)
+        self.flight.let_go(self.handle, self.mapped.slots, idx.tolist())
         return stored
 
     def release(self, indices: list[int]) -> None:
@@ -482,23 +503,24 @@ def _get_or_load_many(
     ready: list[int] = []  # cached by another process since the first read: read them at the end
     held: list[int] = []  # being loaded elsewhere
     here: list[int] = []  # loaded here without holding (not cacheable, or nothing can be held)
-    can_hold = single.can_hold()
     states, capacity = single.mapped.slots.state_bytes, single.capacity
-    holding: list[int] = []
-    for i in todo:
-        if i >= capacity or not can_hold:
-            here.append(i)
-        elif single.hold(i):
-            holding.append(i)
-            if len(holding) >= (chunk or flight.chunk(len(todo))):
-                run.load_held(holding)
-                holding = []
-        elif states[i] == READY:
-            ready.append(i)
-        else:
-            held.append(i)
-    if holding:
-        run.load_held(holding)
+    if single.can_hold():
+        here += [i for i in todo if i >= capacity]
+        todo = [i for i in todo if i < capacity]
+    else:
+        here, todo = todo, []
+    start = 0
+    while start < len(todo):  # the next free slots held together (a lock call per run), loaded, let go
+        window = todo[start : start + (chunk or flight.chunk(len(todo)))]
+        start += len(window)
+        mine = single.hold_many(window)
+        if mine:
+            run.load_held(mine)
+        if len(mine) < len(window):
+            got = set(mine)
+            for i in window:
+                if i not in got:
+                    (ready if states[i] == READY else held).append(i)
     if held and (wait if wait is not None else flight.worth_waiting()) and timeout > 0:
         deadline = time.monotonic() + timeout
         for i in held:
@@ -582,13 +604,19 @@ class _Run:
         return coerce_batch(as_batch(result, list(self.fields), len(indices)), self.fields, len(indices))
 
     def _place(self, indices: list[int], arrays: list[Any]) -> None:
+        """Loaded ``arrays`` (coerced, row ``j`` for ``indices[j]``) into the rows that asked for them."""
+        wanted = [self.rows[i] for i in indices]
+        if all(len(rows) == 1 for rows in wanted):  # no index asked for twice: one fancy assignment per field
+            targets, sources = np.array([rows[0] for rows in wanted], np.intp), None
+        else:
+            targets = np.concatenate([np.asarray(rows, np.intp) for rows in wanted])
+            sources = np.repeat(np.arange(len(indices)), [len(rows) for rows in wanted])
+        self.loaded[targets] = True
         for (name, field), values in zip(self.fields.items(), arrays, strict=True):
-            for j, i in enumerate(indices):
-                rows = self.rows[i]
-                self.loaded[rows] = True
-                if not field.variable:
-                    self.batch[name][rows] = values[j]
-                    continue
+            if not field.variable:
+                self.batch[name][targets] = values if sources is None else values[sources]
+                continue
+            for j, rows in enumerate(wanted):
                 value = values[j] if field.text is None else text_value(field.text, values[j])
                 for row in rows:
                     self.batch[name][row] = value
@@ -618,17 +646,11 @@ def check_flight(load: Any, timeout: Any, wait: Any, chunk: Any) -> float:
 
 def _claim(bound: SingleFlight, idx: np.ndarray[Any, Any]) -> Claims:
     """:meth:`Cache.claim_many <mmapcache.Cache.claim_many>` of cacheable ``idx``: hold what is free."""
-    flight, handle, slots = bound.flight, bound.handle, bound.mapped.slots
-    states = slots.state_bytes
-    mine, held = [], []
-    for i in dict.fromkeys(idx.tolist()):
-        if states[i] == READY:
-            continue
-        if flight.hold(handle, slots, i):
-            mine.append(i)
-        elif states[i] != READY:
-            held.append(i)
-    return Claims(bound, mine, held)
+    states = bound.mapped.slots.state_bytes
+    todo = [i for i in dict.fromkeys(idx.tolist()) if states[i] != READY]
+    mine = bound.hold_many(todo)  # a lock call per run of consecutive slots, in any order asked
+    got = set(mine)
+    return Claims(bound, mine, [i for i in todo if i not in got and states[i] != READY])
 
 
 def _wait_for(bound: SingleFlight, idx: np.ndarray[Any, Any], timeout: float) -> Claims:
