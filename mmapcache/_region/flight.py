@@ -15,9 +15,12 @@ loading it too. The rules, and why they are enough:
 
 1. **Hold without waiting, load, store, let go.** Holds are taken with a
    non-blocking lock, a few slots at a time (about ``CHUNK_SECONDS`` of loading,
-   at most ``MAX_CHUNK`` slots), just before those slots are loaded; each is let go the moment its sample is
-   published, or when the load raises. Two processes walking the same batch
-   therefore share it: each holds the next free slots while the other loads.
+   at most ``MAX_CHUNK`` slots), just before those slots are loaded, a lock
+   call per run of consecutive slots (``SlotTable.hold_many``); they are let
+   go once their samples are published, a run at a time (a published slot is
+   READY: nobody waits for it), or when the load raises. Two processes walking
+   the same batch therefore share it: each holds the next free slots while the
+   other loads.
 2. **Never wait while holding.** A thread waits only once it holds no slot
    (:meth:`Flight.wait` refuses otherwise). Every held slot thus belongs to a
    thread that is loading, not waiting; a load that ends lets its slots go, so
@@ -46,6 +49,7 @@ taken in the parent refuses to store in the child.
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
@@ -58,7 +62,7 @@ from .gathers import empty_aligned
 from .handle import Handle, closed_error
 from .indices import check_index, index_array
 from .jagged import Jagged, rows_like
-from .slots import READY, SlotTable
+from .slots import READY, SlotTable, runs
 from .values import coerce_batch
 from .variable import text_value
 from .writer import Writer, readonly_error
@@ -360,25 +364,30 @@ class SingleFlight:
     def wait_one(self, index: int, deadline: float) -> int:
         return self.flight.wait(self.handle, self._live().slots, index, deadline)
 
-    def put_claimed(self, idx: np.ndarray[Any, Any], batch: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
-        return self.put_coerced(idx, coerce_batch(batch, self.fields, len(idx)))
-
     def put_coerced(
         self, idx: np.ndarray[Any, Any], arrays: list[Any], *, held: bool = True
     ) -> np.ndarray[Any, np.dtype[np.bool_]]:
-        """Store coerced rows at ``idx``: slots this thread holds (let go of each), or free ones (``held=False``).
+        """Store coerced rows at ``idx``: slots this thread holds, or free ones (``held=False``).
 
-        Free ones that a thread of this process holds are left to it.
+        Held ones are stored under their locks and forgotten by the flight, their
+        locks kept: the :class:`Claims` that holds them lets go of them (see
+        :meth:`Claims.put_many`). Free ones that a thread of this process holds
+        are left to it.
         """
         if not held:
             flight = self.flight
             rows = np.array([row for row, i in enumerate(idx.tolist()) if not flight.held_here(i)], np.intp)
             return self.writer.put_many(idx, arrays, rows=rows, coerced=True)
         # A batch refused, or a store that raises, leaves the slots held: the claims' owner lets them go.
-        # Stored under the locks held, then let go of a run of consecutive slots at a time.
         stored = self.writer.put_many(idx, arrays, coerced=True, held=True)
-        self.flight.let_go(self.handle, self.mapped.slots, idx.tolist())
+        self.flight.forget(idx.tolist())
         return stored
+
+    def unlock(self, indices: Iterable[int]) -> None:
+        """Let go of the kernel locks of slots this flight no longer records (stored, or never held)."""
+        with self.handle.write_lock:
+            if self.handle.fd >= 0:  # closed: the kernel released every lock with the descriptor
+                self.mapped.slots.release_many(indices)
 
     def release(self, indices: list[int]) -> None:
         if self.handle.fd < 0:  # closed: the descriptor took every lock with it
@@ -400,7 +409,7 @@ class Claims:
     (the parent still holds them).
     """
 
-    __slots__ = ("_bound", "_pid", "_thread", "held", "indices")
+    __slots__ = ("_bound", "_firsts", "_kept", "_left", "_pid", "_runs", "_thread", "held", "indices")
 
     def __init__(self, bound: SingleFlight, indices: Sequence[int], held: Sequence[int] = ()) -> None:
         self._bound = bound
@@ -410,6 +419,12 @@ class Claims:
         self.indices: np.ndarray[Any, np.dtype[np.intp]] = np.asarray(indices, np.intp)
         #: Slots among those asked for that another process or thread was loading (not held here).
         self.held: np.ndarray[Any, np.dtype[np.intp]] = np.asarray(held, np.intp)
+        # The runs of consecutive slots held (each one kernel lock), how many slots of each are not
+        # stored yet, and the stored slots whose lock is kept until their run is done (see put_many).
+        self._runs = runs(indices)
+        self._firsts = [first for first, _ in self._runs]
+        self._left = [last - first + 1 for first, last in self._runs]
+        self._kept: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -419,28 +434,65 @@ class Claims:
         return f"<Claims of {len(self.indices)} slots of {path!r}, {len(self.held)} held elsewhere>"
 
     def put_many(self, indices: Any, batch: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
-        """Store row ``k`` of ``batch`` at ``indices[k]`` (slots held here), publish each and let it go.
+        """Store row ``k`` of ``batch`` at ``indices[k]`` (slots these claims hold), and publish each.
 
         ``batch`` is what :meth:`Cache.put_many <mmapcache.Cache.put_many>`
         takes. Returns which rows were stored (False only for a variable value
         that found no room). A bad batch raises before anything is stored; the
         slots stay held.
+
+        A stored slot is READY, and no process waits for it any more; its
+        lock is let go of with the rest of its run of consecutive slots, once
+        every one of them is stored (or at :meth:`release`): letting go of
+        slots from the middle of a run would split its kernel lock into
+        pieces, and every lock call on the file walks them all.
         """
         self._check_owner()
         idx = np.asarray(indices, np.intp).reshape(-1)
-        strangers = [i for i in idx.tolist() if not self._bound.flight.held_by_me(i)]
+        strangers = [i for i in idx.tolist() if not (self._mine(i) and self._bound.flight.held_by_me(i))]
         if strangers:
             raise ValueError(
                 f"indices {strangers[:10]} are not held by these claims (held: {self.indices[:10].tolist()}"
                 f"{', ...' if len(self.indices) > 10 else ''}): store only the slots you claimed"
             )
-        return self._bound.put_claimed(idx, batch)
+        bound = self._bound
+        return self.store(idx, coerce_batch(batch, bound.fields, len(idx)))
+
+    def _mine(self, index: int) -> bool:
+        """Whether ``index`` is one of the slots these claims took (stored or not)."""
+        k = bisect.bisect_right(self._firsts, index) - 1
+        return k >= 0 and index <= self._runs[k][1]
+
+    def store(self, idx: np.ndarray[Any, Any], arrays: list[Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        """:meth:`put_many` of coerced rows at slots held here; the locks let go of as it says."""
+        stored = self._bound.put_coerced(idx, arrays)
+        done = dict.fromkeys(idx.tolist(), False)
+        for i, row_stored in zip(idx.tolist(), stored.tolist(), strict=True):
+            done[i] = done[i] or row_stored
+        free = [i for i, kept in done.items() if not kept]  # not stored: let go now, a miss for the next one
+        kept, left, firsts = self._kept, self._left, self._firsts
+        for i in done:
+            k = bisect.bisect_right(firsts, i) - 1
+            left[k] -= 1
+            if done[i]:
+                kept.add(i)
+            if not left[k]:
+                first, last = self._runs[k]
+                finished = [j for j in range(first, last + 1) if j in kept]
+                kept.difference_update(finished)
+                free += finished
+        if free:
+            self._bound.unlock(free)
+        return stored
 
     def release(self) -> None:
         """Let go of every slot not stored yet (idempotent); nothing is stored. A no-op in a forked child."""
         if self._pid != os.getpid() or self._thread != threading.get_ident():
             return
         self._bound.release(self.indices.tolist())
+        if self._kept:
+            kept, self._kept = self._kept, set()
+            self._bound.unlock(kept)
 
     def _check_owner(self) -> None:
         if self._pid != os.getpid():
@@ -571,11 +623,11 @@ class _Run:
         }
 
     def load_held(self, indices: list[int]) -> None:
-        """Load slots this thread holds, store and let go of each; on error let go of them all."""
+        """Load slots this thread holds, store them and let go (by runs); on error let go of them all."""
         claims = Claims(self.bound, indices)
         with claims:
             arrays = self._load(indices)
-            self.bound.put_coerced(claims.indices, arrays)
+            claims.store(claims.indices, arrays)
         self._place(indices, arrays)
 
     def load_free(self, indices: list[int]) -> None:

@@ -87,11 +87,32 @@ def test_claims_of_consecutive_slots_asked_in_any_order_are_one_kernel_lock(path
             assert elsewhere.held.tolist() == list(range(300))
             assert elsewhere.indices.tolist() == list(range(300, SLOTS))
             elsewhere.release()
-        stored = order[:150]
-        claims.put_many(stored, batch_of(stored))
-        assert all(int(i) in cache for i in stored)
-        assert len(slot_lock_entries(path)) <= 150  # the stored ones let go, the others still held
+        for part in np.array_split(order[:150], 5):  # stored in scattered batches: the lock is not split
+            claims.put_many(part, batch_of(part))
+            assert slot_lock_entries(path) == [(base, base + 300 * size - 1)]
+        assert all(int(i) in cache for i in order[:150])
     assert slot_lock_entries(path) == []
+
+
+def test_claims_store_only_their_own_slots_and_let_go_of_a_run_once_all_of_it_is_stored(path: Path) -> None:
+    with Cache.open(path) as cache:
+        base, size = table_of(cache)
+        first, second = cache.claim_many(range(10)), cache.claim_many(range(10, 20))
+        assert slot_lock_entries(path) == [(base, base + 20 * size - 1)]  # one entry for both
+        with pytest.raises(ValueError, match="not held by these claims"):
+            first.put_many([12], batch_of([12]))
+        first.put_many(range(5), batch_of(range(5)))
+        assert slot_lock_entries(path) == [(base, base + 20 * size - 1)]  # 0..4 kept until 5..9 are stored
+        with Cache.open(path) as other:
+            elsewhere = other.claim_many(range(20))
+            assert elsewhere.held.tolist() == list(range(5, 20))  # 0..4 are READY: nobody waits for them
+            assert len(elsewhere) == 0
+        first.put_many(range(5, 10), batch_of(range(5, 10)))
+        assert slot_lock_entries(path) == [(base + 10 * size, base + 20 * size - 1)]
+        second.put_many([15], batch_of([15]))
+        second.release()  # the unstored ones and the kept one
+        assert slot_lock_entries(path) == []
+        assert [i for i in range(20) if i in cache] == [*range(10), 15]
 
 
 def test_runs_partly_held_elsewhere_are_split_around_what_holds_them(path: Path) -> None:
