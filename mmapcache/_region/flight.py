@@ -156,17 +156,16 @@ class Flight:
                 self._threads[me] = self._threads.get(me, 0) + len(mine)
         return mine
 
-    def let_go(self, handle: Handle, slots: SlotTable, indices: Iterable[int], *, filled: bool = False) -> None:
-        """Forget this thread's holds of ``indices``, releasing their locks unless a fill released them."""
+    def let_go(self, handle: Handle, slots: SlotTable, indices: Iterable[int]) -> None:
+        """Forget this thread's holds of ``indices`` and release their locks, a run of consecutive slots per call."""
         me = threading.get_ident()
         with self._here():
             mine = [i for i in indices if self._owners.get(i) == me]
             if not mine:
                 return
-            if not filled:
-                with handle.write_lock:
-                    if handle.fd >= 0:  # closed: the kernel released every lock with the descriptor
-                        slots.release_many(mine)
+            with handle.write_lock:
+                if handle.fd >= 0:  # closed: the kernel released every lock with the descriptor
+                    slots.release_many(mine)
             for i in mine:
                 del self._owners[i]
             left = self._threads[me] - len(mine)
@@ -254,9 +253,11 @@ class Flight:
         """How many slots to hold for the next load: about ``CHUNK_SECONDS`` of loading (1 before a measure).
 
         At most ``MAX_CHUNK``: a claim is a kernel record lock, and the kernel
-        walks every lock held on the file at each lock call (any process's),
-        so thousands held at once — cheap loads, a large batch — would cost
-        seconds per batch here and slow every other writer.
+        walks every lock held on the file at each lock call (any process's).
+        Consecutive slots merge into one (see ``_region/slots.py``), scattered
+        ones do not: thousands of scattered slots held at once — cheap loads
+        of a large shuffled batch — would cost milliseconds per lock call
+        here and slow every other writer.
         """
         mean = self.mean_load_time()
         if mean is None:
