@@ -34,7 +34,25 @@ epochs (single flight: ``n - 1`` misses plus each job's spot checks), each
 job's epoch wall time from a common start signal, and the ratio after / before
 of the slower job's (target <= 0.6).
 
-``python benchmarks/bench_singleflight.py [--quick] [--n 2000] [--delay 0.005] [--level core|torch|both]``
+**Claims at scale** (``--level claims``): what holding costs, in one process
+and to everyone else, on fresh caches of ``--claims`` slots (default 100,000;
+quick 5,000) of 64 B rows, in interleaved rounds:
+
+* ``put_many`` of every row in a shuffled order against ``get_or_load_many``
+  of the same rows through a cheap ``load`` (a slice of an array), in that
+  order and in index order, and against ``claim_many`` + ``Claims.put_many``
+  (target: ``get_or_load_many`` <= 2x ``put_many``);
+* another process's ``put`` latency (median of 2,000 puts into slots nobody
+  holds, on a cache of ``--claims`` + 2,000 slots) while nothing is held,
+  while this process holds ``claim_many`` of the ``--claims`` others
+  (shuffled), while it holds 1,000 scattered ones (every other slot: each its
+  own kernel lock), and while a third process fills the others through
+  ``get_or_load_many`` against through ``put_many`` (target: <= 2x).
+
+Every figure is a ratio to its baseline in the same round (medians over
+rounds); the load average is printed with them.
+
+``python benchmarks/bench_singleflight.py [--quick] [--n 2000] [--delay 0.005] [--level core|torch|claims|both|all]``
 Results go to ``benchmarks/results/bench_singleflight[-quick].json``.
 """
 
@@ -317,12 +335,21 @@ def main() -> None:
     if sys.argv[1:2] == ["--torch-job"]:  # one job of the torch level, in its own process
         torch_job(json.loads(sys.argv[2]))
         return
+    if sys.argv[1:2] == ["--claims-job"]:  # a writer or filler of the claims level, in its own process
+        claims_job(json.loads(sys.argv[2]))
+        return
     parser = bench_parser(__doc__, quick="200 samples of 2 ms, 1 round (< 30 s)", rounds=(3, 1))
     parser.add_argument("--n", type=int, help="samples (default 2000, quick 200)")
     parser.add_argument("--delay", type=float, help="seconds to load one sample (default 0.005, quick 0.002)")
     parser.add_argument("--batch", type=int, default=32, help="samples per batch (default 32)")
     parser.add_argument("--load", choices=("sleep", "cpu"), default="sleep", help="what a load does (default sleep)")
-    parser.add_argument("--level", choices=("core", "torch", "both"), default="both", help="what to measure")
+    parser.add_argument(
+        "--level",
+        choices=("core", "torch", "claims", "both", "all"),
+        default="all",
+        help="what to measure (both: core and torch; all: and claims)",
+    )
+    parser.add_argument("--claims", type=int, help="slots of the claims level (default 100000, quick 5000)")
     parser.add_argument("--before", default=BEFORE, help=f"git ref of the torch layer 'before' (default {BEFORE})")
     args = parser.parse_args()
     quick: bool = args.quick
@@ -343,9 +370,12 @@ def main() -> None:
     directory = Path(tempfile.mkdtemp(prefix="mmapcache-bench-", dir=args.dir))
     results: dict[str, Any] = {"machine": info, "quick": quick, "rounds": rounds, "settings": settings}
     try:
-        if args.level in ("core", "both"):
+        if args.level in ("core", "both", "all"):
             results.update(run_core(directory, settings, rounds))
-        if args.level in ("torch", "both"):
+        if args.level == "claims" or args.level == "all":
+            slots = args.claims or (5000 if quick else 100_000)
+            results["claims"] = run_claims(directory, slots, rounds)
+        if args.level in ("torch", "both", "all"):
             print(f"torch layer: {JOBS} jobs x {LOADERS} DataLoader workers, CachedDataset(check=2), ds.loader()")
             results["torch"] = run_torch(directory, settings, rounds, args.before)
     finally:
@@ -392,6 +422,174 @@ def run_core(directory: Path, settings: dict[str, Any], rounds: int) -> dict[str
     if wrong:
         raise SystemExit(f"{wrong} samples read back wrong")
     return {"summary": summary, "ratio": ratio, "ratios": ratios, "runs": runs}
+
+
+# -- claims at scale -------------------------------------------------------------------------------
+
+ROW = 64  # bytes per row of the claims level
+PUTS = 2000  # puts another process times per setting
+SCATTERED = 1000  # slots held one apart (each its own kernel lock)
+
+
+def rows_of(n: int) -> np.ndarray[Any, Any]:
+    return (np.arange(n, dtype=np.int64)[:, None] * 7 + np.arange(ROW)).astype(np.uint8)
+
+
+def claims_job(spec: dict[str, Any]) -> None:
+    """``--claims-job``: ``puts`` (time puts into slots from ``first``) or ``fill`` (fill slots ``0 .. n - 1``)."""
+    rows = rows_of(spec["slots"])
+    with Cache.open(spec["path"]) as cache:
+        Path(f"{spec['out']}.ready").touch()
+        flag = Path(spec["go"])
+        while not flag.exists():
+            time.sleep(0.0005)
+        if spec["kind"] == "fill":
+            order = np.random.default_rng(1).permutation(spec["n"])
+            if spec["via"] == "put_many":
+                cache.put_many(order, {"x": rows[order]})
+            else:
+                cache.get_or_load_many(order, lambda idx: {"x": rows[idx]})
+            Path(spec["out"]).write_text("{}")
+            return
+        times = []
+        for i in range(spec["first"], spec["first"] + PUTS):
+            start = time.perf_counter()
+            cache.put(i, {"x": rows[i]})
+            times.append(time.perf_counter() - start)
+    Path(spec["out"]).write_text(json.dumps({"median": statistics.median(times)}))
+
+
+def _claims_procs(specs: list[dict[str, Any]]) -> list[Any]:
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--claims-job", json.dumps(spec)], start_new_session=True)
+        for spec in specs
+    ]
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{spec['out']}.ready").exists() for spec in specs):
+        if any(proc.poll() not in (None, 0) for proc in procs) or time.monotonic() > deadline:
+            raise RuntimeError("a claims job failed before it started")
+        time.sleep(0.001)
+    return procs
+
+
+def _put_latency(directory: Path, slots: int, setting: str, r: int) -> float:
+    """Median seconds of another process's put while this process holds ``setting``'s claims (or a filler fills).
+
+    A fresh cache of ``slots + PUTS`` slots: the claims (or the fill) take slots
+    ``0 .. slots - 1``, the timed puts the others.
+    """
+    tag = f"claims-{setting.replace(' ', '_')}-{r}"
+    path, go = directory / f"{tag}.mmc", directory / f"{tag}.go"
+    Cache.open(path, {"x": Field((ROW,), "uint8")}, slots + PUTS).close()
+    base = {"path": str(path), "slots": slots + PUTS, "go": str(go)}
+    specs = [{**base, "kind": "puts", "first": slots, "out": str(directory / f"{tag}.puts")}]
+    if setting.startswith("fill "):
+        specs.append({**base, "kind": "fill", "n": slots, "via": setting[5:], "out": str(directory / f"{tag}.fill")})
+    procs = _claims_procs(specs)
+    try:
+        with Cache.open(path) as cache:
+            if setting == "claims of every slot":
+                claims = cache.claim_many(np.random.default_rng(r).permutation(slots))
+            elif setting == "scattered claims":
+                claims = cache.claim_many(np.arange(min(SCATTERED, slots // 2)) * 2)
+            else:
+                claims = cache.claim_many([])
+            with claims:
+                go.touch()
+                codes = [proc.wait(600) for proc in procs]
+        if any(codes):
+            raise RuntimeError(f"a claims job failed: exit codes {codes}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        path.unlink(missing_ok=True)
+    return float(json.loads(Path(specs[0]["out"]).read_text())["median"])
+
+
+def _load_seconds(directory: Path, slots: int, variant: str, r: int) -> float:
+    """Seconds to fill every slot of a fresh cache through ``variant``."""
+    path = directory / f"claims-{variant.replace(' ', '_')}-{r}.mmc"
+    rows = rows_of(slots)
+    order = np.random.default_rng(r).permutation(slots)
+    with Cache.open(path, {"x": Field((ROW,), "uint8")}, slots) as cache:
+        start = time.perf_counter()
+        if variant == "put_many":
+            cache.put_many(order, {"x": rows[order]})
+        elif variant == "get_or_load_many":
+            cache.get_or_load_many(order, lambda idx: {"x": rows[idx]})
+        elif variant == "get_or_load_many in index order":
+            cache.get_or_load_many(np.arange(slots), lambda idx: {"x": rows[idx]})
+        else:
+            with cache.claim_many(order) as claims:
+                claims.put_many(claims.indices, {"x": rows[claims.indices]})
+        seconds = time.perf_counter() - start
+        got, hits = cache.read_many(order)
+        if not hits.all() or not np.array_equal(got["x"], rows[order]):
+            raise SystemExit(f"{variant}: rows read back wrong")
+    path.unlink()
+    return seconds
+
+
+LOAD_VARIANTS = ("put_many", "get_or_load_many", "get_or_load_many in index order", "claim_many + Claims.put_many")
+PUT_SETTINGS = ("idle", "claims of every slot", "scattered claims", "fill put_many", "fill get_or_load_many")
+
+
+def run_claims(directory: Path, slots: int, rounds: int) -> dict[str, Any]:
+    """The claims level: loads against put_many, and another writer's put latency; ratios per round, medians."""
+    loads: dict[str, list[float]] = {name: [] for name in LOAD_VARIANTS}
+    puts: dict[str, list[float]] = {name: [] for name in PUT_SETTINGS}
+    loadavg = []
+    print(f"claims: {slots} slots of {ROW} B; load average {os.getloadavg()[0]:.2f}")
+    for r in range(rounds):
+        for name in rotated(LOAD_VARIANTS, r):
+            loads[name].append(_load_seconds(directory, slots, name, r))
+        for name in rotated(PUT_SETTINGS, r):
+            puts[name].append(_put_latency(directory, slots, name, r))
+        loadavg.append(os.getloadavg()[0])
+        print(
+            f"  round {r}: "
+            + ", ".join(f"{name} {loads[name][-1]:.2f} s" for name in LOAD_VARIANTS)
+            + "; put "
+            + ", ".join(f"{name} {puts[name][-1] * 1e6:.1f} us" for name in PUT_SETTINGS)
+            + f"; load average {loadavg[-1]:.2f}"
+        )
+    load_ratios = {
+        name: statistics.median(t / p for t, p in zip(loads[name], loads["put_many"], strict=True))
+        for name in LOAD_VARIANTS
+    }
+    baselines = {"fill put_many": "fill put_many", "fill get_or_load_many": "fill put_many"}
+    put_ratios = {
+        name: statistics.median(t / b for t, b in zip(puts[name], puts[baselines.get(name, "idle")], strict=True))
+        for name in PUT_SETTINGS
+    }
+    print(
+        table(
+            ["fill of every slot", "seconds (median)", "x put_many"],
+            [[name, f"{statistics.median(loads[name]):.2f}", f"{load_ratios[name]:.2f}"] for name in LOAD_VARIANTS],
+        )
+    )
+    print(
+        table(
+            ["another process's put, while", "us (median)", "x baseline"],
+            [[name, f"{statistics.median(puts[name]) * 1e6:.1f}", f"{put_ratios[name]:.2f}"] for name in PUT_SETTINGS],
+        )
+    )
+    print(
+        f"get_or_load_many / put_many: {load_ratios['get_or_load_many']:.2f}x (target <= 2); another writer's put "
+        f"while claims are held / idle: {put_ratios['claims of every slot']:.2f}x, while get_or_load_many "
+        f"fills / while put_many fills: {put_ratios['fill get_or_load_many']:.2f}x (targets <= 2); load average "
+        f"{statistics.median(loadavg):.2f}"
+    )
+    return {
+        "slots": slots,
+        "seconds": loads,
+        "ratios": load_ratios,
+        "put_seconds": puts,
+        "put_ratios": put_ratios,
+        "loadavg": loadavg,
+    }
 
 
 if __name__ == "__main__":

@@ -127,16 +127,21 @@ HAVE_OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")
 
 
 class SlotLocks:
-    """Exclusive one-byte record locks on a file descriptor, one per slot.
+    """Exclusive record locks on a file descriptor: a slot's claim, a record's owner, an allocation page.
 
-    ``try_claim`` costs one ``fcntl`` call (about 1-2 µs). Linux only: the
-    request is packed as Linux's ``struct flock`` (see ``_FLOCK``), which
-    other systems lay out differently. When Python's ``fcntl`` lacks the
-    open-file-description commands (built against Linux headers older than
-    3.15) it falls back to classic POSIX record locks, which belong to the
-    process: there, two handles of one process do not exclude each other. A
-    Python that has them on a kernel older than 3.15 fails the first claim
-    with ``EINVAL``.
+    Each call is one ``fcntl`` (about 1-2 µs on a short lock list) on ``length``
+    bytes from ``offset``. The kernel keeps the locks of one file in a list
+    that every lock call walks (any process's), and merges adjacent or
+    overlapping locks of one open file description into one entry: locking
+    ``k`` adjacent ranges, in one call or in ``k``, leaves one entry, while
+    ``k`` ranges with gaps between them leave ``k``. Unlocking part of an
+    entry splits it. Linux only: the request is packed as Linux's ``struct
+    flock`` (see ``_FLOCK``), which other systems lay out differently. When
+    Python's ``fcntl`` lacks the open-file-description commands (built
+    against Linux headers older than 3.15) it falls back to classic POSIX
+    record locks, which belong to the process: there, two handles of one
+    process do not exclude each other. A Python that has them on a kernel
+    older than 3.15 fails the first claim with ``EINVAL``.
     """
 
     __slots__ = ("fd",)
@@ -144,24 +149,37 @@ class SlotLocks:
     def __init__(self, fd: int) -> None:
         self.fd = fd
 
-    def try_claim(self, offset: int) -> bool:
-        """Lock byte ``offset``; False when another description holds it."""
+    def try_claim(self, offset: int, length: int = 1) -> bool:
+        """Lock ``length`` bytes from ``offset``; False when another description holds any of them."""
         try:
-            fcntl.fcntl(self.fd, _SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
+            fcntl.fcntl(self.fd, _SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, length, 0))
         except OSError as error:
             if error.errno in _CONTENDED:
                 return False
             raise
         return True
 
-    def claim_wait(self, offset: int) -> None:
-        """Lock byte ``offset``, waiting while another description holds it."""
-        fcntl.fcntl(self.fd, _SETLKW, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
+    def claim_wait(self, offset: int, length: int = 1) -> None:
+        """Lock ``length`` bytes from ``offset``, waiting while another description holds any of them."""
+        fcntl.fcntl(self.fd, _SETLKW, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, length, 0))
 
-    def release(self, offset: int) -> None:
-        fcntl.fcntl(self.fd, _SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0))
+    def release(self, offset: int, length: int = 1) -> None:
+        """Unlock ``length`` bytes from ``offset`` (bytes this description does not hold are left alone)."""
+        fcntl.fcntl(self.fd, _SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, offset, length, 0))
 
-    def held_elsewhere(self, offset: int) -> bool:
-        """Whether another open file description (a live writer) holds byte ``offset``."""
-        result = fcntl.fcntl(self.fd, _GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
-        return bool(_FLOCK.unpack(result)[0] != fcntl.F_UNLCK)
+    def held_elsewhere(self, offset: int, length: int = 1) -> bool:
+        """Whether another open file description (a live writer) holds any of ``length`` bytes from ``offset``."""
+        return self.conflict(offset, length) is not None
+
+    def conflict(self, offset: int, length: int = 1) -> tuple[int, int] | None:
+        """One lock another description holds on the ``length`` bytes from ``offset``: its first and last byte.
+
+        ``None`` when no other description holds any of them. When several
+        do, the kernel names one of them (not necessarily the lowest).
+        """
+        result = fcntl.fcntl(self.fd, _GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, length, 0))
+        kind, _, start, size, _ = _FLOCK.unpack(result)
+        if kind == fcntl.F_UNLCK:
+            return None
+        # A lock to the end of the file has length 0.
+        return start, (start + size - 1 if size > 0 else offset + length - 1)

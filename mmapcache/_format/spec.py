@@ -355,9 +355,12 @@ wrote 0).
   its final name. The header never changes afterwards.
 - A slot is written once: set its state to WRITING, write the data, write the
   checksum, then set the state to READY. While it writes, the writer holds an
-  exclusive open-file-description record lock (`F_OFD_SETLK`) on the single
-  byte at the slot's state offset. A slot found WRITING whose byte is not
-  locked was abandoned by a dead writer and MAY be written again.
+  exclusive open-file-description record lock (`F_OFD_SETLK`) that covers the
+  byte at the slot's state offset. mmapcache locks the slot's whole record
+  (`record_size` bytes from that byte), so that the kernel merges the locks of
+  consecutive slots into one; a lock on the state byte alone excludes it just
+  the same. A slot found WRITING whose state byte is not locked was abandoned
+  by a dead writer and MAY be written again.
 - A reader MUST use a slot's data only after seeing its state READY, and MAY
   compare the data against the checksum.
 - A process that has the file open holds a shared `flock` on it; clearing or

@@ -15,9 +15,12 @@ loading it too. The rules, and why they are enough:
 
 1. **Hold without waiting, load, store, let go.** Holds are taken with a
    non-blocking lock, a few slots at a time (about ``CHUNK_SECONDS`` of loading,
-   at most ``MAX_CHUNK`` slots), just before those slots are loaded; each is let go the moment its sample is
-   published, or when the load raises. Two processes walking the same batch
-   therefore share it: each holds the next free slots while the other loads.
+   at most ``MAX_CHUNK`` slots), just before those slots are loaded, a lock
+   call per run of consecutive slots (``SlotTable.hold_many``); they are let
+   go once their samples are published, a run at a time (a published slot is
+   READY: nobody waits for it), or when the load raises. Two processes walking
+   the same batch therefore share it: each holds the next free slots while the
+   other loads.
 2. **Never wait while holding.** A thread waits only once it holds no slot
    (:meth:`Flight.wait` refuses otherwise). Every held slot thus belongs to a
    thread that is loading, not waiting; a load that ends lets its slots go, so
@@ -46,6 +49,7 @@ taken in the parent refuses to store in the child.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 import threading
@@ -60,7 +64,7 @@ from .gathers import empty_aligned
 from .handle import Handle, closed_error
 from .indices import check_index, index_array
 from .jagged import Jagged, rows_like
-from .slots import READY, SlotTable
+from .slots import READY, SlotTable, runs
 from .values import coerce_batch
 from .variable import text_value
 from .writer import Writer, readonly_error
@@ -136,8 +140,31 @@ class Flight:
             self._threads[me] = self._threads.get(me, 0) + 1
         return True
 
-    def let_go(self, handle: Handle, slots: SlotTable, indices: Iterable[int], *, filled: bool = False) -> None:
-        """Forget this thread's holds of ``indices``, releasing their locks unless a fill released them."""
+    def hold_many(self, handle: Handle, slots: SlotTable, indices: Sequence[int]) -> list[int]:
+        """:meth:`hold` of distinct ``indices``, a lock call per run of consecutive slots; those held, in order."""
+        me = threading.get_ident()
+        with self._here():
+            owners = self._owners
+            free = []
+            for i in indices:  # loops, not comprehensions: one frame less on every load
+                if i not in owners:
+                    free.append(i)
+            if not free:
+                return []
+            with handle.write_lock:
+                handle.check_usable(writing=True)
+                got = set(slots.hold_many(free))
+            mine = []
+            for i in free:
+                if i in got:
+                    mine.append(i)
+                    owners[i] = me
+            if mine:
+                self._threads[me] = self._threads.get(me, 0) + len(mine)
+        return mine
+
+    def let_go(self, handle: Handle, slots: SlotTable, indices: Iterable[int]) -> None:
+        """Forget this thread's holds of ``indices`` and release their locks, a run of consecutive slots per call."""
         me = threading.get_ident()
         with self._here():
             owners = self._owners
@@ -147,11 +174,9 @@ class Flight:
                     mine.append(i)
             if not mine:
                 return
-            if not filled:
-                with handle.write_lock:
-                    if handle.fd >= 0:  # closed: the kernel released every lock with the descriptor
-                        for i in mine:
-                            slots.release(i)
+            with handle.write_lock:
+                if handle.fd >= 0:  # closed: the kernel released every lock with the descriptor
+                    slots.release_many(mine)
             for i in mine:
                 del self._owners[i]
             left = self._threads[me] - len(mine)
@@ -239,9 +264,11 @@ class Flight:
         """How many slots to hold for the next load: about ``CHUNK_SECONDS`` of loading (1 before a measure).
 
         At most ``MAX_CHUNK``: a claim is a kernel record lock, and the kernel
-        walks every lock held on the file at each lock call (any process's),
-        so thousands held at once — cheap loads, a large batch — would cost
-        seconds per batch here and slow every other writer.
+        walks every lock held on the file at each lock call (any process's).
+        Consecutive slots merge into one (see ``_region/slots.py``), scattered
+        ones do not: thousands of scattered slots held at once — cheap loads
+        of a large shuffled batch — would cost milliseconds per lock call
+        here and slow every other writer.
         """
         if not self._samples:
             return 1
@@ -358,27 +385,36 @@ class SingleFlight:
     def hold(self, index: int) -> bool:
         return self.flight.hold(self.handle, self._live().slots, index)
 
+    def hold_many(self, indices: Sequence[int]) -> list[int]:
+        return self.flight.hold_many(self.handle, self._live().slots, indices)
+
     def wait_one(self, index: int, deadline: float) -> int:
         return self.flight.wait(self.handle, self._live().slots, index, deadline)
-
-    def put_claimed(self, idx: np.ndarray[Any, Any], batch: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
-        return self.put_coerced(idx, coerce_batch(batch, self.fields, len(idx)))
 
     def put_coerced(
         self, idx: np.ndarray[Any, Any], arrays: list[Any], *, held: bool = True
     ) -> np.ndarray[Any, np.dtype[np.bool_]]:
-        """Store coerced rows at ``idx``: slots this thread holds (let go of each), or free ones (``held=False``).
+        """Store coerced rows at ``idx``: slots this thread holds, or free ones (``held=False``).
 
-        Free ones that a thread of this process holds are left to it.
+        Held ones are stored under their locks and forgotten by the flight, their
+        locks kept: the :class:`Claims` that holds them lets go of them (see
+        :meth:`Claims.put_many`). Free ones that a thread of this process holds
+        are left to it.
         """
         if not held:
             flight = self.flight
             rows = np.array([row for row, i in enumerate(idx.tolist()) if not flight.held_here(i)], np.intp)
             return self.writer.put_many(idx, arrays, rows=rows, coerced=True)
         # A batch refused, or a store that raises, leaves the slots held: the claims' owner lets them go.
-        stored = self.writer.put_many(idx, arrays, coerced=True)  # releases the lock of each slot it fills
-        self.flight.let_go(self.handle, self.mapped.slots, idx.tolist(), filled=True)
+        stored = self.writer.put_many(idx, arrays, coerced=True, held=True)
+        self.flight.forget(idx.tolist())
         return stored
+
+    def unlock(self, indices: Iterable[int]) -> None:
+        """Let go of the kernel locks of slots this flight no longer records (stored, or never held)."""
+        with self.handle.write_lock:
+            if self.handle.fd >= 0:  # closed: the kernel released every lock with the descriptor
+                self.mapped.slots.release_many(indices)
 
     def release(self, indices: list[int]) -> None:
         if self.handle.fd < 0:  # closed: the descriptor took every lock with it
@@ -400,7 +436,7 @@ class Claims:
     (the parent still holds them).
     """
 
-    __slots__ = ("_bound", "_pid", "_thread", "held", "indices")
+    __slots__ = ("_bound", "_firsts", "_kept", "_left", "_pid", "_runs", "_thread", "held", "indices")
 
     def __init__(self, bound: SingleFlight, indices: Sequence[int], held: Sequence[int] = ()) -> None:
         self._bound = bound
@@ -410,6 +446,12 @@ class Claims:
         self.indices: np.ndarray[Any, np.dtype[np.intp]] = np.asarray(indices, np.intp)
         #: Slots among those asked for that another process or thread was loading (not held here).
         self.held: np.ndarray[Any, np.dtype[np.intp]] = np.asarray(held, np.intp)
+        # The runs of consecutive slots held (each one kernel lock), how many slots of each are not
+        # stored yet, and the stored slots whose lock is kept until their run is done (see put_many).
+        self._runs = runs(indices)
+        self._firsts = [first for first, _ in self._runs]
+        self._left = [last - first + 1 for first, last in self._runs]
+        self._kept: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -419,28 +461,65 @@ class Claims:
         return f"<Claims of {len(self.indices)} slots of {path!r}, {len(self.held)} held elsewhere>"
 
     def put_many(self, indices: Any, batch: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
-        """Store row ``k`` of ``batch`` at ``indices[k]`` (slots held here), publish each and let it go.
+        """Store row ``k`` of ``batch`` at ``indices[k]`` (slots these claims hold), and publish each.
 
         ``batch`` is what :meth:`Cache.put_many <mmapcache.Cache.put_many>`
         takes. Returns which rows were stored (False only for a variable value
         that found no room). A bad batch raises before anything is stored; the
         slots stay held.
+
+        A stored slot is READY, and no process waits for it any more; its
+        lock is let go of with the rest of its run of consecutive slots, once
+        every one of them is stored (or at :meth:`release`): letting go of
+        slots from the middle of a run would split its kernel lock into
+        pieces, and every lock call on the file walks them all.
         """
         self._check_owner()
         idx = np.asarray(indices, np.intp).reshape(-1)
-        strangers = [i for i in idx.tolist() if not self._bound.flight.held_by_me(i)]
+        strangers = [i for i in idx.tolist() if not (self._mine(i) and self._bound.flight.held_by_me(i))]
         if strangers:
             raise ValueError(
                 f"indices {strangers[:10]} are not held by these claims (held: {self.indices[:10].tolist()}"
                 f"{', ...' if len(self.indices) > 10 else ''}): store only the slots you claimed"
             )
-        return self._bound.put_claimed(idx, batch)
+        bound = self._bound
+        return self.store(idx, coerce_batch(batch, bound.fields, len(idx)))
+
+    def _mine(self, index: int) -> bool:
+        """Whether ``index`` is one of the slots these claims took (stored or not)."""
+        k = bisect.bisect_right(self._firsts, index) - 1
+        return k >= 0 and index <= self._runs[k][1]
+
+    def store(self, idx: np.ndarray[Any, Any], arrays: list[Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        """:meth:`put_many` of coerced rows at slots held here; the locks let go of as it says."""
+        stored = self._bound.put_coerced(idx, arrays)
+        done = dict.fromkeys(idx.tolist(), False)
+        for i, row_stored in zip(idx.tolist(), stored.tolist(), strict=True):
+            done[i] = done[i] or row_stored
+        free = [i for i, kept in done.items() if not kept]  # not stored: let go now, a miss for the next one
+        kept, left, firsts = self._kept, self._left, self._firsts
+        for i in done:
+            k = bisect.bisect_right(firsts, i) - 1
+            left[k] -= 1
+            if done[i]:
+                kept.add(i)
+            if not left[k]:
+                first, last = self._runs[k]
+                finished = [j for j in range(first, last + 1) if j in kept]
+                kept.difference_update(finished)
+                free += finished
+        if free:
+            self._bound.unlock(free)
+        return stored
 
     def release(self) -> None:
         """Let go of every slot not stored yet (idempotent); nothing is stored. A no-op in a forked child."""
         if self._pid != os.getpid() or self._thread != threading.get_ident():
             return
         self._bound.release(self.indices.tolist())
+        if self._kept:
+            kept, self._kept = self._kept, set()
+            self._bound.unlock(kept)
 
     def _check_owner(self) -> None:
         if self._pid != os.getpid():
@@ -496,8 +575,7 @@ def _get_or_load_many(
     Returns the batch, which rows were loaded, and how many slots were stored.
     """
     loaded = np.zeros(len(idx), bool)
-    handle = single.handle
-    board = handle.board
+    board = single.handle.board
     if hits.all():
         board.add(hits=len(idx))
         return batch, loaded, 0
@@ -509,24 +587,27 @@ def _get_or_load_many(
     ready: list[int] = []  # cached by another process since the first read: read them at the end
     held: list[int] = []  # being loaded elsewhere
     here: list[int] = []  # loaded here without holding (not cacheable, or nothing can be held)
-    can_hold = single.can_hold()
-    slots = single.mapped.slots
+    handle, slots = single.handle, single.mapped.slots
     states, capacity = slots.state_bytes, single.capacity
-    holding: list[int] = []
-    for i in todo:
-        if i >= capacity or not can_hold:
-            here.append(i)
-        elif flight.hold(handle, slots, i):  # raises once the handle is closed
-            holding.append(i)
-            if len(holding) >= (chunk or flight.chunk(len(todo))):
-                run.load_held(holding)
-                holding = []
-        elif states[i] == READY:
-            ready.append(i)
-        else:
-            held.append(i)
-    if holding:
-        run.load_held(holding)
+    if single.can_hold():
+        cacheable: list[int] = []
+        for i in todo:  # a loop, not comprehensions: one frame less on every load
+            (cacheable if i < capacity else here).append(i)
+        todo = cacheable
+    else:
+        here, todo = todo, []
+    start = 0
+    while start < len(todo):  # the next free slots held together (a lock call per run), loaded, let go
+        window = todo[start : start + (chunk or flight.chunk(len(todo)))]
+        start += len(window)
+        mine = flight.hold_many(handle, slots, window)  # raises once the handle is closed
+        if mine:
+            run.load_held(mine)
+        if len(mine) < len(window):
+            got = set(mine)
+            for i in window:
+                if i not in got:
+                    (ready if states[i] == READY else held).append(i)
     if held and (wait if wait is not None else flight.worth_waiting()) and timeout > 0:
         deadline = time.monotonic() + timeout
         for i in held:
@@ -586,13 +667,16 @@ class _Run:
         return batch
 
     def load_held(self, indices: list[int]) -> None:
-        """Load slots this thread holds, store and let go of each; on error let go of them all."""
+        """Load slots this thread holds, store them and let go (by runs); on error let go of them all."""
+        bound = self.bound
         try:
             arrays = self.flight.timed(self.load, indices)
-            self.written += int(np.count_nonzero(self.bound.put_coerced(np.asarray(indices, np.intp), arrays)))
+            stored = bound.put_coerced(np.asarray(indices, np.intp), arrays)
         except BaseException:
-            self.bound.release(indices)  # what Claims do on leaving their block: the slots not stored yet
+            bound.release(indices)  # still held and recorded: let go of them all
             raise
+        bound.unlock(indices)  # stored (READY) or refused: their locks go, a lock call per run
+        self.written += int(np.count_nonzero(stored))
         self._place(indices, arrays)
 
     def load_free(self, indices: list[int]) -> None:
@@ -618,13 +702,23 @@ class _Run:
         return [i for j, i in enumerate(indices) if not hits[j]]
 
     def _place(self, indices: list[int], arrays: list[Any]) -> None:
+        """Loaded ``arrays`` (coerced, row ``j`` for ``indices[j]``) into the rows that asked for them."""
+        wanted, firsts = [], []
+        for i in indices:  # loops, not comprehensions: one frame less on every load
+            rows = self.rows[i]
+            wanted.append(rows)
+            firsts.append(rows[0])
+        if sum(map(len, wanted)) == len(wanted):  # each index asked for once: one fancy assignment per field
+            targets, sources = np.array(firsts, np.intp), None
+        else:
+            targets = np.concatenate([np.asarray(rows, np.intp) for rows in wanted])
+            sources = np.repeat(np.arange(len(indices)), [len(rows) for rows in wanted])
+        self.loaded[targets] = True
         for (name, field), values in zip(self.fields.items(), arrays, strict=True):
-            for j, i in enumerate(indices):
-                rows = self.rows[i]
-                self.loaded[rows] = True
-                if not field.variable:
-                    self.batch[name][rows] = values[j]
-                    continue
+            if not field.variable:
+                self.batch[name][targets] = values if sources is None else values[sources]
+                continue
+            for j, rows in enumerate(wanted):
                 value = values[j] if field.text is None else text_value(field.text, values[j])
                 for row in rows:
                     self.batch[name][row] = value
@@ -659,17 +753,11 @@ def check_flight(load: Any, timeout: Any, wait: Any, chunk: Any) -> float:
 
 def _claim(bound: SingleFlight, idx: np.ndarray[Any, Any]) -> Claims:
     """:meth:`Cache.claim_many <mmapcache.Cache.claim_many>` of cacheable ``idx``: hold what is free."""
-    flight, handle, slots = bound.flight, bound.handle, bound.mapped.slots
-    states = slots.state_bytes
-    mine, held = [], []
-    for i in dict.fromkeys(idx.tolist()):
-        if states[i] == READY:
-            continue
-        if flight.hold(handle, slots, i):
-            mine.append(i)
-        elif states[i] != READY:
-            held.append(i)
-    return Claims(bound, mine, held)
+    states = bound.mapped.slots.state_bytes
+    todo = [i for i in dict.fromkeys(idx.tolist()) if states[i] != READY]
+    mine = bound.hold_many(todo)  # a lock call per run of consecutive slots, in any order asked
+    got = set(mine)
+    return Claims(bound, mine, [i for i in todo if i not in got and states[i] != READY])
 
 
 def _wait_for(bound: SingleFlight, idx: np.ndarray[Any, Any], timeout: float) -> Claims:

@@ -2,8 +2,9 @@
 
 Each slot moves EMPTY -> WRITING -> READY, once. A writer
 
-1. **claims** the slot: takes the kernel record lock on the slot's state byte
-   (``F_OFD_SETLK``, non-blocking) and, holding it, re-reads the state; READY
+1. **claims** the slot: takes the kernel record lock on the slot's record
+   (``F_OFD_SETLK``, non-blocking; see "Locks" below) and, holding it,
+   re-reads the state; READY
    means someone else won, so it lets go and reports False. Otherwise it sets
    WRITING;
 2. **copies** the sample into the data arrays and stores the checksum;
@@ -19,6 +20,21 @@ while the first holds the lock, and sees READY after it. A writer killed at any
 instant leaves the slot EMPTY or WRITING, never READY with torn bytes; the
 kernel drops its lock, so the next claim succeeds on a WRITING slot and
 rewrites it — no PID guessing, no manual repair. Everything READY stays READY.
+
+Locks
+-----
+A slot's claim is an exclusive open-file-description record lock on its whole
+record (``record_size`` bytes from the slot's state byte); the format's rule
+is a lock on the state byte, which this covers, so the claims of every version
+of mmapcache exclude each other. Whole records because the kernel keeps one
+list of the record locks on a file and walks it at every lock call, any
+process's: it merges the adjacent locks of one description into one entry, and
+the records of consecutive slots are adjacent. So a holder of ``k``
+consecutive slots costs the list one entry, taken and let go with one call
+each (:meth:`SlotTable.hold_many`, :meth:`SlotTable.release_many`), where
+``k`` one-byte locks cost ``k`` entries and made every other writer's lock
+call ``k`` times longer. Scattered slots still cost an entry per run of
+consecutive ones.
 
 Memory ordering (the one place this argument is made)
 -----------------------------------------------------
@@ -47,6 +63,7 @@ its state load.
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -54,11 +71,28 @@ import numpy as np
 from .._file import SlotLocks
 from .._format import Layout
 
-__all__ = ["EMPTY", "READY", "STRONGLY_ORDERED", "WRITING", "SlotTable"]
+__all__ = ["EMPTY", "READY", "STRONGLY_ORDERED", "WRITING", "SlotTable", "runs"]
 
 EMPTY, WRITING, READY = 0, 1, 2
 
 STRONGLY_ORDERED = platform.machine().lower() in {"x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"}
+
+_SPLITS = 64  # a run's lock refused: at most this many looks at what holds it, then slot by slot
+
+
+def runs(indices: Iterable[int]) -> list[tuple[int, int]]:
+    """The distinct ``indices`` as runs of consecutive ones, ``(first, last)``, in increasing order."""
+    found: list[tuple[int, int]] = []
+    first = last = -2
+    for i in sorted(set(indices)):
+        if i != last + 1:
+            if last >= 0:
+                found.append((first, last))
+            first = i
+        last = i
+    if last >= 0:
+        found.append((first, last))
+    return found
 
 
 class SlotTable:
@@ -86,6 +120,7 @@ class SlotTable:
         self.synced = np.zeros(0, np.uint8)
 
     def lock_offset(self, index: int) -> int:
+        """Where slot ``index``'s lock starts: its record (the lock covers the whole record)."""
         return self._table_offset + index * self._record_size
 
     def claim(self, index: int) -> bool:
@@ -102,12 +137,75 @@ class SlotTable:
         Unlike :meth:`claim` the state is left alone (EMPTY, or WRITING from a
         writer that died): letting go without a fill changes nothing.
         """
-        offset = self._table_offset + index * self._record_size
-        if not self.locks.try_claim(offset):
+        offset, size = self.lock_offset(index), self._record_size
+        if not self.locks.try_claim(offset, size):
             return False
         if self.states[index] == READY:
-            self.locks.release(offset)
+            self.locks.release(offset, size)
             return False
+        return True
+
+    def hold_many(self, indices: Iterable[int]) -> list[int]:
+        """:meth:`hold` of many slots, one lock call per run of consecutive ones; those now held, in order.
+
+        A run another description holds part of is split around what holds
+        it (the kernel names one such lock per look) and the rest is tried
+        again, so two holders of overlapping batches cost a call per boundary,
+        not per slot.
+        """
+        locks, size, base = self.locks, self._record_size, self._table_offset
+        got: list[int] = []
+        for first, last in runs(indices):
+            if locks.try_claim(base + first * size, (last - first + 1) * size):
+                got.extend(range(first, last + 1))
+            elif first < last:
+                got += self._split_run(first, last)
+        states = self.state_bytes
+        ready: list[int] = []
+        free: list[int] = []
+        for i in got:  # a loop, not comprehensions: one frame less on every load
+            (ready if states[i] == READY else free).append(i)
+        if ready:
+            self.release_many(ready)
+        return free
+
+    def _split_run(self, first: int, last: int) -> list[int]:
+        """The slots of ``first .. last`` (a run whose lock was refused) whose locks this call took."""
+        locks, size, base = self.locks, self._record_size, self._table_offset
+        got: list[int] = []
+        todo, looks = [(first, last)], 0
+        while todo:
+            a, b = todo.pop()
+            offset, length = base + a * size, (b - a + 1) * size
+            if looks and locks.try_claim(offset, length):
+                got.extend(range(a, b + 1))
+                continue
+            if a == b:
+                continue
+            looks += 1
+            found = locks.conflict(offset, length) if looks <= _SPLITS else None
+            if found is None:  # let go meanwhile, or held in many pieces: slot by slot
+                got.extend(i for i in range(a, b + 1) if locks.try_claim(base + i * size, size))
+                continue
+            lo, hi = max(a, (found[0] - base) // size), min(b, (found[1] - base) // size)
+            if hi < b:
+                todo.append((hi + 1, b))
+            if a < lo:
+                todo.append((a, lo - 1))
+        return sorted(got)
+
+    def release_many(self, indices: Iterable[int]) -> None:
+        """Let go of the locks of ``indices``, one call per run of consecutive ones."""
+        locks, size, base = self.locks, self._record_size, self._table_offset
+        for first, last in runs(indices):
+            locks.release(base + first * size, (last - first + 1) * size)
+
+    def mark_writing(self, index: int) -> bool:
+        """Step 1 for a slot this description holds already: WRITING, unless it is READY (then False)."""
+        if self.states[index] == READY:
+            return False
+        self.states[index] = WRITING
+        self.synced[index] = 0  # before any byte of the new sample (see _region/reboot.py)
         return True
 
     def publish(self, index: int, checksum: int) -> None:
@@ -116,7 +214,7 @@ class SlotTable:
         self.states[index] = READY
 
     def release(self, index: int) -> None:
-        self.locks.release(self._table_offset + index * self._record_size)
+        self.locks.release(self.lock_offset(index), self._record_size)
 
     def ready_mask(
         self, indices: np.ndarray[Any, np.dtype[np.intp]], capacity: int, length: int
@@ -138,7 +236,7 @@ class SlotTable:
 
     def writer_alive(self, index: int) -> bool:
         """Whether another open description holds slot ``index``'s claim (a live writer)."""
-        return self.locks.held_elsewhere(self.lock_offset(index))
+        return self.locks.held_elsewhere(self.lock_offset(index), self._record_size)
 
     def reset(self, index: int, expect: int | None = None) -> bool:
         """Mark a slot EMPTY under its claim; False if a live writer holds it.
@@ -147,8 +245,8 @@ class SlotTable:
         claim, nobody else can change it, so a slot another writer reclaimed
         and published meanwhile is left alone.
         """
-        offset = self.lock_offset(index)
-        if not self.locks.try_claim(offset):
+        offset, size = self.lock_offset(index), self._record_size
+        if not self.locks.try_claim(offset, size):
             return False
         try:
             if expect is not None and self.states[index] != expect:
@@ -157,5 +255,5 @@ class SlotTable:
             self.checksums[index] = 0
             self.synced[index] = 0
         finally:
-            self.locks.release(offset)
+            self.locks.release(offset, size)
         return True

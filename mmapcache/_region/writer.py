@@ -14,10 +14,12 @@ thin callers of three entry points that share one store:
 3. the slots' bytes, by one of two mechanics:
 
    * **a slot at a time** (:meth:`Writer.put`, :meth:`Writer.put_many`): claim
-     (the slot's kernel record lock — a slot this thread holds already is
-     claimed again at no cost, the lock is the same), copy (variable values
-     into the region first), checksum, publish READY, release; a slot READY
-     or held by another writer is skipped;
+     (the slot's kernel record lock), copy (variable values into the region
+     first), checksum, publish READY, release; a slot READY or held by another
+     writer is skipped. Slots the caller holds already (single flight,
+     ``held=True``) skip the lock calls: marked WRITING, filled and published
+     under the lock the caller holds, which the caller lets go of afterwards,
+     a run of consecutive slots at a time;
    * **a fresh run** (:meth:`Writer.put_run`): slots handed out to one writer
      and never filled (a stream's fill), stored without per-slot locks by a
      ``pwrite`` per field and one publish for the batch (see
@@ -115,13 +117,14 @@ class Writer:
         return self._store(arrays, (index,), (None,), None) == 1
 
     def put_many(
-        self, idx: np.ndarray[Any, Any], batch: Any, *, rows: Any = None, coerced: bool = False
+        self, idx: np.ndarray[Any, Any], batch: Any, *, rows: Any = None, coerced: bool = False, held: bool = False
     ) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """Store row ``k`` of ``batch`` at slot ``idx[k]`` (valid indices); which rows were stored.
 
         Each slot is claimed, filled and published on its own: one that is
-        not cacheable, READY, or held by another writer is skipped. A slot this
-        thread holds (single flight) is stored and its lock released. ``rows``:
+        not cacheable, READY, or held by another writer is skipped. ``held``:
+        the caller holds every slot of ``idx`` (single flight); they are stored
+        without lock calls and stay locked (the caller lets go). ``rows``:
         only those rows are stored (an array of row numbers). ``coerced``:
         ``batch`` is the list :func:`~._values.coerce_batch` makes, in field
         order, not converted again.
@@ -136,7 +139,7 @@ class Writer:
         arrays = batch if coerced else coerce_batch(batch, self.fields, len(idx))
         if self.mapped.variables:
             self.checked(arrays)
-        self._store(arrays, idx[todo].tolist(), todo.tolist(), stored)
+        self._store(arrays, idx[todo].tolist(), todo.tolist(), stored, held=held)
         return stored
 
     def put_run(self, start: int, batch: Any, count: int, *, coerced: bool = False) -> int:
@@ -181,6 +184,8 @@ class Writer:
         slots: Sequence[int],
         rows: Sequence[int | None] | None,
         stored: np.ndarray[Any, np.dtype[np.bool_]] | None,
+        *,
+        held: bool = False,
     ) -> int:
         """Checked ``arrays`` stored under the write lock and counted; how many of ``slots`` were stored.
 
@@ -199,7 +204,7 @@ class Writer:
             else:
                 fill = _fill if not mapped.variables else _fill_variable
                 for i, row in zip(slots, rows, strict=True):
-                    if fill(mapped, i, arrays, row):
+                    if fill(mapped, i, arrays, row, held):
                         written += 1
                         if stored is not None:
                             stored[row] = True
@@ -211,10 +216,13 @@ class Writer:
 # -- a slot at a time -----------------------------------------------------------------
 
 
-def _fill(mapped: Mapped, index: int, arrays: list[np.ndarray[Any, Any]], row: int | None) -> bool:
-    """Claim, copy (row ``row`` of each array, or the arrays themselves), publish; False if taken."""
+def _fill(mapped: Mapped, index: int, arrays: list[np.ndarray[Any, Any]], row: int | None, held: bool = False) -> bool:
+    """Claim, copy (row ``row`` of each array, or the arrays themselves), publish; False if taken.
+
+    ``held``: the caller holds the slot's lock, and keeps it.
+    """
     slots = mapped.slots
-    if not slots.claim(index):
+    if not (slots.mark_writing(index) if held else slots.claim(index)):
         return False
     try:
         parts = []  # the slot's bytes, field by field (a loop: no frame of its own)
@@ -224,14 +232,15 @@ def _fill(mapped: Mapped, index: int, arrays: list[np.ndarray[Any, Any]], row: i
         slots.publish(index, checksum(parts))
         return True
     finally:
-        slots.release(index)
+        if not held:
+            slots.release(index)
 
 
-def _fill_variable(mapped: Mapped, index: int, arrays: list[Any], row: int | None) -> bool:
+def _fill_variable(mapped: Mapped, index: int, arrays: list[Any], row: int | None, held: bool = False) -> bool:
     """:func:`_fill` for a cache with variable fields: values go to this writer's extent first."""
     slots, heap = mapped.slots, mapped.heap
     assert heap is not None
-    if not slots.claim(index):
+    if not (slots.mark_writing(index) if held else slots.claim(index)):
         return False
     try:
         values = [source if row is None else source[row] for source in arrays]
@@ -247,7 +256,8 @@ def _fill_variable(mapped: Mapped, index: int, arrays: list[Any], row: int | Non
         slots.publish(index, checksum(parts))
         return True
     finally:
-        slots.release(index)
+        if not held:
+            slots.release(index)
 
 
 def _place_one(mapped: Mapped, heap: Heap, index: int, values: list[np.ndarray[Any, Any]]) -> bool:

@@ -24,7 +24,7 @@ from .._region import empty_aligned
 from ._leaves import LeafShapeError, converted, exact_column, fit, variable_column, write_column
 from ._schema import Schema, describe
 
-__all__ = ["ShapeVariesError", "columns", "new_batch", "shared_empty"]
+__all__ = ["ShapeVariesError", "as_tensors", "columns", "new_batch", "shared_empty"]
 
 
 class ShapeVariesError(ValueError):
@@ -124,6 +124,15 @@ def new_batch(
         arrays.append(array)
         tensors.append(raw if torch_dtype is None else raw.view(torch_dtype))
     return tensors, arrays
+
+
+def as_tensors(arrays: Sequence[np.ndarray[Any, Any]], dtypes: Sequence[torch.dtype | None]) -> list[torch.Tensor]:
+    """Batch tensors over fresh storage arrays (viewed as a field's torch dtype where it has one)."""
+    tensors = []
+    for array, dtype in zip(arrays, dtypes, strict=True):
+        tensor = torch.from_numpy(array)
+        tensors.append(tensor if dtype is None else tensor.view(dtype))
+    return tensors
 
 
 def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -46,6 +46,7 @@ from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
 from .._region import Jagged
 from ._collate import Padded, Padder, as_is, collate, collate_tree
+from ._columns import as_tensors
 from ._index_batches import IndexBatch, index_batches
 from ._ragged import Packed, jagged_batch, tensors_batch
 from ._session import Session
@@ -147,31 +148,37 @@ class Batched(torch.utils.data.Dataset[Any]):
         cache = session.opened()
         if cache is None:  # nobody created the file yet: this batch creates it
             return self._collate_samples(session.load(idx.tolist()))
-        hits = self._hits(cache, idx, counted=False)
-        return self._collate(session.gather(cache, idx)) if hits is None else hits
+        return self._read(cache, idx)
 
-    def _hits(self, cache: Any, idx: np.ndarray[Any, np.dtype[np.intp]], *, counted: bool) -> Any:
-        """The finished batch at file positions ``idx`` if every one is cached and every field fixed; else None.
+    def _read(
+        self,
+        cache: Any,
+        idx: np.ndarray[Any, np.dtype[np.intp]],
+        rows: Sequence[int] = (),
+        leaves: Sequence[list[Any]] = (),
+        *,
+        counted: bool = False,
+    ) -> Any:
+        """The finished batch at file positions ``idx`` (``rows``, ``leaves``, ``counted``: as ``Session.gather``).
 
-        One pass reads the slot states and the rows into fresh arrays, which become the batch tensors
-        (the common warm batch: what ``Session.gather`` does for it, in a third of the Python).
+        One pass reads the slot states and the rows into fresh arrays, which become the batch
+        tensors; misses (and variable fields) are ``Session.gather``'s, which takes this read on
+        rather than reading again.
         """
-        schema = self.session.schema
+        session = self.session
+        schema = session.schema
         assert schema is not None
         if schema.ragged:
-            return None
+            return self._collate(session.gather(cache, idx, rows, leaves, counted=counted))
         arrays, hits = cache.read_many(idx, count=False)
         found = int(np.count_nonzero(hits))
         if found < len(idx):
-            return None
+            first = (arrays, hits)
+            return self._collate(session.gather(cache, idx, rows, leaves, counted=counted, first=first))
         if not counted:
-            self.session.hits += found
+            session.hits += found
             cache.count(hits=found)
-        tensors = []
-        for name, dtype in zip(schema.names, schema.dtypes, strict=True):
-            tensor = torch.from_numpy(arrays[name])
-            tensors.append(tensor if dtype is None else tensor.view(dtype))
-        return collate_tree(schema.tree, tensors)
+        return collate_tree(schema.tree, as_tensors(list(map(arrays.__getitem__, schema.names)), schema.dtypes))
 
     def _collate_samples(self, samples: list[Any]) -> Any:
         """``collate`` (``default_collate`` without restacking rows of one gathered batch), but the leaves
@@ -192,9 +199,7 @@ class Batched(torch.utils.data.Dataset[Any]):
         session = self.session
         cache = session.opened()
         assert cache is not None, "a worker sends a WorkerBatch only once the file exists"
-        gathered = None if batch.rows else self._hits(cache, batch.positions, counted=True)
-        if gathered is None:
-            gathered = self._collate(session.gather(cache, batch.positions, batch.rows, batch.leaves, counted=True))
+        gathered = self._read(cache, batch.positions, batch.rows, batch.leaves, counted=True)
         return gathered if self.batch_transform is None else self.batch_transform(gathered)
 
     def _collate(self, columns: list[Any]) -> Any:

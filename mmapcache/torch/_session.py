@@ -46,7 +46,7 @@ from ._checks import (
     some_ready,
 )
 from ._collate import adopt
-from ._columns import ShapeVariesError, columns, new_batch
+from ._columns import ShapeVariesError, as_tensors, columns, new_batch
 from ._opening import open_existing
 from ._schema import Schema, first_fields, varying_shapes
 from ._settings import Settings, not_map_style
@@ -324,6 +324,7 @@ class Session:
         *,
         counted: bool = False,
         private: bool = False,
+        first: tuple[dict[str, Any], np.ndarray[Any, Any]] | None = None,
     ) -> list[Any]:
         """One column per field holding the samples at file positions ``idx``: hits read, misses loaded.
 
@@ -332,18 +333,23 @@ class Session:
         gathered at once (no object per sample); a text field's a list of ``str``/``bytes``.
         ``given_rows``/``leaves``: samples a worker already loaded and could not store;
         ``counted``: the reads were counted in the file already (by that worker); ``private``: the
-        batch tensors in this process's memory even in a worker. Misses are loaded through :meth:`load`
-        (which counts them).
+        batch tensors in this process's memory even in a worker; ``first``: the caller's
+        ``read_many(idx)`` of these positions into fresh arrays (not read again; its fixed arrays
+        become the batch tensors). Misses are loaded through :meth:`load` (which counts them).
         """
         schema = self.schema
         assert schema is not None
         count = len(idx)
-        shapes = []  # loops, not comprehensions, in this function: every batch runs it
-        for shape in schema.fixed_shapes:
-            shapes.append((count, *shape))
-        tensors, arrays = new_batch(shapes, schema.fixed_storage, schema.fixed_dtypes, private=private)
-        out = dict(zip(schema.fixed, arrays, strict=True))
-        read, hits = cache.read_many(idx, out=out, count=False)  # variable fields: Jagged, texts: lists
+        if first is None:
+            shapes = []  # loops, not comprehensions, in this function: every batch runs it
+            for shape in schema.fixed_shapes:
+                shapes.append((count, *shape))
+            tensors, arrays = new_batch(shapes, schema.fixed_storage, schema.fixed_dtypes, private=private)
+            out = dict(zip(schema.fixed, arrays, strict=True))
+            read, hits = cache.read_many(idx, out=out, count=False)  # variable fields: Jagged, texts: lists
+        else:
+            read, hits = first
+            tensors = as_tensors(list(map(read.__getitem__, schema.fixed)), schema.fixed_dtypes)
         found = int(np.count_nonzero(hits))
         if found < count and not given_rows and not counted:  # misses: this read is handed on, not made again
             read = self._load_misses(cache, idx, read, hits, found)
