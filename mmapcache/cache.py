@@ -24,6 +24,7 @@ from ._region import (
     WAIT_TIMEOUT,
     Claims,
     Counts,
+    FixedRows,
     Flight,
     Mapped,
     Problem,
@@ -704,6 +705,16 @@ def writer_of(cache: Cache) -> Writer:
 def column_of(cache: Cache, field: str) -> VariableColumn:
     """A variable field's column in an open cache's mapping: for readers of parts of its values (packed sequences)."""
     return next(column for column in cache._live().variables if column.name == field)
+
+
+def fixed_rows_of(cache: Cache) -> FixedRows | None:
+    """An open cache's one-pass read of its fixed fields, when a batch read is that pass alone (fields fixed,
+    in memory, no ``verify``): for the torch layer's gathers of several caches into one batch (mixtures).
+    ``take(idx, len(cache), outs)`` reads rows into ``outs`` and counts nothing (see :meth:`Cache.count`)."""
+    mapped = cache._live()
+    if mapped.variables or mapped.readahead or cache._verify:
+        return None
+    return mapped.fixed
 
 
 def flight_of(cache: Cache) -> SingleFlight:

@@ -9,7 +9,7 @@ from .allocator import VariableRegion, place
 from .attaching import attach
 from .counters import REFUTED, Counts, Usage, read_flags, read_usage
 from .flight import WAIT_TIMEOUT, Claims, Flight, SingleFlight
-from .gathers import accelerated, compiled, empty_aligned, gather, take_ready
+from .gathers import FixedRows, accelerated, compiled, empty_aligned, gather, take_ready
 from .handle import closed_error
 from .indices import as_given, check_index, check_out, index_array
 from .jagged import Jagged
@@ -59,6 +59,7 @@ __all__ = [
     "_PARTITION",
     "Claims",
     "Counts",
+    "FixedRows",
     "Flight",
     "Jagged",
     "Mapped",

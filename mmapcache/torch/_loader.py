@@ -23,7 +23,7 @@ for it, with nothing around it but the sampler: the batches of indices come
 as arrays drawn an epoch at a time and checked once (:mod:`._index_batches`),
 a warm batch of fixed fields is one pass of the compiled read (slot states
 and rows) into the arrays that become its tensors, and the iterator
-(:class:`_InProcess`) skips the fetcher, the pass-through collate and, unless
+(:class:`InProcess`) skips the fetcher, the pass-through collate and, unless
 a profiler records, the profiler's range per batch.
 
 A variable-shape field is gathered the same way, once per batch, into one
@@ -275,7 +275,7 @@ class Loader(torch.utils.data.DataLoader[Any]):
             # The spot checks run here, in the main process, before the workers start: they inherit the verdict.
             self.dataset.session.opened()
             if self.num_workers == 0 and type(self) is Loader and self.collate_fn is as_is and self._auto_collation:
-                return _InProcess(self)
+                return InProcess(self)
         return super()._get_iterator()
 
     def __iter__(self) -> Any:
@@ -285,8 +285,9 @@ class Loader(torch.utils.data.DataLoader[Any]):
         return _Gathering(inner, self.dataset, pin=self.pin_memory and torch.accelerator.is_available())
 
 
-class _InProcess(_SingleProcessDataLoaderIter):
-    """A Loader's iterator without workers: DataLoader's, the batch asked of the dataset view directly.
+class InProcess(_SingleProcessDataLoaderIter):
+    """A Loader's (or a mixture loader's) iterator without workers: DataLoader's, the batch asked of the
+    dataset view directly.
 
     The view's batches are finished (the collate function passes them through), so ``__next__`` skips
     the fetcher, the collate call and, while no profiler records, the profiler's range around each batch
@@ -296,8 +297,7 @@ class _InProcess(_SingleProcessDataLoaderIter):
     def __next__(self) -> Any:
         if torch._C._autograd._profiler_enabled():
             return super().__next__()
-        batched: Batched = self._dataset  # type: ignore[assignment]  # a Loader's iterator reads its Batched
-        data = batched.__getitems__(next(self._sampler_iter))
+        data = self._dataset.__getitems__(next(self._sampler_iter))  # type: ignore[attr-defined]  # a view's
         if self._pin_memory:
             data = torch.utils.data._utils.pin_memory.pin_memory(  # type: ignore[no-untyped-call]  # no hints
                 data, self._pin_memory_device

@@ -26,10 +26,11 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from ..cache import fixed_rows_of
 from ._collate import as_is, collate_tree
 from ._columns import new_batch
 from ._dataset import CachedDataset
-from ._loader import Loader
+from ._loader import InProcess, Loader
 from ._mixture import Mixture
 from ._sampler import checked_integer, node_topology
 
@@ -271,12 +272,19 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
         for code, idx, start, stop in parts:
             session = self._session(code)
             cache = session.cache
-            out = {name: array[start:stop] for name, array in zip(schema.fixed, arrays, strict=True)}
-            _, hits = cache.read_many(idx, out=out, count=False)
-            if hits.all():
-                session.hits += len(hits)
-                cache.count(hits=len(hits))
+            rows = fixed_rows_of(cache)
+            if rows is not None:  # one pass reads the states and the rows into the batch, as loader() reads
+                outs = [array[start:stop] for array in arrays]
+                _, hits, found = rows.take(idx, len(cache), outs)
+            else:
+                out = {name: array[start:stop] for name, array in zip(schema.fixed, arrays, strict=True)}
+                _, hits = cache.read_many(idx, out=out, count=False)
+                found = int(np.count_nonzero(hits))
+            if found == len(idx):
+                session.hits += found
+                cache.count(hits=found)
                 continue
+            assert hits is not None
             columns = session.gather(cache, idx)  # loads and stores the misses, counts the reads
             for array, column in zip(arrays, columns, strict=True):
                 array[start:stop] = column.numpy()
@@ -310,6 +318,11 @@ class MixtureLoader(Loader):
 
     def _parts(self) -> tuple[StepSampler, MixtureBatches]:
         return cast(StepSampler, self.batch_sampler), cast(MixtureBatches, self.dataset)
+
+    def _get_iterator(self) -> Any:
+        if type(self) is MixtureLoader and self.num_workers == 0 and self.collate_fn is as_is and self._auto_collation:
+            return InProcess(self)  # the batches come finished: no fetcher, no collate call (as loader()'s)
+        return super()._get_iterator()
 
     def __iter__(self) -> Any:
         sampler, batches = self._parts()
