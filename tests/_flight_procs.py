@@ -25,6 +25,14 @@ FIXED = {"x": Field((4,), "float32"), "i": Field((), "int64")}
 VARIABLE = {"tokens": Field((None,), "int32"), "text": Field((None,), "str"), "i": Field((), "int64")}
 
 
+def start(procs: list[Any], target: Any, *args: Any) -> Any:
+    """A spawned process running ``target(*args)``, recorded in ``procs`` (the test's fixture ends them)."""
+    proc = SPAWN.Process(target=target, args=args)
+    proc.start()
+    procs.append(proc)
+    return proc
+
+
 def sample(index: int, *, variable: bool = False) -> dict[str, Any]:
     """The one true sample at ``index`` (what every loader returns, and every read must)."""
     if variable:

@@ -24,6 +24,7 @@ from _flight_procs import (
     loads,
     logged_load,
     sample,
+    start,
     truth,
     wait_for_file,
     wrong_rows,
@@ -40,13 +41,6 @@ def path(tmp_path: Path) -> Path:
     with Cache.open(tmp_path / "c.mmc", FIXED, 64):
         pass
     return tmp_path / "c.mmc"
-
-
-def start(procs: list[Any], target: Any, *args: Any) -> Any:
-    proc = SPAWN.Process(target=target, args=args)
-    proc.start()
-    procs.append(proc)
-    return proc
 
 
 def mine_of(cache: Cache) -> Any:

@@ -22,6 +22,7 @@ from _flight_procs import (
     loads,
     logged_load,
     sample,
+    start,
     wait_for_file,
     wrong_rows,
 )
@@ -37,13 +38,6 @@ def path(tmp_path: Path) -> Path:
     with Cache.open(tmp_path / "c.mmc", FIXED, SLOTS):
         pass
     return tmp_path / "c.mmc"
-
-
-def start(procs: list[Any], target: Any, *args: Any) -> Any:
-    proc = SPAWN.Process(target=target, args=args)
-    proc.start()
-    procs.append(proc)
-    return proc
 
 
 def table_of(cache: Cache) -> tuple[int, int]:

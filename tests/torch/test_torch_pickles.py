@@ -1,4 +1,4 @@
-"""Pickles made by mmapcache 0.3.0, 0.4.0 and 0.5.0 (tests/data/pickles-*.pkl, see make_pickles*.py) load and work."""
+"""Pickles made by mmapcache 0.3.0, 0.4.0 and 0.5.0 (tests/data/pickles-*.pkl, see make_pickles.py) load and work."""
 
 from __future__ import annotations
 
