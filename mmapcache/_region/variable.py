@@ -408,8 +408,10 @@ class VariableColumn:
         count, item = len(slots), self._item
         gap = slots < 0
         table = np.zeros(count, _FRAGMENT)
-        table["offset"] = self.offsets[np.where(gap, 0, slots)] + starts * item
-        table["offset"][gap] = 0
+        # In int64 (uint64 + int64 would be float64): a damaged offset past 2**63 turns negative, caught below.
+        first = self.offsets[np.where(gap, 0, slots)].astype(np.int64) + starts * item
+        first[gap] = 0
+        table["offset"] = first
         table["length"] = lengths
         offsets = np.empty(count + 1, np.int64)
         native = _gather.native
@@ -422,9 +424,9 @@ class VariableColumn:
             return offsets, np.asarray(bad, np.intp)
         offsets[0] = 0
         np.cumsum(lengths, out=offsets[1:])
-        first = table["offset"].astype(np.int64)
         nbytes = lengths * item
-        bad = ~gap & ((first % self._align != 0) | (nbytes > self._size - first))
+        outside = (first < 0) | (first > self._size) | (nbytes > self._size - first)
+        bad = ~gap & (outside | (first % self._align != 0))
         wanted = np.flatnonzero(~gap & ~bad)
         bounds = np.zeros(len(wanted) + 1, np.int64)
         np.cumsum(nbytes[wanted], out=bounds[1:])

@@ -615,8 +615,9 @@ def test_parts_of_values_are_gathered_back_to_back_with_gaps_left_and_damage_rep
             for k, (s, a, n) in enumerate(zip(slots.tolist(), starts.tolist(), lengths.tolist(), strict=True)):
                 if s >= 0:
                     assert out[offsets[k] : offsets[k] + n].tolist() == values[s][a : a + n].tolist()
-        column.offsets[3] = 2**40  # a damaged descriptor: the part lies outside the region
-        offsets, bad = column.fragments(
-            np.array([0, 3, 5], np.int64), np.zeros(3, np.int64), np.array([1, 1, 1], np.int64), np.zeros(3, np.uint16)
-        )
-        assert bad.tolist() == [1]
+        for damaged in (2**40, 2**63 + 2):  # damaged descriptors: the part lies outside the region
+            column.offsets[3] = damaged
+            offsets, bad = column.fragments(
+                np.array([0, 3, 5], np.int64), np.zeros(3, np.int64), np.ones(3, np.int64), np.zeros(3, np.uint16)
+            )
+            assert bad.tolist() == [1], damaged
