@@ -24,7 +24,7 @@ from .._region import empty_aligned
 from ._leaves import LeafShapeError, converted, exact_column, fit, variable_column, write_column
 from ._schema import Schema, describe
 
-__all__ = ["ShapeVariesError", "as_tensors", "columns", "new_batch", "shared_empty"]
+__all__ = ["ConversionError", "ShapeVariesError", "as_tensors", "columns", "fitted_leaves", "new_batch", "shared_empty"]
 
 
 class ShapeVariesError(ValueError):
@@ -62,24 +62,18 @@ def columns(
             else:
                 return stacked
     origin = "as fields= declares" if declared else "from the first sample"
-    fields = list(schema.fields.items())
+    fields = list(schema.fields.values())
     out: list[list[Any]] = [[] for _ in fields]
     for index, sample in zip(indices, raw, strict=True):
         try:
-            leaves = schema.flatten(sample)
-            for column, leaf, (name, field) in zip(out, leaves, fields, strict=True):
-                if declared or (dtypes is not None and name in dtypes):
-                    try:
-                        leaf = converted(leaf, field, name)
-                    except (TypeError, ValueError) as error:
-                        raise _ConversionError(type(error), f"dataset[{index}]: {error}") from None
-                column.append(fit(leaf, field, name))
+            for column, leaf in zip(out, fitted_leaves(schema, sample, dtypes, declared=declared), strict=True):
+                column.append(leaf)
         except LeafShapeError as error:
             if declared:
                 raise ValueError(f"dataset[{index}]: {error}, which fields= declares") from None
             raise ShapeVariesError(index, error) from None
-        except _ConversionError as error:
-            raise error.kind(error.message) from None
+        except ConversionError as error:
+            raise error.kind(f"dataset[{index}]: {error.message}") from None
         except (TypeError, ValueError) as error:
             raise type(error)(
                 f"dataset[{index}]: {error}. mmapcache caches samples of one structure and dtype per field "
@@ -87,12 +81,34 @@ def columns(
             ) from None
     return [
         variable_column(column, field) if field.variable else write_column(column, field)
-        for column, (_, field) in zip(out, fields, strict=True)
+        for column, field in zip(out, fields, strict=True)
     ]
 
 
-class _ConversionError(Exception):
-    """A leaf that ``dtypes=`` cannot convert without loss: the error to raise (its message is complete)."""
+def fitted_leaves(schema: Schema, sample: Any, dtypes: Mapping[str, Any] | None, *, declared: bool) -> list[Any]:
+    """``sample``'s leaves in field order, each as the file stores it: the one route from a leaf to storage.
+
+    A leaf of a field whose dtype the user chose (every field when ``declared``, else those ``dtypes``
+    names) is first converted to it, exactly or not at all (:func:`~._leaves.converted`); then
+    :func:`~._leaves.fit` checks it against its field. What comes back is ready for
+    :func:`~._leaves.write_column` / :func:`~._leaves.variable_column` (a miss batch) or for
+    :func:`~mmapcache._region.tensor_to_numpy` (a stream element). Raises :class:`ConversionError` for a
+    conversion that would change a value, :class:`~._leaves.LeafShapeError` for a shape that does not
+    fit, TypeError/ValueError naming the field otherwise; callers say which sample it was.
+    """
+    out = []
+    for leaf, (name, field) in zip(schema.flatten(sample), schema.fields.items(), strict=True):
+        if declared or (dtypes is not None and name in dtypes):
+            try:
+                leaf = converted(leaf, field, name)
+            except (TypeError, ValueError) as error:
+                raise ConversionError(type(error), str(error)) from None
+        out.append(fit(leaf, field, name))
+    return out
+
+
+class ConversionError(Exception):
+    """A leaf that ``fields=``/``dtypes=`` cannot convert without loss: the error's type and its message."""
 
     def __init__(self, kind: type[Exception], message: str) -> None:
         super().__init__(message)

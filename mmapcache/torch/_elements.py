@@ -1,18 +1,20 @@
-"""A stream element on the first epoch's path: its storage arrays and the value yielded, in one pass.
+"""A stream element on the first epoch's path: its storage arrays and the value yielded.
 
 ``CachedStream`` turns each element into one storage array per field (what
-the file holds) and yields the element as a read from the cache returns it.
-For the commonest elements — a flat tuple, list or dict (or a bare leaf) of
-arrays and CPU tensors of the field's exact dtype that plainly fit it,
-Python ints for int64 scalars, ``str`` for text — :meth:`ElementPath.convert`
-does both in one pass at a few hundred nanoseconds a leaf, reusing what it
-can: a tensor is yielded as the stream gave it, a ``str`` as it was. Anything
-else returns ``None``, and the caller takes the general rule
-(``_leaves.fit``), which also words the errors.
+the file holds) and yields the element as a read from the cache returns it,
+both by :meth:`ElementPath.convert`. For the commonest elements — a flat
+tuple, list or dict (or a bare leaf) of arrays and CPU tensors of the field's
+exact dtype that plainly fit it, Python ints for int64 scalars, ``str`` for
+text — it does both in one pass at a few hundred nanoseconds a leaf, reusing
+what it can: a tensor is yielded as the stream gave it, a ``str`` as it was.
+Any other element takes the route a miss batch of ``CachedDataset`` takes
+(:func:`~._columns.fitted_leaves`: the same conversions, checks and errors,
+worded for a stream element).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,29 +22,80 @@ import numpy as np
 import torch
 
 from .._field import Field
-from .._region import torch_dtype
-from ._schema import Schema
+from .._region import tensor_to_numpy, torch_dtype
+from ._columns import ConversionError, fitted_leaves
+from ._leaves import LeafShapeError
+from ._schema import Schema, declaration, describe
 from ._structure import Node
 
-__all__ = ["ElementPath"]
+__all__ = ["ElementPath", "as_element"]
 
 _INT64 = np.dtype(np.int64)
 _ARRAY, _INT, _STR, _NEVER = range(4)  # what a field takes on the fast path: arrays/tensors, also ints, str, nothing
 
 
 class ElementPath:
-    """The one-pass conversion of a schema's elements (see the module docstring)."""
+    """The conversion of a schema's stream elements (see the module docstring).
 
-    def __init__(self, schema: Schema, converted: Mapping[str, Any] | None) -> None:
+    ``dtypes``: the stream's ``dtypes=``; ``declared``: its fields are ``fields=``'s (else the first element's).
+    """
+
+    def __init__(self, schema: Schema, dtypes: Mapping[str, Any] | None, *, declared: bool) -> None:
         self._parts = schema.structure.candidates
         self._fields = tuple(schema.fields.values())
         self._dtypes = tuple(_tensor_dtype(field) for field in self._fields)
-        self._kinds = tuple(_kind(field, name, converted) for name, field in schema.fields.items())
-        self.schema = schema
+        self._kinds = tuple(_kind(field, name, dtypes) for name, field in schema.fields.items())
         self._build = _builder(schema.tree)
+        self.schema, self.dtypes, self.declared = schema, dtypes, declared
 
-    def convert(self, element: Any) -> tuple[list[Any], Any] | None:
-        """``(storage arrays in field order, the value to yield)``, or ``None``: take the general path."""
+    def convert(self, element: Any, index: int) -> tuple[list[Any], Any]:
+        """``(storage arrays in field order, the value to yield)`` of the stream's element ``index``.
+
+        TypeError/ValueError naming the element and the field for one that does not fit the fields.
+        """
+        fast = self._one_pass(element)
+        if fast is not None:
+            return fast
+        leaves = self.leaves(element, index)
+        schema = self.schema
+        columns = [[schema.to_tensor(_writable(leaf, schema.texts[k]), k)] for k, leaf in enumerate(leaves)]
+        return leaves, schema.build(columns)[0]
+
+    def leaves(self, element: Any, index: int) -> list[Any]:
+        """Element ``index``'s storage arrays in field order, by the route a miss batch takes.
+
+        Arrays are views of the element's own tensors where they can be (the
+        store copies them into the file), so the first epoch copies nothing more.
+        """
+        schema = self.schema
+        try:
+            fitted = fitted_leaves(schema, element, self.dtypes, declared=self.declared)
+        except LeafShapeError as error:
+            if self.declared:
+                raise ValueError(f"stream element {index}: {error}, which fields= declares") from None
+            raise ValueError(
+                f"stream element {index}: field {error.name!r} has shape {error.shape}, but the cache's field has "
+                f"the fixed shape {error.field.shape}: without fields=, every field keeps the shape of the first "
+                f"element. Declare the dimensions that vary as None: CachedStream(..., "
+                f"fields={declaration(schema, [element])}, max_bytes=...), with Field from mmapcache."
+            ) from None
+        except ConversionError as error:
+            raise error.kind(f"stream element {index}: {error.message}") from None
+        except (TypeError, ValueError) as error:
+            raise type(error)(
+                f"stream element {index}: {error}. mmapcache caches samples of one structure and dtype per field "
+                f"({describe(schema.fields)}); convert them in the stream before the cache"
+            ) from None
+        arrays = []
+        for leaf, (name, field) in zip(fitted, schema.fields.items(), strict=True):
+            if isinstance(leaf, torch.Tensor):
+                arrays.append(tensor_to_numpy(leaf, field, name))
+            else:  # a numpy scalar (np.float32(0.5)) is stored, and yielded, as the 0-d array it stands for
+                arrays.append(leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf))
+        return arrays
+
+    def _one_pass(self, element: Any) -> tuple[list[Any], Any] | None:
+        """The element's arrays and value in one pass, or ``None``: take the general route."""
         parts = self._parts(element)
         if parts is None:
             return None
@@ -80,9 +133,22 @@ class ElementPath:
         return arrays, self._build(values)
 
 
-def _kind(field: Field, name: str, converted: Mapping[str, Any] | None) -> int:
-    """What field ``name`` takes on the fast path (``dtypes=`` names a field whose leaves are always converted)."""
-    if converted is not None and name in converted:
+def as_element(message: str) -> str:
+    """A message of the shared torch layer, which speaks of ``dataset[i]``, about a stream element."""
+    return re.sub(r"dataset\[(\d+)\]", r"stream element \1", message)
+
+
+def _writable(array: Any, text: str | None) -> Any:
+    """``array``, copied if torch would have to share a read-only buffer (text is decoded, never shared)."""
+    if text is None and isinstance(array, np.ndarray) and not array.flags.writeable:
+        return array.copy()
+    return array
+
+
+def _kind(field: Field, name: str, dtypes: Mapping[str, Any] | None) -> int:
+    """What field ``name`` takes in one pass (``dtypes=`` names a field whose leaves are always converted; a
+    declared field's leaves of its exact dtype need no conversion)."""
+    if dtypes is not None and name in dtypes:
         return _NEVER
     if field.text is not None:
         return _STR if field.text == "str" else _NEVER

@@ -12,7 +12,6 @@ import logging
 import os
 import pickle
 import queue
-import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -28,7 +27,6 @@ from .._errors import CacheError, CacheInUseError, SchemaMismatchError
 from .._field import Field, FieldsLike
 from .._file import remove
 from .._format import format_bytes, parse_bytes
-from .._region import tensor_to_numpy
 from .._streams import (
     Partition,
     PartitionWriter,
@@ -45,12 +43,11 @@ from .._streams import (
 )
 from ..cache import Cache
 from ._checks import schema_problem
-from ._elements import ElementPath
+from ._elements import ElementPath, as_element
 from ._epochs import EpochBoard
 from ._fill_checks import RepeatCheck, StoredCheck
-from ._leaves import LeafShapeError, convert_leaf, fit
 from ._sampler import SEEDS, checked_integer
-from ._schema import Schema, declaration, declared_fields, describe, first_fields, storage_dtypes, with_dtypes
+from ._schema import Schema, declared_fields, first_fields, storage_dtypes, with_dtypes
 from ._settings import default_path
 
 __all__ = ["CachedStream"]
@@ -393,13 +390,12 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         """The partition's elements after the ``stored`` cached ones, streamed and not stored (a full cache)."""
         schema = self._schema
         assert schema is not None
-        path = ElementPath(schema, self.dtypes)
+        path = self._path(schema)
         for j, element in enumerate(self.stream):
             if j < stored:
                 continue  # a generic iterable cannot seek: its cached elements are read past
             self._streamed += 1
-            converted = path.convert(element)
-            yield converted[1] if converted is not None else self._build(schema, self._leaves(schema, element, j))
+            yield path.convert(element, j)[1]
 
     def _fill(self, cache: Cache | None, partition: Partition) -> Iterator[Any]:
         """Stream the partition, yielding each element at once; :class:`_Filler` stores them a batch at a time."""
@@ -417,17 +413,14 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                     filler = _Filler(self, partition, None, plan)
                 assert schema is not None
                 if path is None or path.schema is not schema:
-                    path = ElementPath(schema, self.dtypes)
-                converted = path.convert(element)
-                if converted is None:
-                    try:
-                        leaves = self._leaves(schema, element, count)
-                    except (TypeError, ValueError) as error:
-                        if self.fields is not None:
-                            raise
-                        unfit = error
-                        break
-                    converted = leaves, self._build(schema, leaves)
+                    path = self._path(schema)
+                try:
+                    converted = path.convert(element, count)
+                except (TypeError, ValueError) as error:
+                    if self.fields is not None:
+                        raise
+                    unfit = error
+                    break
                 if stored is not None and count < len(stored):
                     stored.check(count, converted[0], converted[1])
                 filler.add(count, converted[0])
@@ -470,8 +463,7 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
 
     def _plan(self, first: Any, index: int, partition: Partition) -> StreamPlan:
         fields = self._first_fields(first, index)
-        schema = Schema(fields, self.path)
-        leaves = self._leaves(schema, first, index)
+        leaves = self._path(Schema(fields, self.path)).leaves(first, index)
         value_bytes = sum(
             -(-np.asarray(leaf).nbytes // 16) * 16
             for leaf, field in zip(leaves, fields.values(), strict=True)
@@ -494,49 +486,11 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
         try:
             return first_fields(sample, index, self.fields, self.dtypes)
         except (TypeError, ValueError) as error:
-            raise type(error)(_as_element(str(error))) from None
+            raise type(error)(as_element(str(error))) from None
 
-    def _leaves(self, schema: Schema, element: Any, index: int) -> list[Any]:
-        """``element``'s leaves as storage arrays, in field order, checked against the fields.
-
-        One element at a time: arrays are views of the element's own tensors where they can be
-        (``Cache.put`` copies them into the file), so the first epoch copies nothing more.
-        """
-        fields = list(schema.fields.items())
-        arrays: list[Any] = []
-        try:
-            for leaf, (name, field) in zip(schema.flatten(element), fields, strict=True):
-                if self.dtypes is not None and name in self.dtypes:
-                    leaf = convert_leaf(leaf, field, name)
-                fitted = fit(leaf, field, name, convert=self.fields is not None)  # a chosen dtype: exact conversion
-                arrays.append(tensor_to_numpy(fitted, field, name) if isinstance(fitted, torch.Tensor) else fitted)
-        except LeafShapeError as error:
-            if self.fields is not None:
-                raise ValueError(f"stream element {index}: {error}, which fields= declares") from None
-            raise ValueError(
-                f"stream element {index}: field {error.name!r} has shape {error.shape}, but the cache's field has "
-                f"the fixed shape {error.field.shape}: without fields=, every field keeps the shape of the first "
-                f"element. Declare the dimensions that vary as None: CachedStream(..., "
-                f"fields={declaration(schema, [element])}, max_bytes=...), with Field from mmapcache."
-            ) from None
-        except (TypeError, ValueError) as error:
-            raise type(error)(
-                f"stream element {index}: {error}. mmapcache caches samples of one structure and dtype per field "
-                f"({describe(schema.fields)}); convert them in the stream before the cache"
-            ) from None
-        return arrays
-
-    @staticmethod
-    def _build(schema: Schema, leaves: list[Any]) -> Any:
-        """The element as a read from the cache returns it (tensors over its storage arrays; str/bytes for text)."""
-        return schema.build([[schema.to_tensor(_writable(leaf, schema.texts[k]), k)] for k, leaf in enumerate(leaves)])[
-            0
-        ]
-
-    @staticmethod
-    def _row(schema: Schema, leaves: list[Any]) -> dict[str, Any]:
-        """What ``Cache.put`` stores: the element's storage arrays by field name."""
-        return dict(zip(schema.names, leaves, strict=True))
+    def _path(self, schema: Schema) -> ElementPath:
+        """How this stream's elements become storage arrays and the values yielded (the fields of ``schema``)."""
+        return ElementPath(schema, self.dtypes, declared=self.fields is not None)
 
     def loader(
         self,
@@ -894,15 +848,3 @@ class _Batch:
     def clear(self) -> None:
         self.count = 0
         self.values = [[] for _ in self.fields]
-
-
-def _writable(array: Any, text: str | None) -> Any:
-    """``array``, copied if torch would have to share a read-only buffer (text is decoded, never shared)."""
-    if text is None and isinstance(array, np.ndarray) and not array.flags.writeable:
-        return array.copy()
-    return array
-
-
-def _as_element(message: str) -> str:
-    """A message of the shared torch layer, which speaks of ``dataset[i]``, about a stream element."""
-    return re.sub(r"dataset\[(\d+)\]", r"stream element \1", message)
