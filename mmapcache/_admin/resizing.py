@@ -57,6 +57,7 @@ from .._format import (
     ELEMENT_RECORD_SIZE,
     Header,
     Layout,
+    align_down,
     compute_layout,
     descriptor_nbytes,
     extent_size_for,
@@ -216,7 +217,7 @@ def _plan_stream(header: Header, layout: Layout, budget: int, given: Any, old: A
         slots = variable = 0
     if slots < header.capacity:
         slots = header.capacity
-        variable = (max(budget - slots * per_slot, 0) // 4096) * 4096 if header.variable_size else 0
+        variable = align_down(max(budget - slots * per_slot, 0)) if header.variable_size else 0
     if budget < slots * per_slot or variable < header.variable_size:
         raise ValueError(
             f"max_bytes={given!r} leaves {format_bytes(variable)} for the values of {slots} slots, less than the "

@@ -44,7 +44,15 @@ from .paths import (
     is_network_filesystem,
     memory_limit,
 )
-from .planning import VARIABLE_HEADROOM, creation_info, plan, plan_capacity, plan_variable, variable_budget
+from .planning import (
+    VARIABLE_HEADROOM,
+    creation_info,
+    plan,
+    plan_capacity,
+    plan_variable,
+    variable_budget,
+    variable_room,
+)
 from .removal import check_removable, exclusive_use, in_use, remove, remove_plans
 from .validate import Expected, open_fd, read_header
 
@@ -105,5 +113,6 @@ __all__ = [
     "spelled_pids",
     "try_lock_exclusive",
     "variable_budget",
+    "variable_room",
     "write_all",
 ]

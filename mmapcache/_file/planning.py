@@ -25,6 +25,7 @@ from .._field import Field, FieldsLike, normalize_fields
 from .._format import (
     ALIGNMENT,
     MAX_FILE_SIZE,
+    align_down,
     extent_size_for,
     indices_digest,
     iso_time,
@@ -46,6 +47,7 @@ __all__ = [
     "plan_capacity",
     "plan_variable",
     "variable_budget",
+    "variable_room",
 ]
 
 
@@ -194,7 +196,7 @@ def plan_variable(
     if slots > max_slots(fields):
         raise ValueError(f"{slots} slots are more than a file can hold; cache fewer samples with capacity=")
     fixed = slots * slot_nbytes(fields)
-    region = min(_whole_pages(budget - fixed), _whole_pages((MAX_FILE_SIZE - fixed) // 2))
+    region = min(align_down(budget - fixed), align_down((MAX_FILE_SIZE - fixed) // 2))
     if region < ALIGNMENT:
         raise ValueError(
             f"max_bytes={max_bytes!r} ({budget} bytes) leaves no room for the values of the variable fields "
@@ -203,11 +205,6 @@ def plan_variable(
             "of the values you expect, or fewer slots with capacity="
         )
     return slots, region
-
-
-def _whole_pages(nbytes: int) -> int:
-    """``nbytes`` rounded down to whole pages (regions start and end on :data:`~._format.ALIGNMENT`)."""
-    return nbytes // ALIGNMENT * ALIGNMENT
 
 
 VARIABLE_HEADROOM = 1.25  # without a budget: room for this many times the measured mean of a slot's values
@@ -223,7 +220,15 @@ def variable_budget(fields: dict[str, Field], slots: int, mean_values: float) ->
     plus ``EXTENT_ROOM``. A caller that measured nothing has no budget to
     offer: ``Cache(...)`` asks for ``max_bytes=`` instead.
     """
-    return slots * slot_nbytes(fields) + math.ceil(VARIABLE_HEADROOM * mean_values * slots) + EXTENT_ROOM
+    return slots * slot_nbytes(fields) + variable_room(slots, mean_values)
+
+
+def variable_room(slots: int, mean_values: float) -> int:
+    """The variable region's share of :func:`variable_budget`: headroom over the measured values, and extents.
+
+    A stream cache (whose slots are not a ``Cache``'s) sizes its region by this same rule.
+    """
+    return math.ceil(VARIABLE_HEADROOM * mean_values * slots) + EXTENT_ROOM
 
 
 def creation_info() -> dict[str, Any]:

@@ -461,8 +461,13 @@ def field_slot_nbytes(field: Field) -> int:
 
 
 def align(n: int) -> int:
-    """Round ``n`` up to a multiple of :data:`ALIGNMENT`."""
+    """Round ``n`` up to a multiple of :data:`ALIGNMENT` (the one rule for page rounding, with :func:`align_down`)."""
     return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+def align_down(n: int) -> int:
+    """Round ``n`` down to a multiple of :data:`ALIGNMENT`: the whole pages that ``n`` bytes hold."""
+    return n // ALIGNMENT * ALIGNMENT
 
 
 @dataclass(frozen=True)

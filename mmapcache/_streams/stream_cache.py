@@ -25,9 +25,21 @@ import numpy as np
 
 from .._errors import CacheError, CacheInUseError, SchemaMismatchError, StaleCacheError
 from .._field import Field
-from .._file import Expected, NewFile, creation_info, current_boot_id, held_by, open_or_create, remove
-from .._format import ELEMENT_RECORD_SIZE, MAX_PARTITIONS, Header, Layout, extent_size_for, parse_bytes, slot_nbytes
-from .._region import ENDED, FULL, PartitionState, StreamRegion, read_region
+from .._file import Expected, NewFile, creation_info, current_boot_id, held_by, open_or_create, remove, variable_room
+from .._format import (
+    ALIGNMENT,
+    ELEMENT_RECORD_SIZE,
+    MAX_PARTITIONS,
+    PAYLOAD_ALIGNMENT,
+    Header,
+    Layout,
+    align,
+    align_down,
+    extent_size_for,
+    parse_bytes,
+    slot_nbytes,
+)
+from .._region import ENDED, FULL, PartitionState, StreamRegion, place, read_region
 from ..cache import Cache, attach_opened, open_unrefuted, writer_of
 
 __all__ = [
@@ -201,18 +213,20 @@ def plan_stream(
     """Slots and variable region for a new stream cache.
 
     ``length`` is the stream's length when it tells (``len(stream)``), else
-    ``None``; ``value_bytes`` the bytes of the first element's variable
-    values (each rounded up to 16, as the variable region places them).
-    With a length, the file has a slot for every element plus a little
-    room for the holes killed writers leave; ``max_bytes`` caps it.
-    Without one, ``max_bytes`` decides. The variable region gets what the
-    budget leaves; without a budget, twice the first element's values per
-    element.
+    ``None``; ``value_bytes`` the bytes of an element's variable values as
+    measured (the first element's, each placed as the variable region
+    places it: a file is made while its first element streams). With a
+    length, the file has a slot for every element plus a little room for
+    the holes killed writers leave; ``max_bytes`` caps it. Without one,
+    ``max_bytes`` decides. The variable region gets what the budget leaves;
+    without a budget, the one sizing policy of files with variable fields
+    (:func:`mmapcache._file.variable_room`: headroom over the measured
+    values per element, plus room for extents).
     """
     per_slot = slot_nbytes(fields, _STREAM_VERSION) + ELEMENT_RECORD_SIZE
     variable = [name for name, field in fields.items() if field.variable]
     budget = None if max_bytes is None else parse_bytes(max_bytes, name="max_bytes")
-    value = max(16, -(-value_bytes // 16) * 16) if variable else 0
+    value = max(PAYLOAD_ALIGNMENT, place(value_bytes)) if variable else 0
     if budget is None and length is None:
         raise ValueError(
             "the stream has no len(), so the cache needs a byte budget to preallocate its file: pass max_bytes= "
@@ -222,8 +236,7 @@ def plan_stream(
     wanted = None if length is None else length + max(16, length // 100) + 16 * partitions
     if budget is None:
         assert wanted is not None
-        slots, region_size = wanted, _pages(2 * value * wanted) if variable else 0
-        return StreamPlan(fields, slots, max(region_size, 4096) if variable else 0)
+        return StreamPlan(fields, wanted, align(variable_room(wanted, value)) if variable else 0)
     if not variable:
         slots = budget // per_slot if wanted is None else min(wanted, budget // per_slot)
         if slots == 0:
@@ -232,20 +245,16 @@ def plan_stream(
             )
         return StreamPlan(fields, slots, 0)
     # The budget covers the slots and the values: as many slots as elements like the first fit.
-    slots = min(budget // (per_slot + value), (budget - 4096) // per_slot)  # the region takes whole pages
+    slots = min(budget // (per_slot + value), (budget - ALIGNMENT) // per_slot)  # the region takes whole pages
     if wanted is not None:
         slots = min(slots, wanted)
-    region_size = _pages(budget - slots * per_slot, down=True)
-    if slots == 0 or region_size < 4096:
+    region_size = align_down(budget - slots * per_slot)
+    if slots == 0 or region_size < ALIGNMENT:
         raise ValueError(
             f"max_bytes={max_bytes!r} ({budget} bytes) leaves no room for the values of the variable fields "
             f"{variable}: one element takes {per_slot} bytes of slot and about {value} of values"
         )
     return StreamPlan(fields, slots, region_size)
-
-
-def _pages(n: int, *, down: bool = False) -> int:
-    return (n // 4096 if down else -(-n // 4096)) * 4096
 
 
 def open_stream(

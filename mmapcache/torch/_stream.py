@@ -27,6 +27,7 @@ from .._errors import CacheError, CacheInUseError, SchemaMismatchError
 from .._field import Field, FieldsLike
 from .._file import remove
 from .._format import format_bytes, parse_bytes
+from .._region import place
 from .._streams import (
     Partition,
     PartitionWriter,
@@ -464,8 +465,8 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
     def _plan(self, first: Any, index: int, partition: Partition) -> StreamPlan:
         fields = self._first_fields(first, index)
         leaves = self._path(Schema(fields, self.path)).leaves(first, index)
-        value_bytes = sum(
-            -(-np.asarray(leaf).nbytes // 16) * 16
+        value_bytes = sum(  # as the region places them
+            place(np.asarray(leaf).nbytes)
             for leaf, field in zip(leaves, fields.values(), strict=True)
             if field.variable
         )

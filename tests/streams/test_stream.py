@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 from mmapcache import Cache, CacheInUseError, Field, SchemaMismatchError, StaleCacheError
+from mmapcache._file import variable_room
+from mmapcache._format import align
 from mmapcache._format.spec import FORMAT_VERSION
+from mmapcache._region import place
 from mmapcache._streams.stream_cache import (
     Partition,
     PartitionWriter,
@@ -259,6 +262,23 @@ def test_a_stream_larger_than_the_file_is_admitted_until_full_then_marked_full(t
         assert (status.complete, status.full, status.cached) == (True, True, False)
         assert status.stored == state.stored < 500
         assert _elements(cache) == _whole(1, state.stored)
+
+
+def test_a_stream_without_a_budget_gets_the_variable_region_the_one_sizing_rule_gives(tmp_path: Path) -> None:
+    fields = {"tokens": Field((None,), "int32"), "label": Field((), "int64")}
+    for length, value_bytes in ((100, 40), (10_000, 4_000), (3, 1)):
+        plan = plan_stream(fields, max_bytes=None, length=length, partitions=2, value_bytes=value_bytes)
+        slots = length + max(16, length // 100) + 32  # every element, and room for the holes of killed writers
+        assert plan.slots == slots
+        # The rule a CachedDataset without max_bytes is sized by, for the measured value (placed: 16-byte steps).
+        assert plan.variable_size == align(variable_room(slots, place(max(value_bytes, 16))))
+        assert plan.variable_size >= 1.25 * slots * value_bytes + 2**20
+    cache = open_stream(tmp_path / "s.mmc", key=KEY, fields=fields, partition=Partition(), plan=lambda: plan)
+    assert cache is not None
+    with cache:
+        region = cache.variable_region
+        assert region is not None
+        assert region.size == plan.variable_size
 
 
 def test_values_that_overflow_the_variable_region_stop_the_fill_of_the_partition(tmp_path: Path) -> None:
