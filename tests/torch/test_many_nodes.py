@@ -10,59 +10,27 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import socket
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _nodes import launch_nodes
 from torch_helpers import accesses
 
 from mmapcache import Cache
 from mmapcache._format.spec import slot_nbytes
 
-HERE = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.xdist_group("ports")  # the rendezvous takes a port (tests/_nodes.py)
 LENGTH = 64
 EPOCHS = 3
 NODES = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _launch(out: Path, node_dirs: list[Path], *options: str) -> None:
     """Both nodes' torchrun launches, concurrently; each node's caches go to its own directory."""
-    port = _free_port()
-    runs = []
-    for node, directory in enumerate(node_dirs):
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--node-rank={node}"]
-        command += ["--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}"]
-        command += [str(HERE / "nodes_run.py"), "--out", str(out), "--length", str(LENGTH), "--epochs", str(EPOCHS)]
-        env = {
-            **os.environ,
-            "MMAPCACHE_DIR": str(directory),
-            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-        }
-        log = open(out / f"node{node}.log", "w")  # noqa: SIM115 - closed below, after the process ends
-        runs.append((subprocess.Popen([*command, *options], stdout=log, stderr=subprocess.STDOUT, env=env), log))
-    failures = []
-    for node, (run, log) in enumerate(runs):
-        try:
-            code = run.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            run.kill()
-            code = run.wait()
-        log.close()
-        if code != 0:
-            failures.append(f"node {node} exited {code}:\n{(out / f'node{node}.log').read_text()[-3000:]}")
-    assert not failures, "\n".join(failures)
+    arguments = ["--out", str(out), "--length", str(LENGTH), "--epochs", str(EPOCHS), *options]
+    launch_nodes(out, "nodes_run.py", arguments, node_dirs, timeout=300, cache_dir_env=True)
 
 
 def _epochs(out: Path) -> list[dict[str, Any]]:

@@ -10,53 +10,25 @@ positions between them.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
+from _nodes import launch_nodes
 from mixture_run import BATCH, SIZES, node_mixture
 
 from mmapcache import Cache
 
-HERE = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.xdist_group("ports")  # the rendezvous takes a port (tests/_nodes.py)
 NODES = 2
 SAMPLES = 320  # per node: 20 steps of 2 ranks x 8
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _launch(out: Path, node_dirs: list[Path]) -> None:
-    port = _free_port()
-    runs = []
-    for node, directory in enumerate(node_dirs):
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--node-rank={node}"]
-        command += ["--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}"]
-        command += [str(HERE / "mixture_run.py"), "--dir", str(directory), "--out", str(out / f"node{node}")]
-        command += ["--samples", str(SAMPLES), "--nodes", str(NODES)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-        log = open(out / f"node{node}.log", "w")  # noqa: SIM115 - closed below, after the process ends
-        runs.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log))
-    failures = []
-    for node, (run, log) in enumerate(runs):
-        try:
-            code = run.wait(timeout=400)
-        except subprocess.TimeoutExpired:
-            run.kill()
-            code = run.wait()
-        log.close()
-        if code != 0:
-            failures.append(f"node {node} exited {code}:\n{(out / f'node{node}.log').read_text()[-3000:]}")
-    assert not failures, "\n".join(failures)
+    arguments = ["--dir", "{dir}", "--out", str(out / "node{node}"), "--samples", str(SAMPLES), "--nodes", str(NODES)]
+    launch_nodes(out, "mixture_run.py", arguments, node_dirs, timeout=400)
 
 
 def _ids(mixture: Any, codes: np.ndarray[Any, Any], places: np.ndarray[Any, Any]) -> list[int]:
