@@ -103,7 +103,7 @@ def fitted_leaves(schema: Schema, sample: Any, dtypes: Mapping[str, Any] | None,
                 leaf = converted(leaf, field, name)
             except (TypeError, ValueError) as error:
                 raise ConversionError(type(error), str(error)) from None
-        out.append(fit(leaf, field, name))
+        out.append(fit(leaf, field, name))  # a loop, not a comprehension: every leaf of a miss or stream runs it
     return out
 
 

@@ -43,6 +43,7 @@ class ElementPath:
     def __init__(self, schema: Schema, dtypes: Mapping[str, Any] | None, *, declared: bool) -> None:
         self._parts = schema.structure.candidates
         self._fields = tuple(schema.fields.values())
+        self._named = tuple(schema.fields.items())
         self._dtypes = tuple(_tensor_dtype(field) for field in self._fields)
         self._kinds = tuple(_kind(field, name, dtypes) for name, field in schema.fields.items())
         self._build = _builder(schema.tree)
@@ -87,11 +88,14 @@ class ElementPath:
                 f"({describe(schema.fields)}); convert them in the stream before the cache"
             ) from None
         arrays = []
-        for leaf, (name, field) in zip(fitted, schema.fields.items(), strict=True):
-            if isinstance(leaf, torch.Tensor):
+        for leaf, (name, field) in zip(fitted, self._named, strict=True):
+            of = type(leaf)
+            if of is np.ndarray:
+                arrays.append(leaf)
+            elif of is torch.Tensor or isinstance(leaf, torch.Tensor):
                 arrays.append(tensor_to_numpy(leaf, field, name))
             else:  # a numpy scalar (np.float32(0.5)) is stored, and yielded, as the 0-d array it stands for
-                arrays.append(leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf))
+                arrays.append(np.asarray(leaf))
         return arrays
 
     def _one_pass(self, element: Any) -> tuple[list[Any], Any] | None:
