@@ -709,9 +709,12 @@ def column_of(cache: Cache, field: str) -> VariableColumn:
 
 def fixed_rows_of(cache: Cache) -> FixedRows | None:
     """An open cache's one-pass read of its fixed fields, when a batch read is that pass alone (fields fixed,
-    in memory, no ``verify``): for the torch layer's gathers of several caches into one batch (mixtures).
+    in memory, no ``verify``): for the torch layer's gathers into buffers of its own (mixtures, a loader's
+    recycled batches).
     ``take(idx, len(cache), outs)`` reads rows into ``outs`` and counts nothing (see :meth:`Cache.count`)."""
-    mapped = cache._live()
+    mapped = cache._mapped  # Cache._live, inline: loader() asks for every batch
+    if mapped is None:
+        raise closed_error(cache._path)
     if mapped.variables or mapped.readahead or cache._verify:
         return None
     return mapped.fixed

@@ -53,9 +53,16 @@ def collate_tree(tree: Any, tensors: Sequence[torch.Tensor]) -> Any:
     if isinstance(tree, int):
         return tensors[tree]
     kind, keys, children = tree
+    # Loops, not comprehensions, and leaves taken here: every batch of loader() runs this.
     if kind == "dict":
-        return {key: collate_tree(child, tensors) for key, child in zip(keys, children, strict=True)}
-    return [collate_tree(child, tensors) for child in children]
+        batch = {}
+        for key, child in zip(keys, children, strict=True):
+            batch[key] = tensors[child] if type(child) is int else collate_tree(child, tensors)
+        return batch
+    out = []
+    for child in children:
+        out.append(tensors[child] if type(child) is int else collate_tree(child, tensors))
+    return out
 
 
 # Batch tensors whose rows __getitems__ handed out as samples, by id (weakly: a batch lives as long as its rows).

@@ -45,10 +45,12 @@ import torch.utils.data
 from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
 from .._region import Jagged
+from ..cache import fixed_rows_of
 from ._collate import Padded, Padder, as_is, collate, collate_tree
 from ._columns import as_tensors
 from ._index_batches import IndexBatch, index_batches
 from ._ragged import Packed, jagged_batch, tensors_batch
+from ._recycled import Recycled
 from ._session import Session
 
 __all__ = ["Batched", "Loader", "WorkerBatch"]
@@ -105,6 +107,7 @@ class Batched(torch.utils.data.Dataset[Any]):
     ) -> None:
         self.dataset, self.session, self.collated, self.remake = dataset, session, collated, remake
         self.ragged, self.padding_value, self.batch_transform = ragged, padding_value, batch_transform
+        self.recycled = Recycled()  # the buffers of batches nothing refers to any more, read into again
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (self.remake, (self.dataset, self.collated, self.ragged, self.padding_value, self.batch_transform))
@@ -161,24 +164,36 @@ class Batched(torch.utils.data.Dataset[Any]):
     ) -> Any:
         """The finished batch at file positions ``idx`` (``rows``, ``leaves``, ``counted``: as ``Session.gather``).
 
-        One pass reads the slot states and the rows into fresh arrays, which become the batch
-        tensors; misses (and variable fields) are ``Session.gather``'s, which takes this read on
-        rather than reading again.
+        One pass reads the slot states and the rows into arrays of this process's memory —
+        a batch's that nothing refers to any more, else fresh ones (:mod:`._recycled`) — which
+        become the batch tensors; misses (and variable fields) are ``Session.gather``'s, which
+        takes this read on rather than reading again.
         """
         session = self.session
         schema = session.schema
         assert schema is not None
         if schema.ragged:
             return self._collate(session.gather(cache, idx, rows, leaves, counted=counted))
-        arrays, hits = cache.read_many(idx, count=False)
-        found = int(np.count_nonzero(hits))
+        fixed = fixed_rows_of(cache)
+        outs = None
+        if fixed is not None:
+            outs = self.recycled.take(fixed, len(idx), fixed.empty)
+            _, hits, found = fixed.take(idx, len(cache), outs)
+            arrays = dict(zip(fixed.names, outs, strict=True))
+        if fixed is None or found < 0:  # fields read otherwise (verify, read-ahead), or an index out of range
+            arrays, hits = cache.read_many(idx, count=False)
+            found = int(np.count_nonzero(hits))
         if found < len(idx):
+            assert hits is not None
             first = (arrays, hits)
             return self._collate(session.gather(cache, idx, rows, leaves, counted=counted, first=first))
         if not counted:
             session.hits += found
             cache.count(hits=found)
-        return collate_tree(schema.tree, as_tensors(list(map(arrays.__getitem__, schema.names)), schema.dtypes))
+        batch = collate_tree(schema.tree, as_tensors(list(map(arrays.__getitem__, schema.names)), schema.dtypes))
+        if outs is not None and fixed is not None:
+            self.recycled.keep(fixed, outs)
+        return batch
 
     def _collate_samples(self, samples: list[Any]) -> Any:
         """``collate`` (``default_collate`` without restacking rows of one gathered batch), but the leaves

@@ -28,10 +28,11 @@ import torch.utils.data
 
 from ..cache import fixed_rows_of
 from ._collate import as_is, collate_tree
-from ._columns import new_batch
+from ._columns import as_tensors, new_batch
 from ._dataset import CachedDataset
 from ._loader import InProcess, Loader
 from ._mixture import Mixture
+from ._recycled import Recycled
 from ._sampler import checked_integer, node_topology
 
 __all__ = ["Drawn", "MixtureBatches", "MixtureLoader", "Pending", "StepSampler", "make_loader"]
@@ -181,6 +182,7 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
         self.mixture, self.collated = mixture, collated
         self._sources: list[_Source] | None = None  # made in each process on first use
         self._alike: set[int] = set()  # sources whose fields were found those of the first source
+        self.recycled = Recycled()  # the buffers of batches nothing refers to any more, read into again
 
     def __getstate__(self) -> dict[str, Any]:
         return {"mixture": self.mixture, "collated": self.collated}
@@ -264,11 +266,20 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
             if code not in self._alike:
                 self._check_alike(parts[0][0], code)
         fixed = [schema.fields[name] for name in schema.fixed]
-        tensors, arrays = new_batch(
-            [(size, *field.fixed_shape) for field in fixed],
-            [field.dtype for field in fixed],
-            [schema.dtypes[schema.names.index(name)] for name in schema.fixed],
-        )
+        dtypes = [schema.dtypes[schema.names.index(name)] for name in schema.fixed]
+
+        def make(count: int) -> list[np.ndarray[Any, Any]]:
+            shapes = [(count, *field.fixed_shape) for field in fixed]
+            return new_batch(shapes, [field.dtype for field in fixed], dtypes, private=True)[1]
+
+        # In this process's memory, an earlier batch's once nothing refers to it (._recycled); a worker's
+        # batch goes to shared memory, fresh (it is handed to the main process).
+        recycled = torch.utils.data.get_worker_info() is None
+        arrays = self.recycled.take(schema, size, make) if recycled else None
+        if arrays is None:
+            tensors, arrays = new_batch([(size, *f.fixed_shape) for f in fixed], [f.dtype for f in fixed], dtypes)
+        else:
+            tensors = as_tensors(arrays, dtypes)
         for code, idx, start, stop in parts:
             session = self._session(code)
             cache = session.cache
@@ -288,7 +299,10 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
             columns = session.gather(cache, idx)  # loads and stores the misses, counts the reads
             for array, column in zip(arrays, columns, strict=True):
                 array[start:stop] = column.numpy()
-        return collate_tree(schema.tree, tensors)
+        batch = collate_tree(schema.tree, tensors)
+        if recycled:
+            self.recycled.keep(schema, arrays)
+        return batch
 
     def _check_alike(self, first: int, code: int) -> None:
         ours, theirs = self._session(first).schema, self._session(code).schema
