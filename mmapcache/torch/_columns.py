@@ -24,7 +24,16 @@ from .._region import empty_aligned
 from ._leaves import LeafShapeError, converted, exact_column, fit, variable_column, write_column
 from ._schema import Schema, describe
 
-__all__ = ["ConversionError", "ShapeVariesError", "as_tensors", "columns", "fitted_leaves", "new_batch", "shared_empty"]
+__all__ = [
+    "ConversionError",
+    "ShapeVariesError",
+    "as_tensors",
+    "columns",
+    "fitted_leaves",
+    "new_batch",
+    "shared_empty",
+    "worded_leaves",
+]
 
 
 class ShapeVariesError(ValueError):
@@ -61,24 +70,18 @@ def columns(
                 stacked.append(array)
             else:
                 return stacked
-    origin = "as fields= declares" if declared else "from the first sample"
+    origin = ", as fields= declares" if declared else ", from the first sample"
     fields = list(schema.fields.values())
     out: list[list[Any]] = [[] for _ in fields]
     for index, sample in zip(indices, raw, strict=True):
         try:
-            for column, leaf in zip(out, fitted_leaves(schema, sample, dtypes, declared=declared), strict=True):
-                column.append(leaf)
+            leaves = worded_leaves(schema, sample, dtypes, declared=declared, where=f"dataset[{index}]", origin=origin)
         except LeafShapeError as error:
             if declared:
                 raise ValueError(f"dataset[{index}]: {error}, which fields= declares") from None
             raise ShapeVariesError(index, error) from None
-        except ConversionError as error:
-            raise error.kind(f"dataset[{index}]: {error.message}") from None
-        except (TypeError, ValueError) as error:
-            raise type(error)(
-                f"dataset[{index}]: {error}. mmapcache caches samples of one structure and dtype per field "
-                f"({describe(schema.fields)}, {origin}); convert them before the cache, or in transform"
-            ) from None
+        for column, leaf in zip(out, leaves, strict=True):
+            column.append(leaf)
     return [
         variable_column(column, field) if field.variable else write_column(column, field)
         for column, field in zip(out, fields, strict=True)
@@ -105,6 +108,33 @@ def fitted_leaves(schema: Schema, sample: Any, dtypes: Mapping[str, Any] | None,
                 raise ConversionError(type(error), str(error)) from None
         out.append(fit(leaf, field, name))  # a loop, not a comprehension: every leaf of a miss or stream runs it
     return out
+
+
+def worded_leaves(
+    schema: Schema,
+    sample: Any,
+    dtypes: Mapping[str, Any] | None,
+    *,
+    declared: bool,
+    where: str,
+    origin: str = "",
+    advice: str = "convert them before the cache, or in transform",
+) -> list[Any]:
+    """:func:`fitted_leaves`, its errors worded for the sample ``where`` names (``dataset[3]``, ``stream element
+    3``): a value a conversion would change, or a leaf of another kind or dtype, says which field, what the
+    fields are (``origin``: where they came from) and ``advice``. A :class:`~._leaves.LeafShapeError`
+    propagates as it is: what to declare instead is the caller's to say."""
+    try:
+        return fitted_leaves(schema, sample, dtypes, declared=declared)
+    except LeafShapeError:
+        raise
+    except ConversionError as error:
+        raise error.kind(f"{where}: {error.message}") from None
+    except (TypeError, ValueError) as error:
+        raise type(error)(
+            f"{where}: {error}. mmapcache caches samples of one structure and dtype per field "
+            f"({describe(schema.fields)}{origin}); {advice}"
+        ) from None
 
 
 class ConversionError(Exception):

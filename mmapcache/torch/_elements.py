@@ -23,9 +23,9 @@ import torch
 
 from .._field import Field
 from .._region import tensor_to_numpy, torch_dtype
-from ._columns import ConversionError, fitted_leaves
+from ._columns import worded_leaves
 from ._leaves import LeafShapeError
-from ._schema import Schema, declaration, describe
+from ._schema import Schema, declaration
 from ._structure import Node
 
 __all__ = ["ElementPath", "as_element"]
@@ -69,8 +69,9 @@ class ElementPath:
         store copies them into the file), so the first epoch copies nothing more.
         """
         schema = self.schema
+        where, advice = f"stream element {index}", "convert them in the stream before the cache"
         try:
-            fitted = fitted_leaves(schema, element, self.dtypes, declared=self.declared)
+            fitted = worded_leaves(schema, element, self.dtypes, declared=self.declared, where=where, advice=advice)
         except LeafShapeError as error:
             if self.declared:
                 raise ValueError(f"stream element {index}: {error}, which fields= declares") from None
@@ -79,13 +80,6 @@ class ElementPath:
                 f"the fixed shape {error.field.shape}: without fields=, every field keeps the shape of the first "
                 f"element. Declare the dimensions that vary as None: CachedStream(..., "
                 f"fields={declaration(schema, [element])}, max_bytes=...), with Field from mmapcache."
-            ) from None
-        except ConversionError as error:
-            raise error.kind(f"stream element {index}: {error.message}") from None
-        except (TypeError, ValueError) as error:
-            raise type(error)(
-                f"stream element {index}: {error}. mmapcache caches samples of one structure and dtype per field "
-                f"({describe(schema.fields)}); convert them in the stream before the cache"
             ) from None
         arrays = []
         for leaf, (name, field) in zip(fitted, self._named, strict=True):
