@@ -83,10 +83,9 @@ class ElementPath:
             ) from None
         arrays = []
         for leaf, (name, field) in zip(fitted, self._named, strict=True):
-            of = type(leaf)
-            if of is np.ndarray:
+            if type(leaf) is np.ndarray:
                 arrays.append(leaf)
-            elif of is torch.Tensor or isinstance(leaf, torch.Tensor):
+            elif isinstance(leaf, torch.Tensor):
                 arrays.append(tensor_to_numpy(leaf, field, name))
             else:  # a numpy scalar (np.float32(0.5)) is stored, and yielded, as the 0-d array it stands for
                 arrays.append(np.asarray(leaf))

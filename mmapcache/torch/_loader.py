@@ -175,12 +175,12 @@ class Batched(torch.utils.data.Dataset[Any]):
         if schema.ragged:
             return self._collate(session.gather(cache, idx, rows, leaves, counted=counted))
         fixed = fixed_rows_of(cache)
-        outs = None
-        if fixed is not None:
-            outs = self.recycled.take(fixed, len(idx), fixed.empty)
+        outs = None if fixed is None else self.recycled.take(fixed, len(idx), fixed.empty)
+        if fixed is not None and outs is not None:
             _, hits, found = fixed.take(idx, len(cache), outs)
             arrays = dict(zip(fixed.names, outs, strict=True))
-        if fixed is None or found < 0:  # fields read otherwise (verify, read-ahead), or an index out of range
+        if outs is None or found < 0:  # fields read otherwise (verify, read-ahead), or an index out of range
+            outs = None
             arrays, hits = cache.read_many(idx, count=False)
             found = int(np.count_nonzero(hits))
         if found < len(idx):

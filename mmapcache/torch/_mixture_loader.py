@@ -266,20 +266,20 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
             if code not in self._alike:
                 self._check_alike(parts[0][0], code)
         fixed = [schema.fields[name] for name in schema.fixed]
+        storage = [field.dtype for field in fixed]
         dtypes = [schema.dtypes[schema.names.index(name)] for name in schema.fixed]
 
-        def make(count: int) -> list[np.ndarray[Any, Any]]:
-            shapes = [(count, *field.fixed_shape) for field in fixed]
-            return new_batch(shapes, [field.dtype for field in fixed], dtypes, private=True)[1]
+        def shapes(count: int) -> list[tuple[int, ...]]:
+            return [(count, *field.fixed_shape) for field in fixed]
 
         # In this process's memory, an earlier batch's once nothing refers to it (._recycled); a worker's
         # batch goes to shared memory, fresh (it is handed to the main process).
         recycled = torch.utils.data.get_worker_info() is None
-        arrays = self.recycled.take(schema, size, make) if recycled else None
-        if arrays is None:
-            tensors, arrays = new_batch([(size, *f.fixed_shape) for f in fixed], [f.dtype for f in fixed], dtypes)
-        else:
+        if recycled:
+            arrays = self.recycled.take(schema, size, lambda n: new_batch(shapes(n), storage, dtypes, private=True)[1])
             tensors = as_tensors(arrays, dtypes)
+        else:
+            tensors, arrays = new_batch(shapes(size), storage, dtypes)
         for code, idx, start, stop in parts:
             session = self._session(code)
             cache = session.cache

@@ -22,7 +22,7 @@ import numpy as np
 __all__ = ["Recycled"]
 
 _KEEP = 3  # batches kept: the one the training loop holds, one a prefetching fetcher holds, one free
-_MAX_BYTES = 256 << 20  # a batch larger than this is not kept (its memory goes back at once)
+_MAX_BYTES = 256 << 20  # the kept batches' bytes, at most (a larger batch is not kept: it goes back at once)
 # References to a kept array that is free: the pool's list, the generator's variable, getrefcount's argument.
 _FREE = 3
 
@@ -53,12 +53,15 @@ class Recycled:
 
     def keep(self, key: object, arrays: list[np.ndarray[Any, Any]]) -> None:
         """Offer ``arrays`` (a batch being handed out: tensors over them exist now) for a later batch."""
-        if not arrays or sum(array.nbytes for array in arrays) > _MAX_BYTES:
+        nbytes = sum(array.nbytes for array in arrays)
+        if not arrays or nbytes > _MAX_BYTES:
             return
         with self._lock:
-            if len(self._kept) >= _KEEP:
-                del self._kept[0]  # the oldest: still held by the caller (else it would have been taken)
-            self._kept.append((key, len(arrays[0]), arrays))
+            kept = self._kept
+            # The oldest go first: still held by the caller (else they would have been taken).
+            while kept and (len(kept) >= _KEEP or nbytes + sum(a.nbytes for _, _, b in kept for a in b) > _MAX_BYTES):
+                del kept[0]
+            kept.append((key, len(arrays[0]), arrays))
 
 
 def _free(arrays: list[np.ndarray[Any, Any]]) -> bool:

@@ -154,3 +154,16 @@ def test_a_mixture_batch_held_is_never_written_again_and_released_ones_are_read_
     finally:
         for ds in sources.values():
             ds.close()
+
+
+def test_the_kept_batches_stay_within_the_byte_budget(warm: CachedDataset, monkeypatch: pytest.MonkeyPatch) -> None:
+    batch_bytes = BATCH * (ROW + 8)  # the rows and the int64 labels
+    monkeypatch.setattr(recycled, "_MAX_BYTES", 2 * batch_bytes)  # two batches' worth, not three
+    loader = warm.loader(batch_size=BATCH, shuffle=True)
+    pool = loader.dataset.recycled  # type: ignore[attr-defined]
+    addresses = set()
+    for batch in loader:
+        _check(batch)
+        addresses.add(batch[0].data_ptr())
+        assert sum(a.nbytes for _, _, arrays in pool._kept for a in arrays) <= 2 * batch_bytes
+    assert len(addresses) <= 2, "two kept batches: the one the loop holds and the one read into next"
