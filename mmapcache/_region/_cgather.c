@@ -411,21 +411,22 @@ done:
 }
 
 PyDoc_STRVAR(take_doc,
-"take(table, record, ready, indices, sources, outs, hits, length) -> int\n\n"
+"take(table, record, ready, indices, sources, outs, hits, length[, at]) -> int\n\n"
 "Rows of fixed fields for the slots ``indices`` that are READY, in one pass that reads each slot's state.\n\n"
 "table: the slot table (``record`` bytes a slot, the state in its first byte); ready: the READY state;\n"
 "indices: int64 slot positions >= 0 (one at or past the table's end is not READY); sources: a tuple of\n"
 "one buffer per field, the field's rows back to back (one row per slot of the table); outs: a tuple of\n"
-"writable buffers, len(indices) rows each, in the same order; hits: None, or a writable buffer of\n"
-"len(indices) bytes, set to 1 where the slot was READY (its rows copied) and 0 where not (its rows left\n"
-"as they were). Returns how many were READY, or -1 as soon as an index is not in [0, length) (the caller\n"
-"then raises: indices unchecked before). The state is read with acquire order, before the row.");
+"writable buffers in the same order, whole rows of the field each, of which rows at .. at + len(indices) - 1\n"
+"are written (at: 0 when not given; a batch read from several files takes one call a file); hits: None, or a\n"
+"writable buffer of len(indices) bytes, set to 1 where the slot was READY (its rows copied) and 0 where not\n"
+"(its rows left as they were). Returns how many were READY, or -1 as soon as an index is not in [0, length)\n"
+"(the caller then raises: indices unchecked before). The state is read with acquire order, before the row.");
 
 static PyObject *
 take(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "take takes 8 arguments, got %zd", nargs);
+    if (nargs != 8 && nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "take takes 8 or 9 arguments, got %zd", nargs);
         return NULL;
     }
     PyObject *result = NULL, *sources = args[4], *outs = args[5];
@@ -435,10 +436,11 @@ take(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t record = PyLong_AsSsize_t(args[1]);
     long ready = PyLong_AsLong(args[2]);
     unsigned long long length = PyLong_AsUnsignedLongLong(args[7]); /* a length may pass int64 */
-    if ((record == -1 || ready == -1 || length == (unsigned long long)-1) && PyErr_Occurred())
+    Py_ssize_t at = nargs == 9 ? PyLong_AsSsize_t(args[8]) : 0;
+    if ((record == -1 || ready == -1 || length == (unsigned long long)-1 || at == -1) && PyErr_Occurred())
         return NULL;
-    if (record < 1 || ready < 0 || ready > 255) {
-        PyErr_SetString(PyExc_ValueError, "take: record must be >= 1 and ready a byte");
+    if (record < 1 || ready < 0 || ready > 255 || at < 0) {
+        PyErr_SetString(PyExc_ValueError, "take: record must be >= 1, ready a byte and at >= 0");
         return NULL;
     }
     if (!PyTuple_Check(sources) || !PyTuple_Check(outs) || PyTuple_GET_SIZE(sources) != PyTuple_GET_SIZE(outs)
@@ -493,9 +495,12 @@ take(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
         rows[opened] = (size_t)src[opened].len / (size_t)slots;
-        if ((uint64_t)dst[opened].len != (uint64_t)count * rows[opened]) {
-            PyErr_Format(PyExc_ValueError, "take: out %zd holds %zd bytes, not %zd rows of %zu", opened,
-                         dst[opened].len, count, rows[opened]);
+        /* Whole rows, at least at + count of them (overflow-free: both sides are sizes of buffers in memory). */
+        if (rows[opened] ? (size_t)dst[opened].len % rows[opened]
+                               || (size_t)dst[opened].len / rows[opened] < (size_t)at + (size_t)count
+                         : dst[opened].len != 0) {
+            PyErr_Format(PyExc_ValueError, "take: out %zd holds %zd bytes, not rows of %zu to write %zd from row %zd",
+                         opened, dst[opened].len, rows[opened], count, at);
             opened++;
             goto done;
         }
@@ -528,7 +533,8 @@ take(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
                 continue;
             found++;
             for (Py_ssize_t f = 0; f < nfields; f++)
-                memcpy((char *)dst[f].buf + (size_t)k * rows[f], (const char *)src[f].buf + i * rows[f], rows[f]);
+                memcpy((char *)dst[f].buf + (size_t)(at + k) * rows[f], (const char *)src[f].buf + i * rows[f],
+                       rows[f]);
         }
         if (saved)
             PyEval_RestoreThread(saved);

@@ -26,5 +26,6 @@ def take(
     outs: tuple[Any, ...],
     hits: Any,
     length: int,
+    at: int = 0,
     /,
 ) -> int: ...

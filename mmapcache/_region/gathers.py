@@ -181,8 +181,13 @@ class FixedRows:
         outs: list[np.ndarray[Any, Any]] | None = None,
         *,
         hits: bool = True,
+        at: int = 0,
     ) -> tuple[list[np.ndarray[Any, Any]], np.ndarray[Any, np.dtype[np.bool_]] | None, int]:
-        """:func:`take_ready` of every field: ``(outputs, hits, found)``; ``hits=False`` skips the mask (None)."""
+        """:func:`take_ready` of every field: ``(outputs, hits, found)``; ``hits=False`` skips the mask (None).
+
+        ``at``: the rows of ``outs`` read into start there (``outs`` hold at least ``at + len(indices)``
+        rows), so that a batch read from several files is read into its arrays a file at a time.
+        """
         if outs is None:  # self.empty(), inline: a call and a comprehension cost as much as the allocation
             outs = []
             count = len(indices)
@@ -190,10 +195,14 @@ class FixedRows:
                 outs.append(empty_aligned((count, *tail), dtype) if aligned else np.empty((count, *tail), dtype))
         compiled = native
         if compiled is None or self._numpy_only:
-            return outs, *_take_ready_numpy(self.states, self.ready, indices, self.sources, length, outs)
+            count = len(indices)
+            into = [out[at : at + count] for out in outs] if at or any(len(out) != count for out in outs) else outs
+            return outs, *_take_ready_numpy(self.states, self.ready, indices, self.sources, length, into)
         mask = np.empty(len(indices), np.bool_) if hits else None
         wanted = indices if indices.dtype == _INT64 and indices.flags.c_contiguous else indices.astype(np.int64)
-        found = compiled.take(self._table, self._record, self.ready, wanted, self.sources, tuple(outs), mask, length)
+        found = compiled.take(
+            self._table, self._record, self.ready, wanted, self.sources, tuple(outs), mask, length, at
+        )
         return outs, mask, found
 
 

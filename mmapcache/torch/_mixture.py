@@ -245,14 +245,50 @@ class Mixture(torch.utils.data.Dataset[Any]):
         position order; ``counts`` says how many each source has; ``indices`` are the indices
         drawn for ``positions``.
         """
-        start, stop = _position(start), _position(stop)
-        codes, drawn = self._drawn(start, stop)
-        narrow = codes.astype(np.uint16) if len(self.names) <= 1 << 16 else codes  # a radix sort
+        positions, counts, indices = self.by_sources([_position(start)], [_position(stop)])
+        return positions, counts[0], indices
+
+    def by_sources(self, starts: Sequence[int], stops: Sequence[int]) -> tuple[Ints, Ints, Ints]:
+        """:meth:`by_source` of the ranges ``starts[k] .. stops[k] - 1`` at once, one after another.
+
+        ``(positions, counts, indices)``: range ``k`` is ``positions[o : o + sum(counts[k])]`` (``o``:
+        the sizes of the ranges before it), grouped by source; ``counts`` has a row per range. A
+        loader groups the batches of a stretch drawn ahead with one sort instead of one a batch.
+        """
+        los, his = np.asarray(starts), np.asarray(stops)
+        if los.ndim != 1 or los.shape != his.shape or not los.size or not {los.dtype.kind, his.dtype.kind} <= {"i", "u"}:
+            raise TypeError(f"starts and stops must be as many integer positions, not {starts!r} and {stops!r}")
+        los, his = los.astype(np.int64, copy=False), his.astype(np.int64, copy=False)
+        if int(los.min()) < 0:
+            raise IndexError(f"mixture positions are >= 0 (they have no end to count from), not {int(los.min())}")
+        sizes = np.maximum(his - los, 0)  # a range that stops before it starts is empty
+        his = los + sizes
+        codes, drawn, positions = self._ranges(los, his, sizes)
+        sources = len(self.names)
+        if len(los) > 1:  # ranges one after another: by (range, source)
+            key = np.repeat(np.arange(0, len(los) * sources, sources, dtype=np.int64), sizes)
+            key += codes
+        else:
+            key = codes
+        narrow = key.astype(np.uint16) if len(los) * sources <= 1 << 16 else key  # a radix sort
         order = np.argsort(narrow, kind="stable")
-        counts = np.bincount(codes, minlength=len(self.names))
-        indices: Ints = drawn[order]
-        order += start
-        return order, counts, indices
+        counts = np.bincount(key, minlength=len(los) * sources).reshape(len(los), sources)
+        grouped: Ints = positions[order]
+        return grouped, counts, drawn[order]
+
+    def _ranges(self, los: Ints, his: Ints, sizes: Ints) -> tuple[Ints, Ints, Ints]:
+        """``(codes, indices, positions)`` of the ranges ``los[k] .. his[k] - 1``, one after another."""
+        lo, hi, total = int(los.min()), int(his.max()), int(sizes.sum())
+        if len(los) == 1 or (los[1:] == his[:-1]).all():  # one stretch of positions
+            codes, drawn = self._drawn(int(los[0]), int(his[-1]))
+            return codes, drawn, np.arange(int(los[0]), int(his[-1]), dtype=np.int64)
+        positions = np.repeat(los - np.cumsum(sizes) + sizes, sizes)
+        positions += np.arange(total, dtype=np.int64)
+        if hi - lo <= _PER_POSITION * total + BLOCK:  # near one another: one stretch, drawn at once
+            codes, drawn = self._drawn(lo, hi)
+            return codes[positions - lo], drawn[positions - lo], positions
+        parts = [self._drawn(int(a), int(b)) for a, b in zip(los.tolist(), his.tolist(), strict=True)]
+        return np.concatenate([c for c, _ in parts]), np.concatenate([d for _, d in parts]), positions
 
     def draws_at(self, positions: Sequence[int] | Ints) -> tuple[Ints, Ints]:
         """``(codes, indices)`` of any positions, in their order (as :meth:`draws`)."""

@@ -88,13 +88,25 @@ class StepSampler:
         start, stop = self.begin()
         width = self.world_size * self.batch_size
         ahead = _AHEAD if width <= _AHEAD // _AHEAD_STEPS else 0  # wide steps: each rank draws its own part
-        drawn = start
+        mixture = self.mixture
+        for spans in self.stretches(start, stop, ahead):
+            if ahead:
+                mixture.draw_ahead(spans[0][0], min(stop, max(spans[-1][1], spans[0][0] + ahead)))
+            yield from grouped(mixture, spans)
+
+    def stretches(self, start: int, stop: int, ahead: int) -> Iterator[list[tuple[int, int]]]:
+        """This rank's batches (``(first, last + 1)``, none empty), in runs that lie within ``ahead``
+        positions of their first (one batch a run for ``ahead=0``): each run is drawn and grouped at once."""
+        run: list[tuple[int, int]] = []
         for lo, hi, _ in self.steps(start, stop):
-            if hi > lo:
-                if ahead and hi > drawn:
-                    drawn = min(stop, max(hi, lo + ahead))
-                    self.mixture.draw_ahead(lo, drawn)
-                yield grouped(self.mixture, lo, hi)
+            if hi <= lo:
+                continue
+            if run and hi > run[0][0] + ahead:
+                yield run
+                run = []
+            run.append((lo, hi))
+        if run:
+            yield run
 
     def __len__(self) -> int:
         if self.num_samples is None:
@@ -109,10 +121,16 @@ class StepSampler:
         return full + int((rank + 1) * rest // self.world_size > rank * rest // self.world_size)
 
 
-def grouped(mixture: Mixture, lo: int, hi: int) -> Drawn:
-    """Positions ``lo .. hi - 1`` grouped by source (in the order of ``datasets``), in order within each."""
-    positions, counts, indices = mixture.by_source(lo, hi)
-    return Drawn(positions.tolist(), counts.tolist(), indices)
+def grouped(mixture: Mixture, spans: list[tuple[int, int]]) -> Iterator[Drawn]:
+    """The batches of positions ``lo .. hi - 1`` of each span, grouped by source (in the order of
+    ``datasets``), in order within each: one sort for them all (:meth:`Mixture.by_sources`)."""
+    los, his = zip(*spans, strict=True)
+    positions, counts, indices = mixture.by_sources(los, his)
+    listed = positions.tolist()
+    start = 0
+    for (lo, hi), count in zip(spans, counts.tolist(), strict=True):
+        yield Drawn(listed[start : start + hi - lo], count, indices[start : start + hi - lo])
+        start += hi - lo
 
 
 class Drawn(list[int]):
@@ -181,6 +199,8 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
     def __init__(self, mixture: Mixture, *, collated: bool) -> None:
         self.mixture, self.collated = mixture, collated
         self._sources: list[_Source] | None = None  # made in each process on first use
+        self._sessions: list[Any] = []  # the cached sources' sessions, by source code (None: not cached)
+        self._layout: _Layout | None = None  # the batch arrays of the last schema read
         self._alike: set[int] = set()  # sources whose fields were found those of the first source
         self.recycled = Recycled()  # the buffers of batches nothing refers to any more, read into again
 
@@ -209,6 +229,7 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
             return None
         if self._sources is None:
             self._sources = [_Source(mixture.datasets[name]) for name in mixture.names]
+            self._sessions = [None if source.cached is None else source.cached._session for source in self._sources]
         if type(positions) is Drawn:
             indices = positions.indices
             runs = [(code, count) for code, count in enumerate(positions.counts) if count]
@@ -254,54 +275,47 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
         return Pending(positions)
 
     def _session(self, code: int) -> Any:
-        assert self._sources is not None
-        cached = self._sources[code].cached
-        assert cached is not None
-        return cached._session
+        session = self._sessions[code]
+        assert session is not None
+        return session
 
     def _gathered(self, parts: list[_Part], size: int) -> Any:
         """The batch of ``size`` rows: each part's rows gathered from its file straight into the batch tensors."""
-        schema = self._session(parts[0][0]).schema
+        sessions = self._sessions
+        schema = sessions[parts[0][0]].schema
         for code, _, _, _ in parts[1:]:
             if code not in self._alike:
                 self._check_alike(parts[0][0], code)
-        fixed = [schema.fields[name] for name in schema.fixed]
-        storage = [field.dtype for field in fixed]
-        dtypes = [schema.dtypes[schema.names.index(name)] for name in schema.fixed]
-
-        def shapes(count: int) -> list[tuple[int, ...]]:
-            return [(count, *field.fixed_shape) for field in fixed]
-
+        layout = self._layout
+        if layout is None or layout.schema is not schema:
+            layout = self._layout = _Layout(schema)
         # In this process's memory, an earlier batch's once nothing refers to it (._recycled); a worker's
         # batch goes to shared memory, fresh (it is handed to the main process).
         recycled = torch.utils.data.get_worker_info() is None
         if recycled:
-            arrays = self.recycled.take(schema, size, lambda n: new_batch(shapes(n), storage, dtypes, private=True)[1])
-            tensors = as_tensors(arrays, dtypes)
+            arrays = self.recycled.take(layout, size, layout.private)
+            tensors = as_tensors(arrays, layout.dtypes)
         else:
-            tensors, arrays = new_batch(shapes(size), storage, dtypes)
+            tensors, arrays = new_batch(layout.shapes(size), layout.storage, layout.dtypes)
         for code, idx, start, stop in parts:
-            session = self._session(code)
+            session = sessions[code]
             cache = session.cache
             rows = fixed_rows_of(cache)
             if rows is not None:  # one pass reads the states and the rows into the batch, as loader() reads
-                outs = [array[start:stop] for array in arrays]
-                _, hits, found = rows.take(idx, len(cache), outs)
+                found = rows.take(idx, len(cache), arrays, hits=False, at=start)[2]
             else:
                 out = {name: array[start:stop] for name, array in zip(schema.fixed, arrays, strict=True)}
-                _, hits = cache.read_many(idx, out=out, count=False)
-                found = int(np.count_nonzero(hits))
+                found = int(np.count_nonzero(cache.read_many(idx, out=out, count=False)[1]))
             if found == len(idx):
                 session.hits += found
                 cache.count(hits=found)
                 continue
-            assert hits is not None
             columns = session.gather(cache, idx)  # loads and stores the misses, counts the reads
             for array, column in zip(arrays, columns, strict=True):
                 array[start:stop] = column.numpy()
         batch = collate_tree(schema.tree, tensors)
         if recycled:
-            self.recycled.keep(schema, arrays)
+            self.recycled.keep(layout, arrays)
         return batch
 
     def _check_alike(self, first: int, code: int) -> None:
@@ -317,6 +331,25 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
 
     def __repr__(self) -> str:
         return f"MixtureBatches({self.mixture!r})"
+
+
+class _Layout:
+    """A batch's arrays for the fields of ``schema`` (fixed fields alone): how to make them, and their tensors' dtypes."""
+
+    __slots__ = ("dtypes", "fixed", "schema", "storage")
+
+    def __init__(self, schema: Any) -> None:
+        self.schema = schema
+        self.fixed = [schema.fields[name] for name in schema.fixed]
+        self.storage = [field.dtype for field in self.fixed]
+        self.dtypes = [schema.dtypes[schema.names.index(name)] for name in schema.fixed]
+
+    def shapes(self, count: int) -> list[tuple[int, ...]]:
+        return [(count, *field.fixed_shape) for field in self.fixed]
+
+    def private(self, count: int) -> list[np.ndarray[Any, Any]]:
+        """New arrays of ``count`` rows in this process's memory."""
+        return new_batch(self.shapes(count), self.storage, self.dtypes, private=True)[1]
 
 
 def _described(fields: Mapping[str, Any]) -> str:

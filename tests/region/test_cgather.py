@@ -390,7 +390,7 @@ def test_a_value_offset_that_is_not_a_multiple_of_the_item_size_is_a_damaged_slo
 @given(data=st.data())
 def test_the_compiled_take_reads_what_the_numpy_take_reads(tmp_path_factory: pytest.TempPathFactory, data: Any) -> None:
     """Random batches (repeats, misses, indices past the capacity) over fields of several dtypes and shapes."""
-    from mmapcache._region.gathers import take_ready, take_ready_numpy
+    from mmapcache._region.gathers import FixedRows, take_ready, take_ready_numpy
     from mmapcache._region.slots import READY
 
     path = tmp_path_factory.mktemp("take") / "c.mmc"
@@ -424,6 +424,21 @@ def test_the_compiled_take_reads_what_the_numpy_take_reads(tmp_path_factory: pyt
         arrays, read = cache.read_many(idx)
         assert read.tolist() == hits.tolist()
         assert arrays["d"][read].astype(np.int64)[:, 0].tolist() == idx[read].tolist()
+        # at=: into rows at .. of wider outputs, the rows around them left as they were; the compiled take
+        # (fields a, b, c) and the numpy one (with d: datetimes) alike
+        at = data.draw(st.integers(0, 5), label="at")
+        for names in ("abc", "abcd"):
+            rows_of = FixedRows(mapped.slots.states, READY, {name: mapped.arrays[name] for name in names})
+            wide = [np.full((at + len(idx) + 2, *source.shape[1:]), 7, source.dtype) for source in rows_of.sources]
+            untouched = [array.copy() for array in wide]
+            _, wide_hits, wide_found = rows_of.take(idx, 60, wide, at=at)
+            assert wide_found == found and wide_hits is not None and wide_hits.tolist() == hits.tolist()
+            for array, blank, source in zip(wide, untouched, rows_of.sources, strict=True):
+                inside = array[at : at + len(idx)]
+                assert inside[hits].tobytes() == source[idx[hits]].tobytes()
+                assert inside[~hits].tobytes() == blank[at : at + len(idx)][~hits].tobytes()
+                assert array[:at].tobytes() == blank[:at].tobytes()
+                assert array[at + len(idx) :].tobytes() == blank[at + len(idx) :].tobytes()
     mmapcache.remove(path)
 
 
@@ -434,8 +449,12 @@ def test_the_compiled_take_refuses_what_the_cache_never_passes_it(tmp_path: Path
     source = np.zeros((4, 3), np.uint8)
     hits = np.zeros(2, bool)
     idx = np.array([0, 1], np.int64)
-    with pytest.raises(ValueError, match="out 0 holds 3 bytes, not 2 rows of 3"):
+    with pytest.raises(ValueError, match="out 0 holds 3 bytes, not rows of 3 to write 2 from row 0"):
         native.take(table, 8, 2, idx, (source,), (np.zeros(3, np.uint8),), hits, 4)
+    with pytest.raises(ValueError, match="out 0 holds 9 bytes, not rows of 3 to write 2 from row 2"):
+        native.take(table, 8, 2, idx, (source,), (np.zeros((3, 3), np.uint8),), hits, 4, 2)
+    with pytest.raises(ValueError, match="at >= 0"):
+        native.take(table, 8, 2, idx, (source,), (np.zeros((3, 3), np.uint8),), hits, 4, -1)
     with pytest.raises(ValueError, match="hits must hold 2 bytes"):
         native.take(table, 8, 2, idx, (source,), (np.zeros((2, 3), np.uint8),), np.zeros(3, bool), 4)
     with pytest.raises(ValueError, match="source 0 holds 10 bytes"):
@@ -453,6 +472,11 @@ def test_the_compiled_take_refuses_what_the_cache_never_passes_it(tmp_path: Path
     assert found == 1
     assert out.tolist() == [[4, 5, 6], [0, 0, 0], [0, 0, 0]]
     assert native.take(table, 8, 2, np.array([1, -1], np.int64), (source,), (out[:2],), hits, 10) == -1
+    # at: the rows go from that row of the outs on; the rows before and after stay as they were
+    wide = np.full((5, 3), 7, np.uint8)
+    assert native.take(table, 8, 2, np.array([0, 1], np.int64), (source,), (wide,), hits, 10, 3) == 1
+    assert hits.tolist() == [False, True]
+    assert wide.tolist() == [[7, 7, 7]] * 4 + [[4, 5, 6]]
 
 
 @needs_native

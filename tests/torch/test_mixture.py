@@ -121,6 +121,43 @@ def test_drawing_ahead_changes_no_draw_and_keeps_its_arrays_its_own(kind: str) -
     assert ahead.draws(100, 200)[0].tolist() == fresh.draws(100, 200)[0].tolist()
 
 
+@pytest.mark.parametrize("kind", ["static", "schedule"])
+def test_grouping_many_ranges_at_once_groups_each_as_by_source_does(kind: str) -> None:
+    sources = _sources({"web": 700, "code": 90, "math": 13})
+    weights: Any = WEIGHTS if kind == "static" else (lambda p: WEIGHTS if p < 3 * BLOCK else {"web": 1, "math": 3})
+    mixture, fresh = Mixture(sources, weights, seed=4), Mixture(sources, weights, seed=4)
+    rng = np.random.default_rng(kind == "static")
+    for layout in ["one after another", "gaps", "far apart", "overlapping", "empty ones"]:
+        starts = np.cumsum(rng.integers(1, 300, 40)) + int(rng.integers(0, 5000))
+        if layout == "one after another":
+            stops = np.append(starts[1:], starts[-1] + 17)
+        elif layout == "far apart":
+            starts = starts * 1000
+            stops = starts + rng.integers(1, 9, 40)
+        elif layout == "overlapping":
+            stops = starts + rng.integers(1, 900, 40)
+        else:
+            stops = starts + rng.integers(0 if layout == "empty ones" else 1, 200, 40)
+        if layout == "gaps":
+            mixture.draw_ahead(int(starts[0]), int(stops[-1]))  # from a window drawn ahead, or not
+        positions, counts, indices = mixture.by_sources(starts.tolist(), stops.tolist())
+        assert counts.shape == (40, 3)
+        at = 0
+        for k, (lo, hi) in enumerate(zip(starts.tolist(), stops.tolist(), strict=True)):
+            want = fresh.by_source(lo, hi)
+            size = max(hi - lo, 0)
+            assert positions[at : at + size].tolist() == want[0].tolist(), (layout, k)
+            assert counts[k].tolist() == want[1].tolist() and indices[at : at + size].tolist() == want[2].tolist()
+            at += size
+        assert at == len(positions) == len(indices)
+    with pytest.raises(TypeError, match="as many integer positions"):
+        mixture.by_sources([0, 5], [3])
+    with pytest.raises(TypeError, match="as many integer positions"):
+        mixture.by_sources([0.5], [3])
+    with pytest.raises(IndexError, match=">= 0"):
+        mixture.by_sources([-1], [3])
+
+
 def test_without_replacement_each_pass_of_a_source_is_a_fresh_permutation() -> None:
     mixture = Mixture(_sources({"web": 200, "code": 60, "math": 15}), WEIGHTS, seed=2)
     codes, indices = mixture.draws(0, 30_000)
