@@ -16,6 +16,10 @@
  * the buffers stay valid because this call holds a buffer export of each (the mapping cannot be
  * unmapped under it: mmapcache lets the last reference unmap).
  *
+ * `deal` and `group` are a mixture's draws (mmapcache/torch/_draws.py, whose numpy twins give the same
+ * result): each position's index dealt from its source's draws, and ranges of positions counting-sorted by
+ * source, one pass a range instead of a sort.
+ *
  * No numpy C API: buffers come through the buffer protocol, the output from a Python callable.
  */
 #define PY_SSIZE_T_CLEAN
@@ -555,17 +559,175 @@ done:
     return result;
 }
 
+/* -- a mixture's draws: dealt to positions, grouped by source (mmapcache/torch/_draws.py holds the numpy twins) */
+
+/* An int64 buffer of `count` items (count < 0: any), its items checked to lie in [0, bound) when bound > 0. */
+static int
+get_codes(PyObject *obj, Py_buffer *view, Py_ssize_t count, long long bound, const char *what)
+{
+    if (get_int64s(obj, view, 0, count, what) < 0)
+        return -1;
+    const int64_t *code = view->buf;
+    for (Py_ssize_t k = 0; k < view->len / 8; k++)
+        if (code[k] < 0 || code[k] >= bound) {
+            PyErr_Format(PyExc_ValueError, "_cgather: %s holds %lld, not in [0, %lld)", what, (long long)code[k],
+                         bound);
+            PyBuffer_Release(view);
+            return -1;
+        }
+    return 0;
+}
+
+PyDoc_STRVAR(deal_doc,
+"deal(codes, draws, out) -> None\n\n"
+"Each position the next index drawn from its source: out[k] = draws[codes[k]][number of codes[k] before k].\n\n"
+"codes: int64, the source of each position, in [0, len(draws)); draws: a tuple of int64 arrays, each\n"
+"source's indices in the order of its positions, as many as the codes name it; out: writable int64, len(codes).");
+
+static PyObject *
+deal(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "deal takes codes, a tuple of draws and out");
+        return NULL;
+    }
+    PyObject *result = NULL, *draws = args[1];
+    Py_ssize_t sources = PyTuple_GET_SIZE(draws), opened = 0;
+    Py_buffer codes = {0}, out = {0};
+    Py_buffer *drawn = PyMem_Calloc((size_t)(sources ? sources : 1), sizeof(Py_buffer));
+    Py_ssize_t *next = PyMem_Calloc((size_t)(sources ? sources : 1), sizeof(Py_ssize_t));
+    if (!drawn || !next) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (get_codes(args[0], &codes, -1, sources, "codes") < 0)
+        goto done;
+    if (get_int64s(args[2], &out, 1, codes.len / 8, "out") < 0)
+        goto done;
+    for (; opened < sources; opened++)
+        if (get_int64s(PyTuple_GET_ITEM(draws, opened), &drawn[opened], 0, -1, "a source's draws") < 0)
+            goto done;
+    const int64_t *code = codes.buf;
+    int64_t *into = out.buf;
+    Py_ssize_t count = codes.len / 8;
+    for (Py_ssize_t k = 0; k < count; k++) { /* each source's draws must cover its positions: counted first */
+        if (next[code[k]]++ >= drawn[code[k]].len / 8) {
+            PyErr_Format(PyExc_ValueError, "deal: source %lld has %zd draws, fewer than the codes name it",
+                         (long long)code[k], drawn[code[k]].len / 8);
+            goto done;
+        }
+    }
+    memset(next, 0, (size_t)sources * sizeof(Py_ssize_t));
+    for (Py_ssize_t k = 0; k < count; k++)
+        into[k] = ((const int64_t *)drawn[code[k]].buf)[next[code[k]]++];
+    result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t f = 0; f < opened; f++)
+        PyBuffer_Release(&drawn[f]);
+    if (out.obj)
+        PyBuffer_Release(&out);
+    if (codes.obj)
+        PyBuffer_Release(&codes);
+    PyMem_Free(drawn);
+    PyMem_Free(next);
+    return result;
+}
+
+PyDoc_STRVAR(group_doc,
+"group(codes, drawn, sizes, sources, order, indices, counts) -> None\n\n"
+"Ranges of positions, one after another, each grouped by source: a counting sort of each range.\n\n"
+"codes, drawn: int64, a position each (its source, in [0, sources), and the index drawn); sizes: int64,\n"
+"the ranges' lengths, summing to len(codes). Writes order (int64, len(codes)): each range's positions\n"
+"(places in codes) by source, then in order; indices (int64, len(codes)): drawn[order]; counts (int64,\n"
+"len(sizes) x sources): how many positions of each source each range has.");
+
+static PyObject *
+group(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "group takes 7 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Py_ssize_t sources = PyLong_AsSsize_t(args[3]);
+    if (sources == -1 && PyErr_Occurred())
+        return NULL;
+    if (sources < 1) {
+        PyErr_SetString(PyExc_ValueError, "group: sources must be >= 1");
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_buffer codes = {0}, drawn = {0}, sizes = {0}, order = {0}, indices = {0}, counts = {0};
+    Py_buffer *views[] = {&codes, &drawn, &sizes, &order, &indices, &counts};
+    Py_ssize_t *next = PyMem_Malloc((size_t)sources * sizeof(Py_ssize_t));
+    if (!next) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (get_codes(args[0], &codes, -1, sources, "codes") < 0)
+        goto done;
+    Py_ssize_t count = codes.len / 8;
+    if (get_int64s(args[1], &drawn, 0, count, "drawn") < 0 || get_codes(args[2], &sizes, -1, count + 1, "sizes") < 0
+        || get_int64s(args[4], &order, 1, count, "order") < 0 || get_int64s(args[5], &indices, 1, count, "indices") < 0)
+        goto done;
+    Py_ssize_t ranges = sizes.len / 8;
+    if (ranges > PY_SSIZE_T_MAX / 8 / sources) {
+        PyErr_SetString(PyExc_ValueError, "group: too many ranges and sources");
+        goto done;
+    }
+    if (get_int64s(args[6], &counts, 1, ranges * sources, "counts") < 0)
+        goto done;
+    const int64_t *code = codes.buf, *size = sizes.buf, *draw = drawn.buf;
+    int64_t *place = order.buf, *index = indices.buf, *count_of = counts.buf;
+    Py_ssize_t first = 0;
+    for (Py_ssize_t r = 0; r < ranges; r++) {
+        if (size[r] > count - first) {
+            PyErr_Format(PyExc_ValueError, "group: the sizes sum to more than the %zd codes", count);
+            goto done;
+        }
+        Py_ssize_t end = first + (Py_ssize_t)size[r];
+        int64_t *of = count_of + r * sources;
+        memset(of, 0, (size_t)sources * sizeof(int64_t));
+        for (Py_ssize_t k = first; k < end; k++)
+            of[code[k]]++;
+        Py_ssize_t at = first;
+        for (Py_ssize_t c = 0; c < sources; c++) {
+            next[c] = at;
+            at += (Py_ssize_t)of[c];
+        }
+        for (Py_ssize_t k = first; k < end; k++) {
+            Py_ssize_t to = next[code[k]]++;
+            place[to] = k;
+            index[to] = draw[k];
+        }
+        first = end;
+    }
+    if (first != count) {
+        PyErr_Format(PyExc_ValueError, "group: the sizes sum to %zd, not the %zd codes", first, count);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (size_t v = 0; v < sizeof views / sizeof *views; v++)
+        if (views[v]->obj)
+            PyBuffer_Release(views[v]);
+    PyMem_Free(next);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, gather_doc},
     {"pad", (PyCFunction)(void (*)(void))pad, METH_FASTCALL, pad_doc},
     {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL, take_doc},
+    {"deal", (PyCFunction)(void (*)(void))deal, METH_FASTCALL, deal_doc},
+    {"group", (PyCFunction)(void (*)(void))group, METH_FASTCALL, group_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_cgather",
-    .m_doc = "The compiled gather of a variable field, its padding, and the one-pass read of fixed fields (see _cgather.c).",
+    .m_doc = "The compiled gather of a variable field, its padding, the one-pass read of fixed fields, and a mixture's "
+             "draws dealt and grouped (see _cgather.c).",
     .m_size = -1,
     .m_methods = methods,
 };

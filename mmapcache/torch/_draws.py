@@ -25,15 +25,23 @@ A schedule (weights as a function of the position) is read once per block of
 :data:`BLOCK` positions, at the block's first position: the thresholds are those
 of ``weights(b·BLOCK)`` for the whole block ``b``, and the draws before a position
 add up the blocks before it (remembered once computed) and the part of its own.
+
+Dealing and grouping. :func:`deal` hands each position of a range the next
+index drawn from its source, and :func:`group` sorts ranges of positions by
+source (a loader's batches): the compiled ``deal`` and ``group`` of
+``_cgather.c`` in one pass, else their numpy twins here (the same result).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["BLOCK", "MODULUS", "STEP", "above", "codes", "counts", "phase", "thresholds"]
+from .._region.gathers import compiled
+
+__all__ = ["BLOCK", "MODULUS", "STEP", "above", "codes", "counts", "deal", "group", "phase", "thresholds"]
 
 MODULUS = 1836311903  # F(46): below 2**31, so a phase times STEP fits in an int64
 STEP = 1134903170  # F(45)
@@ -105,3 +113,50 @@ def thresholds(weights: list[float]) -> Ints:
     cuts[-1] = MODULUS
     np.maximum.accumulate(cuts, out=cuts)  # rounding never makes an interval negative
     return cuts
+
+
+def deal(codes: Ints, draws: Sequence[Ints]) -> Ints:
+    """Each position's index: ``draws[c]`` read in order by the positions whose code is ``c``.
+
+    ``codes`` are the positions' sources; ``draws[c]`` holds (at least) as many indices as
+    ``codes`` holds ``c``, in the order of those positions.
+    """
+    out = np.empty(len(codes), np.int64)
+    native = compiled()
+    if native is not None:
+        native.deal(_int64s(codes), tuple(_int64s(d) for d in draws), out)
+        return out
+    for code, drawn in enumerate(draws):
+        where = codes == code
+        out[where] = drawn[: int(np.count_nonzero(where))]
+    return out
+
+
+def group(codes: Ints, drawn: Ints, sizes: Ints, sources: int) -> tuple[Ints, Ints, Ints]:
+    """Ranges of positions, one after another (``sizes`` long each), each grouped by source.
+
+    ``(order, indices, counts)``: ``order`` holds each range's places in ``codes``, by source
+    (in the order of their codes), in order within a source; ``indices`` is ``drawn[order]``;
+    ``counts`` (a row per range) how many positions of each source a range has.
+    """
+    order, indices = np.empty(len(codes), np.int64), np.empty(len(codes), np.int64)
+    native = compiled()
+    if native is not None:
+        counts = np.empty((len(sizes), sources), np.int64)
+        native.group(_int64s(codes), _int64s(drawn), _int64s(sizes), sources, order, indices, counts)
+        return order, indices, counts
+    if len(sizes) > 1:  # by (range, source)
+        key = np.repeat(np.arange(0, len(sizes) * sources, sources, dtype=np.int64), sizes)
+        key += codes
+    else:
+        key = codes
+    narrow = key.astype(np.uint16) if len(sizes) * sources <= 1 << 16 else key  # a radix sort
+    order[:] = np.argsort(narrow, kind="stable")
+    np.take(drawn, order, out=indices)
+    grouped: Ints = np.bincount(key, minlength=len(sizes) * sources).reshape(len(sizes), sources)
+    return order, indices, grouped
+
+
+def _int64s(values: Ints) -> Ints:
+    contiguous: Ints = np.ascontiguousarray(values, dtype=np.int64)
+    return contiguous

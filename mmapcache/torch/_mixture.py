@@ -218,10 +218,12 @@ class Mixture(torch.utils.data.Dataset[Any]):
         codes = self._codes(start, stop)
         counts = np.bincount(codes, minlength=len(self.names))
         before = self._before(start)
-        indices = np.empty(len(codes), np.int64)
-        for code, count in enumerate(counts.tolist()):
-            if count:  # one pass over the codes a source: no sort of the whole range
-                indices[codes == code] = self._indices(code, int(before[code]), count)
+        empty = np.empty(0, np.int64)
+        draws = [
+            self._indices(code, int(before[code]), count) if count else empty
+            for code, count in enumerate(counts.tolist())
+        ]
+        indices = _draws.deal(codes, draws)
         self._anchor = (stop, before + counts)
         return codes, indices
 
@@ -256,7 +258,12 @@ class Mixture(torch.utils.data.Dataset[Any]):
         loader groups the batches of a stretch drawn ahead with one sort instead of one a batch.
         """
         los, his = np.asarray(starts), np.asarray(stops)
-        if los.ndim != 1 or los.shape != his.shape or not los.size or not {los.dtype.kind, his.dtype.kind} <= {"i", "u"}:
+        if (
+            los.ndim != 1
+            or los.shape != his.shape
+            or not los.size
+            or not {los.dtype.kind, his.dtype.kind} <= {"i", "u"}
+        ):
             raise TypeError(f"starts and stops must be as many integer positions, not {starts!r} and {stops!r}")
         los, his = los.astype(np.int64, copy=False), his.astype(np.int64, copy=False)
         if int(los.min()) < 0:
@@ -264,24 +271,20 @@ class Mixture(torch.utils.data.Dataset[Any]):
         sizes = np.maximum(his - los, 0)  # a range that stops before it starts is empty
         his = los + sizes
         codes, drawn, positions = self._ranges(los, his, sizes)
-        sources = len(self.names)
-        if len(los) > 1:  # ranges one after another: by (range, source)
-            key = np.repeat(np.arange(0, len(los) * sources, sources, dtype=np.int64), sizes)
-            key += codes
-        else:
-            key = codes
-        narrow = key.astype(np.uint16) if len(los) * sources <= 1 << 16 else key  # a radix sort
-        order = np.argsort(narrow, kind="stable")
-        counts = np.bincount(key, minlength=len(los) * sources).reshape(len(los), sources)
+        order, indices, counts = _draws.group(codes, drawn, sizes, len(self.names))
+        if positions is None:  # one stretch from los[0] on
+            order += int(los[0])
+            return order, counts, indices
         grouped: Ints = positions[order]
-        return grouped, counts, drawn[order]
+        return grouped, counts, indices
 
-    def _ranges(self, los: Ints, his: Ints, sizes: Ints) -> tuple[Ints, Ints, Ints]:
-        """``(codes, indices, positions)`` of the ranges ``los[k] .. his[k] - 1``, one after another."""
+    def _ranges(self, los: Ints, his: Ints, sizes: Ints) -> tuple[Ints, Ints, Ints | None]:
+        """``(codes, indices, positions)`` of the ranges ``los[k] .. his[k] - 1``, one after another
+        (positions ``None`` when they are one stretch from ``los[0]`` on)."""
         lo, hi, total = int(los.min()), int(his.max()), int(sizes.sum())
         if len(los) == 1 or (los[1:] == his[:-1]).all():  # one stretch of positions
             codes, drawn = self._drawn(int(los[0]), int(his[-1]))
-            return codes, drawn, np.arange(int(los[0]), int(his[-1]), dtype=np.int64)
+            return codes, drawn, None
         positions = np.repeat(los - np.cumsum(sizes) + sizes, sizes)
         positions += np.arange(total, dtype=np.int64)
         if hi - lo <= _PER_POSITION * total + BLOCK:  # near one another: one stretch, drawn at once

@@ -19,7 +19,7 @@ them (:class:`Pending`), as ``CachedDataset.loader()`` does.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -84,7 +84,7 @@ class StepSampler:
                 yield f + self.rank * size // self.world_size, f + (self.rank + 1) * size // self.world_size, f + size
             f += size
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[Drawn]:
         start, stop = self.begin()
         width = self.world_size * self.batch_size
         ahead = _AHEAD if width <= _AHEAD // _AHEAD_STEPS else 0  # wide steps: each rank draws its own part
@@ -126,23 +126,50 @@ def grouped(mixture: Mixture, spans: list[tuple[int, int]]) -> Iterator[Drawn]:
     ``datasets``), in order within each: one sort for them all (:meth:`Mixture.by_sources`)."""
     los, his = zip(*spans, strict=True)
     positions, counts, indices = mixture.by_sources(los, his)
-    listed = positions.tolist()
     start = 0
     for (lo, hi), count in zip(spans, counts.tolist(), strict=True):
-        yield Drawn(listed[start : start + hi - lo], count, indices[start : start + hi - lo])
-        start += hi - lo
+        stop = start + hi - lo
+        yield Drawn(positions[start:stop], count, indices[start:stop])
+        start = stop
 
 
-class Drawn(list[int]):
+class Drawn(Sequence[int]):
     """A batch's positions grouped by source, with their draws: how many each source has, and the indices.
 
-    The batch sampler's batches: the batch's reader (in a worker or not) reads the draws
-    instead of drawing them again.
+    The batch sampler's batches (a sequence of positions, held as an array): the batch's
+    reader (in a worker or not) reads the draws instead of drawing them again.
     """
 
-    def __init__(self, positions: list[int], counts: list[int], indices: np.ndarray[Any, np.dtype[np.int64]]) -> None:
-        super().__init__(positions)
-        self.counts, self.indices = counts, indices
+    __slots__ = ("counts", "indices", "positions")
+
+    def __init__(
+        self,
+        positions: np.ndarray[Any, np.dtype[np.int64]],
+        counts: list[int],
+        indices: np.ndarray[Any, np.dtype[np.int64]],
+    ) -> None:
+        self.positions, self.counts, self.indices = positions, counts, indices
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.positions.tolist())
+
+    def __getitem__(self, k: Any) -> Any:
+        return self.positions.tolist()[k]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
+        return self.positions if dtype is None else self.positions.astype(dtype)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # to a DataLoader worker, and back in a Pending: the arrays
+        return (Drawn, (self.positions, self.counts, self.indices))
+
+    def __repr__(self) -> str:
+        return f"Drawn({self.positions.tolist()})"
+
+
+Positions = Sequence[int]  # a batch's positions: the batch sampler's (a Drawn), or a list of anyone's
 
 
 class Pending:
@@ -150,13 +177,13 @@ class Pending:
 
     __slots__ = ("positions",)
 
-    def __init__(self, positions: list[int]) -> None:
-        self.positions = positions
+    def __init__(self, positions: Positions) -> None:
+        self.positions = positions  # a Drawn crosses with its draws: the main process does not draw again
 
-    def __getstate__(self) -> list[int]:
+    def __getstate__(self) -> Positions:
         return self.positions
 
-    def __setstate__(self, state: list[int]) -> None:
+    def __setstate__(self, state: Positions) -> None:
         self.positions = state
 
     def __repr__(self) -> str:
@@ -222,7 +249,7 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
             return self.in_worker(positions)
         return self.batch(positions)
 
-    def _parts(self, positions: list[int]) -> list[_Part] | None:
+    def _parts(self, positions: Positions) -> list[_Part] | None:
         """The batch's sources as runs of rows read from files; ``None`` when that is not how it is read."""
         mixture = self.mixture
         if not positions:
@@ -251,14 +278,14 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
             start += count
         return parts
 
-    def batch(self, positions: list[int]) -> Any:
+    def batch(self, positions: Positions) -> Any:
         """The batch ``default_collate`` makes of the samples at ``positions``; one gather per cached source."""
         parts = self._parts(positions)
         if parts is None:
             return torch.utils.data.default_collate(self.mixture.__getitems__(positions))
         return self._gathered(parts, len(positions))
 
-    def in_worker(self, positions: list[int]) -> Any:
+    def in_worker(self, positions: Positions) -> Any:
         """In a worker: store the batch's misses in the files and leave the gather to the main process."""
         parts = self._parts(positions)
         if parts is None:
@@ -334,7 +361,7 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
 
 
 class _Layout:
-    """A batch's arrays for the fields of ``schema`` (fixed fields alone): how to make them, and their tensors' dtypes."""
+    """A batch's arrays for the fixed fields of ``schema``: how to make them, and their tensors' dtypes."""
 
     __slots__ = ("dtypes", "fixed", "schema", "storage")
 
@@ -496,7 +523,7 @@ def make_loader(
     kind = _stateful_kind() if stateful else MixtureLoader
     return kind(
         MixtureBatches(mixture, collated=collate_fn is None),
-        batch_sampler=sampler,
+        batch_sampler=cast(Iterable[list[int]], sampler),  # its batches are Drawn: sequences of positions
         num_workers=num_workers,
         collate_fn=as_is if collate_fn is None else collate_fn,
         **dataloader_kwargs,

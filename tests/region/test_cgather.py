@@ -432,7 +432,9 @@ def test_the_compiled_take_reads_what_the_numpy_take_reads(tmp_path_factory: pyt
             wide = [np.full((at + len(idx) + 2, *source.shape[1:]), 7, source.dtype) for source in rows_of.sources]
             untouched = [array.copy() for array in wide]
             _, wide_hits, wide_found = rows_of.take(idx, 60, wide, at=at)
-            assert wide_found == found and wide_hits is not None and wide_hits.tolist() == hits.tolist()
+            assert wide_found == found
+            assert wide_hits is not None
+            assert wide_hits.tolist() == hits.tolist()
             for array, blank, source in zip(wide, untouched, rows_of.sources, strict=True):
                 inside = array[at : at + len(idx)]
                 assert inside[hits].tobytes() == source[idx[hits]].tobytes()
@@ -520,3 +522,64 @@ def test_get_many_and_read_many_of_fixed_fields_agree_with_and_without_the_exten
     out = run_python("-c", code, str(tmp_path / "c.mmc"), MMAPCACHE_NO_EXTENSION=extension)
     expected = f"{extension == '0'} [40, 10, 40] {sum(range(64))} [False, True, False] 30 [2] 4 3"
     assert out.split() == expected.split()
+
+
+# -- a mixture's draws: dealt to positions, grouped by source ---------------------------------------
+
+
+@needs_native
+@SETTINGS
+@given(data=st.data())
+def test_the_compiled_deal_and_group_give_what_their_numpy_twins_give(data: Any, monkeypatch: Any) -> None:
+    """Random codes of 1-5 sources cut into random ranges (empty ones too): the same order, draws and counts."""
+    from mmapcache._region import gathers
+    from mmapcache.torch import _draws
+
+    sources = data.draw(st.integers(1, 5), label="sources")
+    codes = np.array(data.draw(st.lists(st.integers(0, sources - 1), max_size=300), label="codes"), np.int64)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(codes)), max_size=8), label="cuts"))
+    sizes = np.diff([0, *cuts, len(codes)]).astype(np.int64)
+    drawn = np.arange(len(codes), dtype=np.int64) * 7 + 3
+    draws = [np.arange(int(np.count_nonzero(codes == c)) + 2, dtype=np.int64) * 10 + c for c in range(sources)]
+    compiled = (_draws.deal(codes, draws), *_draws.group(codes, drawn, sizes, sources))
+    monkeypatch.setattr(gathers, "native", None)  # the numpy twins
+    twins = (_draws.deal(codes, draws), *_draws.group(codes, drawn, sizes, sources))
+    for got, want in zip(compiled, twins, strict=True):
+        assert got.tolist() == want.tolist()
+    dealt, order, indices, counts = compiled
+    for c in range(sources):  # deal: each source's draws in the order of its positions
+        assert dealt[codes == c].tolist() == draws[c][: int(np.count_nonzero(codes == c))].tolist()
+    start = 0
+    for k, size in enumerate(sizes.tolist()):  # group: each range by source, in order within a source
+        part = order[start : start + size]
+        assert sorted(part.tolist()) == list(range(start, start + size))
+        assert [(int(codes[i]), int(i)) for i in part] == sorted((int(codes[i]), i) for i in range(start, start + size))
+        assert counts[k].tolist() == np.bincount(codes[start : start + size], minlength=sources).tolist()
+        start += size
+    assert indices.tolist() == drawn[order].tolist()
+
+
+@needs_native
+def test_the_compiled_deal_and_group_refuse_what_the_mixture_never_passes_them() -> None:
+    assert native is not None
+    codes = np.array([0, 1, 1, 0], np.int64)
+    out = np.empty(4, np.int64)
+    with pytest.raises(ValueError, match=r"codes holds 1, not in \[0, 1\)"):
+        native.deal(codes, (np.arange(4),), out)
+    with pytest.raises(ValueError, match="source 1 has 1 draws, fewer than the codes name it"):
+        native.deal(codes, (np.arange(2), np.arange(1)), out)
+    with pytest.raises(ValueError, match="out must hold 4 items"):
+        native.deal(codes, (np.arange(2), np.arange(2)), np.empty(3, np.int64))
+    order, indices, counts = np.empty(4, np.int64), np.empty(4, np.int64), np.empty((2, 2), np.int64)
+    with pytest.raises(ValueError, match="the sizes sum to 3, not the 4 codes"):
+        native.group(codes, codes, np.array([1, 2]), 2, order, indices, counts)
+    with pytest.raises(ValueError, match="the sizes sum to more than the 4 codes"):
+        native.group(codes, codes, np.array([3, 3]), 2, order, indices, counts)
+    with pytest.raises(ValueError, match="counts must hold 2 items, got 4"):
+        native.group(codes, codes, np.array([4]), 2, order, indices, counts)
+    with pytest.raises(ValueError, match="sources must be >= 1"):
+        native.group(codes, codes, np.array([4]), 0, order, indices, counts)
+    with pytest.raises(TypeError, match="int64"):
+        native.group(codes.astype(np.int32), codes, np.array([2, 2]), 2, order, indices, counts)
+    native.group(codes, codes * 10, np.array([2, 2]), 2, order, indices, counts)
+    assert (order.tolist(), indices.tolist(), counts.tolist()) == ([0, 1, 3, 2], [0, 10, 0, 10], [[1, 1], [1, 1]])

@@ -147,7 +147,8 @@ def test_grouping_many_ranges_at_once_groups_each_as_by_source_does(kind: str) -
             want = fresh.by_source(lo, hi)
             size = max(hi - lo, 0)
             assert positions[at : at + size].tolist() == want[0].tolist(), (layout, k)
-            assert counts[k].tolist() == want[1].tolist() and indices[at : at + size].tolist() == want[2].tolist()
+            assert counts[k].tolist() == want[1].tolist()
+            assert indices[at : at + size].tolist() == want[2].tolist()
             at += size
         assert at == len(positions) == len(indices)
     with pytest.raises(TypeError, match="as many integer positions"):
