@@ -426,6 +426,195 @@ PyDoc_STRVAR(take_doc,
 "(its rows left as they were). Returns how many were READY, or -1 as soon as an index is not in [0, length)\n"
 "(the caller then raises: indices unchecked before). The state is read with acquire order, before the row.");
 
+/* One file's part of a take: its slot table, indices and sources (buffers held until released). */
+typedef struct {
+    Py_buffer table, indices;
+    Py_buffer src[MAX_FIELDS];
+    Py_ssize_t opened; /* sources held */
+    Py_ssize_t record, at, count;
+    long ready;
+    unsigned long long length;
+    uint64_t slots;
+    size_t rows[MAX_FIELDS];
+} Part;
+
+static void
+release_part(Part *part)
+{
+    for (Py_ssize_t f = 0; f < part->opened; f++)
+        PyBuffer_Release(&part->src[f]);
+    part->opened = 0;
+    if (part->indices.obj)
+        PyBuffer_Release(&part->indices);
+    if (part->table.obj)
+        PyBuffer_Release(&part->table);
+}
+
+/* Holds a part's buffers (the caller releases them, also on failure) and checks them against outs. Returns 0,
+ * 1 when an index is not in [0, length) (nothing is copied then: the caller raises), or -1 with an error set. */
+static int
+open_part(Part *part, PyObject *const *args, PyObject *sources, Py_ssize_t nfields, const Py_buffer *dst)
+{
+    part->record = PyLong_AsSsize_t(args[1]);
+    part->ready = PyLong_AsLong(args[2]);
+    part->length = PyLong_AsUnsignedLongLong(args[5]); /* a length may pass int64 */
+    part->at = PyLong_AsSsize_t(args[6]);
+    if ((part->record == -1 || part->ready == -1 || part->length == (unsigned long long)-1 || part->at == -1)
+        && PyErr_Occurred())
+        return -1;
+    if (part->record < 1 || part->ready < 0 || part->ready > 255 || part->at < 0) {
+        PyErr_SetString(PyExc_ValueError, "take: record must be >= 1, ready a byte and at >= 0");
+        return -1;
+    }
+    if (!PyTuple_Check(sources) || PyTuple_GET_SIZE(sources) != nfields) {
+        PyErr_Format(PyExc_TypeError, "take: sources and outs must be tuples of as many buffers (at most %d)",
+                     MAX_FIELDS);
+        return -1;
+    }
+    if (get_buffer(args[0], &part->table, PyBUF_SIMPLE, "table") < 0)
+        return -1;
+    if (get_int64s(args[3], &part->indices, 0, -1, "indices") < 0)
+        return -1;
+    part->count = part->indices.len / 8;
+    part->slots = (uint64_t)(part->table.len / part->record);
+    const int64_t *idx = part->indices.buf;
+    const char *states = part->table.buf;
+    for (Py_ssize_t k = 0; k < part->count; k++) {
+        if (idx[k] < 0 || (uint64_t)idx[k] >= (uint64_t)part->length)
+            return 1;
+        if (k < STATES_AHEAD && (uint64_t)idx[k] < part->slots) /* the first states, asked for now */
+            __builtin_prefetch(states + (uint64_t)idx[k] * (uint64_t)part->record);
+    }
+    for (; part->opened < nfields; part->opened++) {
+        Py_ssize_t f = part->opened;
+        if (get_buffer(PyTuple_GET_ITEM(sources, f), &part->src[f], PyBUF_SIMPLE, "a source") < 0)
+            return -1;
+        if (part->slots == 0) { /* an empty table (a cache of length 0): nothing is READY, nothing to copy */
+            part->rows[f] = 0;
+            continue;
+        }
+        if (part->src[f].len % (Py_ssize_t)part->slots) {
+            PyErr_Format(PyExc_ValueError, "take: source %zd holds %zd bytes, not one row per slot of %llu", f,
+                         part->src[f].len, (unsigned long long)part->slots);
+            part->opened++;
+            return -1;
+        }
+        part->rows[f] = (size_t)part->src[f].len / (size_t)part->slots;
+        /* Whole rows, at least at + count of them (overflow-free: both sides are sizes of buffers in memory). */
+        size_t rows = part->rows[f];
+        if (rows ? (size_t)dst[f].len % rows || (size_t)dst[f].len / rows < (size_t)part->at + (size_t)part->count
+                 : dst[f].len != 0) {
+            PyErr_Format(PyExc_ValueError, "take: out %zd holds %zd bytes, not rows of %zu to write %zd from row %zd",
+                         f, dst[f].len, rows, part->count, part->at);
+            part->opened++;
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The rows of the READY slots of every part into the outs, in one pass whose look-ahead runs on across parts.
+ * hits: NULL or a byte a row of all parts, one after another; found: each part's READY slots. */
+static void
+copy_parts(const Part *parts, Py_ssize_t nparts, Py_ssize_t nfields, const Py_buffer *dst, unsigned char *hit,
+           Py_ssize_t *found)
+{
+    /* Cursors STATES_AHEAD and TAKE_ROWS_AHEAD rows ahead of the copy: (part, row). */
+    Py_ssize_t sp = 0, sk = 0, rp = 0, rk = 0;
+#define ADVANCE(p, k)                                                                                                  \
+    do {                                                                                                               \
+        (k)++;                                                                                                         \
+        while ((p) < nparts && (k) >= parts[p].count) {                                                               \
+            (p)++;                                                                                                     \
+            (k) = 0;                                                                                                   \
+        }                                                                                                              \
+    } while (0)
+#define PREFETCH_ROWS(p, k)                                                                                            \
+    do {                                                                                                               \
+        uint64_t j = (uint64_t)((const int64_t *)parts[p].indices.buf)[k];                                            \
+        if (j < parts[p].slots)                                                                                        \
+            for (Py_ssize_t f = 0; f < nfields; f++)                                                                   \
+                __builtin_prefetch((const char *)parts[p].src[f].buf + (size_t)j * parts[p].rows[f]);                \
+    } while (0)
+#define PREFETCH_STATE(p, k)                                                                                           \
+    do {                                                                                                               \
+        uint64_t j = (uint64_t)((const int64_t *)parts[p].indices.buf)[k];                                            \
+        if (j < parts[p].slots)                                                                                        \
+            __builtin_prefetch((const char *)parts[p].table.buf + j * (uint64_t)parts[p].record);                     \
+    } while (0)
+    while (sp < nparts && parts[sp].count == 0)
+        sp++;
+    rp = sp;
+    for (Py_ssize_t n = 0; n < STATES_AHEAD && sp < nparts; n++) /* each part's first states: asked for as it opened */
+        ADVANCE(sp, sk);
+    for (Py_ssize_t n = 0; n < TAKE_ROWS_AHEAD && rp < nparts; n++) { /* the first rows, asked for now */
+        PREFETCH_ROWS(rp, rk);
+        ADVANCE(rp, rk);
+    }
+    Py_ssize_t row = 0;
+    for (Py_ssize_t p = 0; p < nparts; p++) {
+        const Part *part = &parts[p];
+        const int64_t *idx = part->indices.buf;
+        const unsigned char *states = part->table.buf;
+        Py_ssize_t got = 0;
+        for (Py_ssize_t k = 0; k < part->count; k++, row++) {
+            if (sp < nparts) {
+                PREFETCH_STATE(sp, sk);
+                ADVANCE(sp, sk);
+            }
+            if (rp < nparts) {
+                PREFETCH_ROWS(rp, rk);
+                ADVANCE(rp, rk);
+            }
+            uint64_t i = (uint64_t)idx[k];
+            /* Acquire: a READY state is read before the row it publishes (the writer's release store). */
+            int ok = i < part->slots
+                     && __atomic_load_n(states + i * (uint64_t)part->record, __ATOMIC_ACQUIRE) == part->ready;
+            if (hit)
+                hit[row] = (unsigned char)ok;
+            if (!ok)
+                continue;
+            got++;
+            for (Py_ssize_t f = 0; f < nfields; f++)
+                memcpy((char *)dst[f].buf + (size_t)(part->at + k) * part->rows[f],
+                       (const char *)part->src[f].buf + i * part->rows[f], part->rows[f]);
+        }
+        found[p] = got;
+    }
+#undef ADVANCE
+#undef PREFETCH_ROWS
+#undef PREFETCH_STATE
+}
+
+/* Holds the outs (writable buffers, a tuple of at most MAX_FIELDS); returns how many, or -1. */
+static Py_ssize_t
+open_outs(PyObject *outs, Py_buffer *dst)
+{
+    if (!PyTuple_Check(outs) || PyTuple_GET_SIZE(outs) > MAX_FIELDS) {
+        PyErr_Format(PyExc_TypeError, "take: sources and outs must be tuples of as many buffers (at most %d)",
+                     MAX_FIELDS);
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(outs);
+    for (Py_ssize_t f = 0; f < n; f++)
+        if (get_buffer(PyTuple_GET_ITEM(outs, f), &dst[f], PyBUF_WRITABLE, "an out") < 0) {
+            while (f--)
+                PyBuffer_Release(&dst[f]);
+            return -1;
+        }
+    return n;
+}
+
+static uint64_t
+bytes_of(const Part *parts, Py_ssize_t nparts, Py_ssize_t nfields)
+{
+    uint64_t total = 0;
+    for (Py_ssize_t p = 0; p < nparts; p++)
+        for (Py_ssize_t f = 0; f < nfields; f++)
+            total += (uint64_t)parts[p].count * parts[p].rows[f];
+    return total;
+}
+
 static PyObject *
 take(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -433,129 +622,121 @@ take(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "take takes 8 or 9 arguments, got %zd", nargs);
         return NULL;
     }
-    PyObject *result = NULL, *sources = args[4], *outs = args[5];
-    Py_buffer table = {0}, indices = {0}, hits = {0};
-    Py_buffer src[MAX_FIELDS], dst[MAX_FIELDS];
-    Py_ssize_t nfields = 0, opened = 0;
-    Py_ssize_t record = PyLong_AsSsize_t(args[1]);
-    long ready = PyLong_AsLong(args[2]);
-    unsigned long long length = PyLong_AsUnsignedLongLong(args[7]); /* a length may pass int64 */
-    Py_ssize_t at = nargs == 9 ? PyLong_AsSsize_t(args[8]) : 0;
-    if ((record == -1 || ready == -1 || length == (unsigned long long)-1 || at == -1) && PyErr_Occurred())
+    PyObject *result = NULL;
+    Py_buffer dst[MAX_FIELDS], hits = {0};
+    Part part = {0};
+    Py_ssize_t nfields = open_outs(args[5], dst);
+    if (nfields < 0)
         return NULL;
-    if (record < 1 || ready < 0 || ready > 255 || at < 0) {
-        PyErr_SetString(PyExc_ValueError, "take: record must be >= 1, ready a byte and at >= 0");
-        return NULL;
-    }
-    if (!PyTuple_Check(sources) || !PyTuple_Check(outs) || PyTuple_GET_SIZE(sources) != PyTuple_GET_SIZE(outs)
-        || PyTuple_GET_SIZE(sources) > MAX_FIELDS) {
-        PyErr_Format(PyExc_TypeError, "take: sources and outs must be tuples of as many buffers (at most %d)",
-                     MAX_FIELDS);
-        return NULL;
-    }
-    nfields = PyTuple_GET_SIZE(sources);
-    if (get_buffer(args[0], &table, PyBUF_SIMPLE, "table") < 0)
+    PyObject *zero = NULL;
+    if (nargs == 8 && !(zero = PyLong_FromLong(0)))
         goto done;
-    if (get_int64s(args[3], &indices, 0, -1, "indices") < 0)
+    /* The part's arguments in open_part's order: table, record, ready, indices, -, length, at. */
+    PyObject *const part_args[7] = {args[0], args[1], args[2], args[3], NULL, args[7], nargs == 9 ? args[8] : zero};
+    int opened = open_part(&part, part_args, args[4], nfields, dst);
+    if (opened < 0)
         goto done;
-    Py_ssize_t count = indices.len / 8;
-    if (args[6] != Py_None && get_buffer(args[6], &hits, PyBUF_WRITABLE, "hits") < 0)
-        goto done;
-    if (args[6] != Py_None && hits.len != count) {
-        PyErr_Format(PyExc_ValueError, "take: hits must hold %zd bytes, got %zd", count, hits.len);
+    if (opened == 1) {
+        result = PyLong_FromLong(-1);
         goto done;
     }
-    const uint64_t slots = (uint64_t)(table.len / record);
-    {
-        const int64_t *idx = indices.buf;
-        const char *states = table.buf;
-        for (Py_ssize_t k = 0; k < count; k++) {
-            if (idx[k] < 0 || (uint64_t)idx[k] >= (uint64_t)length) {
-                result = PyLong_FromLong(-1);
-                goto done;
-            }
-            if (k < STATES_AHEAD && (uint64_t)idx[k] < slots) /* the first states, asked for now */
-                __builtin_prefetch(states + (uint64_t)idx[k] * (uint64_t)record);
+    if (args[6] != Py_None) {
+        if (get_buffer(args[6], &hits, PyBUF_WRITABLE, "hits") < 0)
+            goto done;
+        if (hits.len != part.count) {
+            PyErr_Format(PyExc_ValueError, "take: hits must hold %zd bytes, got %zd", part.count, hits.len);
+            goto done;
         }
     }
-    if (slots == 0) { /* an empty table (a cache of length 0): nothing is READY, nothing to copy */
+    Py_ssize_t found = 0;
+    if (part.slots == 0) { /* nothing is READY */
         if (hits.obj)
-            memset(hits.buf, 0, (size_t)count);
-        result = PyLong_FromLong(0);
-        goto done;
-    }
-    size_t rows[MAX_FIELDS];
-    for (; opened < nfields; opened++) {
-        if (get_buffer(PyTuple_GET_ITEM(sources, opened), &src[opened], PyBUF_SIMPLE, "a source") < 0)
-            goto done;
-        if (get_buffer(PyTuple_GET_ITEM(outs, opened), &dst[opened], PyBUF_WRITABLE, "an out") < 0) {
-            PyBuffer_Release(&src[opened]);
-            goto done;
-        }
-        if (src[opened].len % (Py_ssize_t)slots) {
-            PyErr_Format(PyExc_ValueError, "take: source %zd holds %zd bytes, not one row per slot of %llu",
-                         opened, src[opened].len, (unsigned long long)slots);
-            opened++;
-            goto done;
-        }
-        rows[opened] = (size_t)src[opened].len / (size_t)slots;
-        /* Whole rows, at least at + count of them (overflow-free: both sides are sizes of buffers in memory). */
-        if (rows[opened] ? (size_t)dst[opened].len % rows[opened]
-                               || (size_t)dst[opened].len / rows[opened] < (size_t)at + (size_t)count
-                         : dst[opened].len != 0) {
-            PyErr_Format(PyExc_ValueError, "take: out %zd holds %zd bytes, not rows of %zu to write %zd from row %zd",
-                         opened, dst[opened].len, rows[opened], count, at);
-            opened++;
-            goto done;
-        }
-    }
-    {
-        const int64_t *idx = indices.buf;
-        const unsigned char *states = table.buf;
-        unsigned char *hit = hits.obj ? hits.buf : NULL;
-        Py_ssize_t found = 0;
-        uint64_t total = 0;
-        for (Py_ssize_t f = 0; f < nfields; f++)
-            total += (uint64_t)count * rows[f];
-        PyThreadState *saved = total >= FREE_GIL_FROM ? PyEval_SaveThread() : NULL;
-        for (Py_ssize_t k = 0; k < count && k < TAKE_ROWS_AHEAD; k++) /* the first rows, asked for now */
-            if ((uint64_t)idx[k] < slots)
-                for (Py_ssize_t f = 0; f < nfields; f++)
-                    __builtin_prefetch((const char *)src[f].buf + (size_t)idx[k] * rows[f]);
-        for (Py_ssize_t k = 0; k < count; k++) {
-            uint64_t i = (uint64_t)idx[k]; /* a negative index is huge here: not READY */
-            if (k + STATES_AHEAD < count && (uint64_t)idx[k + STATES_AHEAD] < slots)
-                __builtin_prefetch(states + (uint64_t)idx[k + STATES_AHEAD] * (uint64_t)record);
-            if (k + TAKE_ROWS_AHEAD < count && (uint64_t)idx[k + TAKE_ROWS_AHEAD] < slots)
-                for (Py_ssize_t f = 0; f < nfields; f++)
-                    __builtin_prefetch((const char *)src[f].buf + (size_t)idx[k + TAKE_ROWS_AHEAD] * rows[f]);
-            /* Acquire: a READY state is read before the row it publishes (the writer's release store). */
-            int ok = i < slots && __atomic_load_n(states + i * (uint64_t)record, __ATOMIC_ACQUIRE) == ready;
-            if (hit)
-                hit[k] = (unsigned char)ok;
-            if (!ok)
-                continue;
-            found++;
-            for (Py_ssize_t f = 0; f < nfields; f++)
-                memcpy((char *)dst[f].buf + (size_t)(at + k) * rows[f], (const char *)src[f].buf + i * rows[f],
-                       rows[f]);
-        }
+            memset(hits.buf, 0, (size_t)part.count);
+    } else {
+        PyThreadState *saved = bytes_of(&part, 1, nfields) >= FREE_GIL_FROM ? PyEval_SaveThread() : NULL;
+        copy_parts(&part, 1, nfields, dst, hits.obj ? hits.buf : NULL, &found);
         if (saved)
             PyEval_RestoreThread(saved);
-        result = PyLong_FromSsize_t(found);
+    }
+    result = PyLong_FromSsize_t(found);
+
+done:
+    release_part(&part);
+    for (Py_ssize_t f = 0; f < nfields; f++)
+        PyBuffer_Release(&dst[f]);
+    if (hits.obj)
+        PyBuffer_Release(&hits);
+    Py_XDECREF(zero);
+    return result;
+}
+
+PyDoc_STRVAR(take_parts_doc,
+"take_parts(parts, outs) -> tuple[int, ...]\n\n"
+"take() of several files into one batch, in one pass: ``parts`` is a tuple of ``(table, record, ready,\n"
+"indices, sources, length, at)``, one a file, each as take()'s arguments (no hits); every part's sources\n"
+"have the rows of ``outs``. Returns each part's READY count, or -1 for every part when an index of one\n"
+"is not in [0, its length) (nothing is copied then).");
+
+static PyObject *
+take_parts(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "take_parts takes a tuple of parts and a tuple of outs");
+        return NULL;
+    }
+    PyObject *result = NULL, *list = args[0];
+    Py_ssize_t nparts = PyTuple_GET_SIZE(list), opened = 0, bad = 0;
+    Py_buffer dst[MAX_FIELDS];
+    Py_ssize_t nfields = open_outs(args[1], dst);
+    if (nfields < 0)
+        return NULL;
+    Part *parts = PyMem_Calloc((size_t)(nparts ? nparts : 1), sizeof(Part));
+    Py_ssize_t *found = PyMem_Calloc((size_t)(nparts ? nparts : 1), sizeof(Py_ssize_t));
+    if (!parts || !found) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; opened < nparts; opened++) {
+        PyObject *item = PyTuple_GET_ITEM(list, opened);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 7) {
+            PyErr_SetString(PyExc_TypeError,
+                            "take_parts: a part is (table, record, ready, indices, sources, length, at)");
+            goto done;
+        }
+        PyObject *const *fields = &PyTuple_GET_ITEM(item, 0);
+        int state = open_part(&parts[opened], fields, fields[4], nfields, dst);
+        if (state < 0) {
+            opened++;
+            goto done;
+        }
+        bad |= state;
+    }
+    if (bad) {
+        for (Py_ssize_t p = 0; p < nparts; p++)
+            found[p] = -1;
+    } else {
+        PyThreadState *saved = bytes_of(parts, nparts, nfields) >= FREE_GIL_FROM ? PyEval_SaveThread() : NULL;
+        copy_parts(parts, nparts, nfields, dst, NULL, found);
+        if (saved)
+            PyEval_RestoreThread(saved);
+    }
+    result = PyTuple_New(nparts);
+    for (Py_ssize_t p = 0; result && p < nparts; p++) {
+        PyObject *value = PyLong_FromSsize_t(found[p]);
+        if (!value) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyTuple_SET_ITEM(result, p, value);
     }
 
 done:
-    for (Py_ssize_t f = 0; f < opened; f++) {
-        PyBuffer_Release(&src[f]);
+    for (Py_ssize_t p = 0; p < opened && parts; p++)
+        release_part(&parts[p]);
+    for (Py_ssize_t f = 0; f < nfields; f++)
         PyBuffer_Release(&dst[f]);
-    }
-    if (hits.obj)
-        PyBuffer_Release(&hits);
-    if (indices.obj)
-        PyBuffer_Release(&indices);
-    if (table.obj)
-        PyBuffer_Release(&table);
+    PyMem_Free(parts);
+    PyMem_Free(found);
     return result;
 }
 
@@ -718,6 +899,7 @@ static PyMethodDef methods[] = {
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, gather_doc},
     {"pad", (PyCFunction)(void (*)(void))pad, METH_FASTCALL, pad_doc},
     {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL, take_doc},
+    {"take_parts", (PyCFunction)(void (*)(void))take_parts, METH_FASTCALL, take_parts_doc},
     {"deal", (PyCFunction)(void (*)(void))deal, METH_FASTCALL, deal_doc},
     {"group", (PyCFunction)(void (*)(void))group, METH_FASTCALL, group_doc},
     {NULL, NULL, 0, NULL},

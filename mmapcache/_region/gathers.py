@@ -50,12 +50,23 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-__all__ = ["FixedRows", "accelerated", "compiled", "empty_aligned", "gather", "gather_runs", "native", "take_ready"]
+__all__ = [
+    "FixedRows",
+    "accelerated",
+    "compiled",
+    "empty_aligned",
+    "gather",
+    "gather_runs",
+    "native",
+    "take_parts",
+    "take_ready",
+]
 
 
 def _load_native() -> ModuleType | None:
@@ -204,6 +215,34 @@ class FixedRows:
             self._table, self._record, self.ready, wanted, self.sources, tuple(outs), mask, length, at
         )
         return outs, mask, found
+
+
+def take_parts(
+    parts: Sequence[tuple[FixedRows, np.ndarray[Any, np.dtype[np.intp]], int, int]],
+    outs: Sequence[np.ndarray[Any, Any]],
+) -> list[int]:
+    """:meth:`FixedRows.take` of several mappings into one batch: ``(rows, indices, length, at)`` a part.
+
+    Each part's rows go to rows ``at ..`` of ``outs`` (whose fields every part has, row for
+    row); returns each part's count of READY slots (a count below its number of indices:
+    some were not READY, their rows left as they were; -1: an index not in ``[0, length)``).
+    The compiled ``take_parts`` reads them all in one pass, its look-ahead running on from
+    one part to the next; else one :meth:`FixedRows.take` a part (the same result).
+    """
+    compiled = native
+    if compiled is None or any(rows._numpy_only for rows, _, _, _ in parts):
+        return [rows.take(indices, length, list(outs), hits=False, at=at)[2] for rows, indices, length, at in parts]
+    given = tuple(
+        (rows._table, rows._record, rows.ready, _int64s(indices), rows.sources, length, at)
+        for rows, indices, length, at in parts
+    )
+    return list(compiled.take_parts(given, tuple(outs)))
+
+
+def _int64s(indices: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
+    if indices.dtype == _INT64 and indices.flags.c_contiguous:
+        return indices
+    return indices.astype(np.int64)
 
 
 def take_ready_numpy(

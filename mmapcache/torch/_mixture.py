@@ -166,7 +166,7 @@ class Mixture(torch.utils.data.Dataset[Any]):
         """
         anchor, counted = self._anchor
         if anchor <= position <= anchor + _COUNTED:
-            walked: Ints = counted + np.bincount(self._codes(anchor, position), minlength=len(self.names))
+            walked: Ints = counted + _draws.tally(self._codes(anchor, position), len(self.names))
             return walked
         if self._static is not None:
             return _draws.counts(position, self.offset, self._static)
@@ -216,7 +216,7 @@ class Mixture(torch.utils.data.Dataset[Any]):
             lo, hi = start - window.start, stop - window.start
             return window.codes[lo:hi], window.indices[lo:hi]
         codes = self._codes(start, stop)
-        counts = np.bincount(codes, minlength=len(self.names))
+        counts = _draws.tally(codes, len(self.names))
         before = self._before(start)
         empty = np.empty(0, np.int64)
         draws = [

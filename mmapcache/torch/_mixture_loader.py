@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from .._region.gathers import take_parts
 from ..cache import fixed_rows_of
 from ._collate import as_is, collate_tree
 from ._columns import as_tensors, new_batch
@@ -34,6 +35,7 @@ from ._loader import InProcess, Loader
 from ._mixture import Mixture
 from ._recycled import Recycled
 from ._sampler import checked_integer, node_topology
+from ._session import Session
 
 __all__ = ["Drawn", "MixtureBatches", "MixtureLoader", "Pending", "StepSampler", "make_loader"]
 
@@ -193,23 +195,30 @@ class Pending:
 class _Source:
     """How a batch reads one source: from a :class:`CachedDataset`'s file (through a ``Subset``'s indices), or not."""
 
-    __slots__ = ("cached", "lookup")
+    __slots__ = ("direct", "lookup", "session")
 
     def __init__(self, dataset: Any) -> None:
         self.lookup: np.ndarray[Any, np.dtype[np.intp]] | None = None
         if isinstance(dataset, torch.utils.data.Subset) and isinstance(dataset.dataset, CachedDataset):
             self.lookup = np.asarray(dataset.indices, dtype=np.intp)
             dataset = dataset.dataset
-        self.cached = dataset if isinstance(dataset, CachedDataset) and dataset.transform is None else None
+        cached = isinstance(dataset, CachedDataset) and dataset.transform is None
+        session: Session | None = dataset._session if cached else None
+        self.session = session
+        # A source's indices are its file positions (no Subset, no cached_indices): read as they are.
+        self.direct = session is not None and self.lookup is None and session.settings.cached_indices is None
 
     def positions(self, indices: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.intp]] | None:
         """The file positions of the source's ``indices``; ``None`` when they are not one gather from a file."""
-        cached = self.cached
-        if cached is None:
+        session = self.session
+        if session is None or (session.cache is None and session.opened() is None):
             return None
-        session = cached._session
-        if session.opened() is None or session.schema is None or session.schema.ragged:
+        schema = session.schema
+        if schema is None or schema.ragged:
             return None
+        if self.direct:
+            direct: np.ndarray[Any, np.dtype[np.intp]] = indices.astype(np.intp, copy=False)
+            return direct
         idx = indices.astype(np.intp, copy=False) if self.lookup is None else self.lookup[indices]
         return session.settings.positions(idx)
 
@@ -256,7 +265,7 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
             return None
         if self._sources is None:
             self._sources = [_Source(mixture.datasets[name]) for name in mixture.names]
-            self._sessions = [None if source.cached is None else source.cached._session for source in self._sources]
+            self._sessions = [source.session for source in self._sources]
         if type(positions) is Drawn:
             indices = positions.indices
             runs = [(code, count) for code, count in enumerate(positions.counts) if count]
@@ -324,18 +333,26 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
             tensors = as_tensors(arrays, layout.dtypes)
         else:
             tensors, arrays = new_batch(layout.shapes(size), layout.storage, layout.dtypes)
-        for code, idx, start, stop in parts:
+        reads, found = [], []  # one pass reads every part read from memory (states and rows), as loader() reads
+        for code, idx, start, _ in parts:
+            cache = sessions[code].cache
+            rows = fixed_rows_of(cache)
+            if rows is None:
+                break
+            reads.append((rows, idx, len(cache), start))
+        else:
+            found = take_parts(reads, arrays)
+        for k, (code, idx, start, stop) in enumerate(parts):
             session = sessions[code]
             cache = session.cache
-            rows = fixed_rows_of(cache)
-            if rows is not None:  # one pass reads the states and the rows into the batch, as loader() reads
-                found = rows.take(idx, len(cache), arrays, hits=False, at=start)[2]
-            else:
+            if found:
+                hits = found[k]
+            else:  # a part read otherwise (verify, read-ahead): each through its cache
                 out = {name: array[start:stop] for name, array in zip(schema.fixed, arrays, strict=True)}
-                found = int(np.count_nonzero(cache.read_many(idx, out=out, count=False)[1]))
-            if found == len(idx):
-                session.hits += found
-                cache.count(hits=found)
+                hits = int(np.count_nonzero(cache.read_many(idx, out=out, count=False)[1]))
+            if hits == len(idx):
+                session.hits += hits
+                cache.count(hits=hits)
                 continue
             columns = session.gather(cache, idx)  # loads and stores the misses, counts the reads
             for array, column in zip(arrays, columns, strict=True):

@@ -381,3 +381,12 @@ def test_spawned_workers_get_the_mixture_by_pickle(cache_dir: Path) -> None:
     mixture = make_mixture(cache_dir, scheduled=True)
     loader = mixture.loader(8, num_samples=64, num_workers=1, multiprocessing_context="spawn")
     assert _run(loader) == _run(mixture.loader(8, num_samples=64))
+
+
+@pytest.mark.parametrize("sources", [1, 3, 8, 9, 40])
+def test_the_tally_of_codes_is_their_bincount(sources: int) -> None:
+    from mmapcache.torch._draws import tally
+
+    codes = np.random.default_rng(sources).integers(0, sources, 5000).astype(np.int64)
+    assert tally(codes, sources).tolist() == np.bincount(codes, minlength=sources).tolist()
+    assert tally(codes[:0], sources).tolist() == [0] * sources
