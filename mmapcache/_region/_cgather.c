@@ -674,8 +674,8 @@ PyDoc_STRVAR(take_parts_doc,
 "take_parts(parts, outs) -> tuple[int, ...]\n\n"
 "take() of several files into one batch, in one pass: ``parts`` is a tuple of ``(table, record, ready,\n"
 "indices, sources, length, at)``, one a file, each as take()'s arguments (no hits); every part's sources\n"
-"have the rows of ``outs``. Returns each part's READY count, or -1 for every part when an index of one\n"
-"is not in [0, its length) (nothing is copied then).");
+"have the rows of ``outs``. Returns each part's READY count, or -1 for a part with an index not in\n"
+"[0, its length) (that part copies nothing).");
 
 static PyObject *
 take_parts(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
@@ -709,17 +709,20 @@ take_parts(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             opened++;
             goto done;
         }
-        bad |= state;
+        if (state == 1) { /* an index out of range: this part reads nothing, and says so */
+            parts[opened].count = 0;
+            bad = 1;
+        }
     }
-    if (bad) {
-        for (Py_ssize_t p = 0; p < nparts; p++)
-            found[p] = -1;
-    } else {
+    {
         PyThreadState *saved = bytes_of(parts, nparts, nfields) >= FREE_GIL_FROM ? PyEval_SaveThread() : NULL;
         copy_parts(parts, nparts, nfields, dst, NULL, found);
         if (saved)
             PyEval_RestoreThread(saved);
     }
+    for (Py_ssize_t p = 0; bad && p < nparts; p++)
+        if (parts[p].count == 0 && parts[p].indices.len)
+            found[p] = -1;
     result = PyTuple_New(nparts);
     for (Py_ssize_t p = 0; result && p < nparts; p++) {
         PyObject *value = PyLong_FromSsize_t(found[p]);

@@ -583,3 +583,63 @@ def test_the_compiled_deal_and_group_refuse_what_the_mixture_never_passes_them()
         native.group(codes.astype(np.int32), codes, np.array([2, 2]), 2, order, indices, counts)
     native.group(codes, codes * 10, np.array([2, 2]), 2, order, indices, counts)
     assert (order.tolist(), indices.tolist(), counts.tolist()) == ([0, 1, 3, 2], [0, 10, 0, 10], [[1, 1], [1, 1]])
+
+
+@pytest.mark.parametrize("extension", ["compiled", "numpy"])
+def test_take_parts_reads_several_files_into_one_batch_as_a_take_a_file_would(
+    tmp_path: Path, extension: str, monkeypatch: Any
+) -> None:
+    """Three caches (one empty, one partly filled) into rows of one batch; an index out of range spoils its part only."""
+    from mmapcache._region import gathers
+    from mmapcache._region.gathers import take_parts
+
+    if extension == "compiled" and native is None:
+        pytest.skip("the compiled gather is not built or is turned off (pip install -e . with a C compiler)")
+    if extension == "numpy":
+        monkeypatch.setattr(gathers, "native", None)
+    fields = {"a": Field((3, 5), "uint8"), "b": Field((), "<f8")}
+    rng = np.random.default_rng(1)
+    caches, reads, at = [], [], 0
+    for k, (length, filled) in enumerate([(50, 50), (30, 12), (20, 0)]):
+        cache = Cache.open(tmp_path / f"{k}.mmc", fields, length)
+        caches.append(cache)
+        for i in rng.choice(length, filled, replace=False).tolist():
+            cache.put(i, {"a": np.full((3, 5), k * 60 + i, np.uint8), "b": k + i / 100})
+        idx = rng.integers(0, length, 40 + k).astype(np.intp)
+        reads.append((cache._live().fixed, idx, length, at))
+        at += len(idx)
+    outs = [np.full((at + 3, 3, 5), 255, np.uint8), np.full(at + 3, -1.0)]
+    found = take_parts(reads, outs)
+    for (rows, idx, length, start), cache, got in zip(reads, caches, found, strict=True):
+        ready = np.array([int(i) in cache for i in idx.tolist()])
+        assert got == int(np.count_nonzero(ready))
+        alone = [np.full((len(idx), 3, 5), 255, np.uint8), np.full(len(idx), -1.0)]
+        assert rows.take(idx, length, alone)[2] == got
+        for out, want in zip(outs, alone, strict=True):
+            assert out[start : start + len(idx)].tobytes() == want.tobytes()
+    assert outs[0][at:].tolist() == np.full((3, 3, 5), 255).tolist()
+    assert outs[1][at:].tolist() == [-1.0] * 3
+    bad = [(rows, idx.copy(), length, start) for rows, idx, length, start in reads]
+    bad[1][1][5] = 30  # past the second cache's length
+    again = [np.full((at + 3, 3, 5), 255, np.uint8), np.full(at + 3, -1.0)]
+    assert take_parts(bad, again) == [found[0], -1, found[2]]
+    assert again[0][: len(reads[0][1])].tobytes() == outs[0][: len(reads[0][1])].tobytes()
+    for cache in caches:
+        cache.close()
+        mmapcache.remove(cache.path)
+
+
+@needs_native
+def test_the_compiled_take_parts_refuses_what_the_cache_never_passes_it() -> None:
+    assert native is not None
+    table, source = np.zeros((4, 8), np.uint8), np.zeros((4, 3), np.uint8)
+    part = (table, 8, 2, np.array([0, 1], np.int64), (source,), 4, 0)
+    with pytest.raises(TypeError, match="a part is"):
+        native.take_parts((part[:6],), (np.zeros((2, 3), np.uint8),))
+    with pytest.raises(TypeError, match="a tuple of parts"):
+        native.take_parts([part], (np.zeros((2, 3), np.uint8),))
+    with pytest.raises(ValueError, match="not rows of 3 to write 2 from row 1"):
+        native.take_parts((part, (*part[:6], 1)), (np.zeros((2, 3), np.uint8),))
+    with pytest.raises(TypeError, match="as many buffers"):
+        native.take_parts((part,), ())
+    assert native.take_parts((), (np.zeros((2, 3), np.uint8),)) == ()
