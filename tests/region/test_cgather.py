@@ -589,7 +589,7 @@ def test_the_compiled_deal_and_group_refuse_what_the_mixture_never_passes_them()
 def test_take_parts_reads_several_files_into_one_batch_as_a_take_a_file_would(
     tmp_path: Path, extension: str, monkeypatch: Any
 ) -> None:
-    """Three caches (one empty, one partly filled) into rows of one batch; an index out of range spoils its part only."""
+    """Three caches (one empty, one partly filled) into one batch; an index out of range spoils its part alone."""
     from mmapcache._region import gathers
     from mmapcache._region.gathers import take_parts
 
