@@ -16,9 +16,9 @@
  * the buffers stay valid because this call holds a buffer export of each (the mapping cannot be
  * unmapped under it: mmapcache lets the last reference unmap).
  *
- * `deal` and `group` are a mixture's draws (mmapcache/torch/_draws.py, whose numpy twins give the same
- * result): each position's index dealt from its source's draws, and ranges of positions counting-sorted by
- * source, one pass a range instead of a sort.
+ * `codes`, `deal` and `group` are a mixture's draws (mmapcache/torch/_draws.py, whose numpy twins give the
+ * same result): the sources of consecutive positions from their phases, each position's index dealt from its
+ * source's draws, and ranges of positions counting-sorted by source, one pass a range instead of a sort.
  *
  * No numpy C API: buffers come through the buffer protocol, the output from a Python callable.
  */
@@ -762,6 +762,81 @@ get_codes(PyObject *obj, Py_buffer *view, Py_ssize_t count, long long bound, con
     return 0;
 }
 
+PyDoc_STRVAR(codes_doc,
+"codes(start_phase, step, modulus, cuts, out) -> None\n\n"
+"The source of consecutive positions: out[k] = how many of cuts[1:] are at or below the phase\n"
+"(start_phase + k * step) mod modulus (numpy's searchsorted(cuts[1:], phases, side='right')).\n\n"
+"cuts: int64, non-decreasing, cuts[0] = 0 and cuts[-1] = modulus; 0 <= start_phase, step < modulus < 2**62;\n"
+"out: writable int64.");
+
+static PyObject *
+codes(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "codes takes 5 arguments, got %zd", nargs);
+        return NULL;
+    }
+    long long start = PyLong_AsLongLong(args[0]), step = PyLong_AsLongLong(args[1]);
+    long long modulus = PyLong_AsLongLong(args[2]);
+    if ((start == -1 || step == -1 || modulus == -1) && PyErr_Occurred())
+        return NULL;
+    if (modulus < 1 || modulus >= (1LL << 62) || start < 0 || start >= modulus || step < 0 || step >= modulus) {
+        PyErr_SetString(PyExc_ValueError, "codes: 0 <= start_phase, step < modulus < 2**62");
+        return NULL;
+    }
+    Py_buffer cuts = {0}, out = {0};
+    PyObject *result = NULL;
+    if (get_int64s(args[3], &cuts, 0, -1, "cuts") < 0 || get_int64s(args[4], &out, 1, -1, "out") < 0)
+        goto done;
+    Py_ssize_t ncuts = cuts.len / 8;
+    const int64_t *cut = cuts.buf;
+    if (ncuts < 2 || cut[0] != 0 || cut[ncuts - 1] != modulus) {
+        PyErr_SetString(PyExc_ValueError, "codes: cuts run from 0 to the modulus");
+        goto done;
+    }
+    for (Py_ssize_t j = 1; j < ncuts; j++)
+        if (cut[j] < cut[j - 1]) {
+            PyErr_SetString(PyExc_ValueError, "codes: cuts must not decrease");
+            goto done;
+        }
+    int64_t *code = out.buf;
+    Py_ssize_t count = out.len / 8, inner = ncuts - 2; /* cuts[1 .. ncuts - 2]: cuts[-1] is above every phase */
+    long long phase = start;
+    if (inner <= 8) {
+        for (Py_ssize_t k = 0; k < count; k++) {
+            int64_t c = 0;
+            for (Py_ssize_t j = 1; j <= inner; j++)
+                c += phase >= cut[j];
+            code[k] = c;
+            phase += step;
+            if (phase >= modulus)
+                phase -= modulus;
+        }
+    } else {
+        for (Py_ssize_t k = 0; k < count; k++) {
+            Py_ssize_t lo = 1, hi = inner + 1; /* the first of cuts[1 .. inner] above the phase, in [lo, hi] */
+            while (lo < hi) {
+                Py_ssize_t mid = lo + (hi - lo) / 2;
+                if (cut[mid] <= phase)
+                    lo = mid + 1;
+                else
+                    hi = mid;
+            }
+            code[k] = lo - 1;
+            phase += step;
+            if (phase >= modulus)
+                phase -= modulus;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    if (out.obj)
+        PyBuffer_Release(&out);
+    if (cuts.obj)
+        PyBuffer_Release(&cuts);
+    return result;
+}
+
 PyDoc_STRVAR(deal_doc,
 "deal(codes, draws, out) -> None\n\n"
 "Each position the next index drawn from its source: out[k] = draws[codes[k]][number of codes[k] before k].\n\n"
@@ -903,6 +978,7 @@ static PyMethodDef methods[] = {
     {"pad", (PyCFunction)(void (*)(void))pad, METH_FASTCALL, pad_doc},
     {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL, take_doc},
     {"take_parts", (PyCFunction)(void (*)(void))take_parts, METH_FASTCALL, take_parts_doc},
+    {"codes", (PyCFunction)(void (*)(void))codes, METH_FASTCALL, codes_doc},
     {"deal", (PyCFunction)(void (*)(void))deal, METH_FASTCALL, deal_doc},
     {"group", (PyCFunction)(void (*)(void))group, METH_FASTCALL, group_doc},
     {NULL, NULL, 0, NULL},

@@ -94,14 +94,19 @@ def counts(n: int, start_phase: int, cuts: Ints) -> Ints:
 
 def codes(start_phase: int, n: int, cuts: Ints) -> Ints:
     """The source (its place in ``datasets``) of ``n`` consecutive positions, the first of phase ``start_phase``."""
+    native = compiled()
+    if native is not None:  # the same, one pass
+        out = np.empty(n, np.int64)
+        native.codes(start_phase, STEP, MODULUS, _int64s(cuts), out)
+        return out
     if n > _CHUNK:  # an arange of phases stays below 2**63 for n < 2**33: longer ranges a chunk at a time
         parts = [codes((start_phase + k * STEP) % MODULUS, min(_CHUNK, n - k), cuts) for k in range(0, n, _CHUNK)]
         return np.concatenate(parts)
     phases = np.arange(start_phase, start_phase + n * STEP, STEP, dtype=np.int64)[:n]
     phases %= MODULUS
     # The number of interval ends T[1..S] at or below a phase is the place of the interval that holds it.
-    out: Ints = np.searchsorted(cuts[1:], phases, side="right")
-    return out
+    found: Ints = np.searchsorted(cuts[1:], phases, side="right")
+    return found
 
 
 def thresholds(weights: list[float]) -> Ints:

@@ -256,19 +256,20 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
             positions = list(positions)
         if torch.utils.data.get_worker_info() is not None:
             return self.in_worker(positions)
-        return self.batch(positions)
+        return self.batch(positions, in_worker=False)
 
     def _parts(self, positions: Positions) -> list[_Part] | None:
         """The batch's sources as runs of rows read from files; ``None`` when that is not how it is read."""
         mixture = self.mixture
-        if not positions:
-            return None
-        if self._sources is None:
-            self._sources = [_Source(mixture.datasets[name]) for name in mixture.names]
-            self._sessions = [source.session for source in self._sources]
-        if type(positions) is Drawn:
+        sources = self._sources
+        if sources is None:
+            sources = self._sources = [_Source(mixture.datasets[name]) for name in mixture.names]
+            self._sessions = [source.session for source in sources]
+        if type(positions) is Drawn:  # never empty
             indices = positions.indices
             runs = [(code, count) for code, count in enumerate(positions.counts) if count]
+        elif not positions:
+            return None
         else:
             codes, indices = mixture.draws_at(positions)
             edges = np.flatnonzero(codes[1:] != codes[:-1])
@@ -280,19 +281,25 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
         parts: list[_Part] = []
         start = 0
         for code, count in runs:
-            idx = self._sources[code].positions(indices[start : start + count])
+            stop = start + count
+            idx = sources[code].positions(indices[start:stop])
             if idx is None:
                 return None
-            parts.append((code, idx, start, start + count))
-            start += count
+            parts.append((code, idx, start, stop))
+            start = stop
         return parts
 
-    def batch(self, positions: Positions) -> Any:
-        """The batch ``default_collate`` makes of the samples at ``positions``; one gather per cached source."""
+    def batch(self, positions: Positions, *, in_worker: bool | None = None) -> Any:
+        """The batch ``default_collate`` makes of the samples at ``positions``; one gather per cached source.
+
+        ``in_worker``: whether this is a DataLoader worker (``None``: found out).
+        """
         parts = self._parts(positions)
         if parts is None:
             return torch.utils.data.default_collate(self.mixture.__getitems__(positions))
-        return self._gathered(parts, len(positions))
+        if in_worker is None:
+            in_worker = torch.utils.data.get_worker_info() is not None
+        return self._gathered(parts, parts[-1][3], recycled=not in_worker)
 
     def in_worker(self, positions: Positions) -> Any:
         """In a worker: store the batch's misses in the files and leave the gather to the main process."""
@@ -315,8 +322,12 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
         assert session is not None
         return session
 
-    def _gathered(self, parts: list[_Part], size: int) -> Any:
-        """The batch of ``size`` rows: each part's rows gathered from its file straight into the batch tensors."""
+    def _gathered(self, parts: list[_Part], size: int, *, recycled: bool) -> Any:
+        """The batch of ``size`` rows: each part's rows gathered from its file straight into the batch tensors.
+
+        ``recycled``: into this process's memory, an earlier batch's once nothing refers to it
+        (``._recycled``); else (a worker's batch, handed to the main process) fresh shared memory.
+        """
         sessions = self._sessions
         schema = sessions[parts[0][0]].schema
         for code, _, _, _ in parts[1:]:
@@ -325,9 +336,6 @@ class MixtureBatches(torch.utils.data.Dataset[Any]):
         layout = self._layout
         if layout is None or layout.schema is not schema:
             layout = self._layout = _Layout(schema)
-        # In this process's memory, an earlier batch's once nothing refers to it (._recycled); a worker's
-        # batch goes to shared memory, fresh (it is handed to the main process).
-        recycled = torch.utils.data.get_worker_info() is None
         if recycled:
             arrays = self.recycled.take(layout, size, layout.private)
             tensors = as_tensors(arrays, layout.dtypes)
@@ -488,7 +496,7 @@ class _Stepping:
             if hi > lo:
                 break
         if type(batch) is Pending:
-            batch = self.batches.batch(batch.positions)
+            batch = self.batches.batch(batch.positions, in_worker=False)
         return batch
 
     def __len__(self) -> int:

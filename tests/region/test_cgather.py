@@ -643,3 +643,35 @@ def test_the_compiled_take_parts_refuses_what_the_cache_never_passes_it() -> Non
     with pytest.raises(TypeError, match="as many buffers"):
         native.take_parts((part,), ())
     assert native.take_parts((), (np.zeros((2, 3), np.uint8),)) == ()
+
+
+@needs_native
+@SETTINGS
+@given(data=st.data())
+def test_the_compiled_codes_give_what_numpy_gives(data: Any, monkeypatch: Any) -> None:
+    """Weights of 1-20 sources (zeros too: empty intervals), any start phase: the sources numpy's searchsorted finds."""
+    from mmapcache._region import gathers
+    from mmapcache.torch import _draws
+
+    weights = data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=20).filter(any), label="weights")
+    cuts = _draws.thresholds([float(w) for w in weights])
+    start = data.draw(st.integers(0, _draws.MODULUS - 1), label="start phase")
+    n = data.draw(st.integers(0, 3000), label="n")
+    compiled = _draws.codes(start, n, cuts)
+    monkeypatch.setattr(gathers, "native", None)
+    assert compiled.tolist() == _draws.codes(start, n, cuts).tolist()
+    assert all(weights[code] > 0 for code in set(compiled.tolist())), "a source of weight 0 is never drawn"
+
+
+@needs_native
+def test_the_compiled_codes_refuse_what_the_mixture_never_passes_them() -> None:
+    assert native is not None
+    out = np.empty(4, np.int64)
+    with pytest.raises(ValueError, match="cuts run from 0 to the modulus"):
+        native.codes(0, 3, 10, np.array([0, 5, 9]), out)
+    with pytest.raises(ValueError, match="cuts must not decrease"):
+        native.codes(0, 3, 10, np.array([0, 6, 5, 10]), out)
+    with pytest.raises(ValueError, match="< modulus"):
+        native.codes(10, 3, 10, np.array([0, 5, 10]), out)
+    native.codes(8, 3, 10, np.array([0, 5, 10]), out)  # phases 8, 1, 4, 7
+    assert out.tolist() == [1, 0, 0, 1]
