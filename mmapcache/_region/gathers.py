@@ -230,19 +230,13 @@ def take_parts(
     one part to the next; else one :meth:`FixedRows.take` a part (the same result).
     """
     compiled = native
-    if compiled is None or any(rows._numpy_only for rows, _, _, _ in parts):
-        return [rows.take(indices, length, list(outs), hits=False, at=at)[2] for rows, indices, length, at in parts]
-    given = tuple(
-        (rows._table, rows._record, rows.ready, _int64s(indices), rows.sources, length, at)
-        for rows, indices, length, at in parts
-    )
-    return list(compiled.take_parts(given, tuple(outs)))
-
-
-def _int64s(indices: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
-    if indices.dtype == _INT64 and indices.flags.c_contiguous:
-        return indices
-    return indices.astype(np.int64)
+    given = []  # a loop, not generators: this runs once a mixture batch
+    for rows, indices, length, at in parts:
+        if compiled is None or rows._numpy_only:
+            return [rows.take(indices, length, list(outs), hits=False, at=at)[2] for rows, indices, length, at in parts]
+        wanted = indices if indices.dtype == _INT64 and indices.flags.c_contiguous else indices.astype(np.int64)
+        given.append((rows._table, rows._record, rows.ready, wanted, rows.sources, length, at))
+    return list(compiled.take_parts(tuple(given), tuple(outs)))
 
 
 def take_ready_numpy(
