@@ -236,6 +236,8 @@ def take_parts(
             return [rows.take(indices, length, list(outs), hits=False, at=at)[2] for rows, indices, length, at in parts]
         wanted = indices if indices.dtype == _INT64 and indices.flags.c_contiguous else indices.astype(np.int64)
         given.append((rows._table, rows._record, rows.ready, wanted, rows.sources, length, at))
+    if compiled is None:  # no parts
+        return []
     return list(compiled.take_parts(tuple(given), tuple(outs)))
 
 
