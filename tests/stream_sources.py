@@ -66,3 +66,22 @@ class Numbers(torch.utils.data.IterableDataset[Any]):
 class WithLength(Numbers):
     def __len__(self) -> int:
         return self.length
+
+
+class LastRankLate(WithLength):
+    """``fixed`` elements, whose last rank holds back its last element until the file ``signal`` exists, then
+    ``late`` seconds more: its part of the stream ends after every other rank's has."""
+
+    def __init__(self, length: int, *, signal: str, late: float) -> None:
+        super().__init__(length, kind="fixed")
+        self.signal, self.late = signal, late
+
+    def __iter__(self) -> Iterator[Any]:
+        rank, world = rank_and_world()
+        elements = list(super().__iter__())
+        for k, element in enumerate(elements):
+            if rank == world - 1 and k == len(elements) - 1:
+                while not os.path.exists(self.signal):
+                    time.sleep(0.01)
+                time.sleep(self.late)
+            yield element

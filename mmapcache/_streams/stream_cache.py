@@ -531,6 +531,16 @@ def epoch_slots(
     return order[rank::ranks][worker::workers]
 
 
+def rank_ended(cache: Cache, rank: int, ranks: int) -> bool:
+    """Whether every partition of ``rank`` (of a run of ``ranks``) was read to its end in ``cache``'s fill."""
+    filled_by = cache._header.stream or (1, 1)
+    if filled_by[0] != ranks or not 0 <= rank < ranks:
+        return False  # filled by a run of another number of ranks: this rank had no partitions there
+    workers = filled_by[1]
+    flags = region(cache).flags[rank * workers : (rank + 1) * workers]
+    return bool(((flags & ENDED) != 0).all())
+
+
 def per_rank(count: int, ranks: int) -> int:
     """Elements each rank reads in an epoch of a fully cached stream of ``count`` elements."""
     return -(-count // ranks) if count else 0

@@ -36,6 +36,7 @@ from .._streams import (
     open_stream,
     per_rank,
     plan_stream,
+    rank_ended,
     region,
     stream_status,
     usable,
@@ -57,6 +58,7 @@ log = logging.getLogger("mmapcache")
 _READ = 64  # elements read from the file at a time in a later epoch (at most)
 _READ_BYTES = 1 << 20  # and at most about this many bytes: an element kept alive keeps its chunk's buffer
 _EMPTY_WAIT = 60.0  # seconds an empty partition waits for another partition to make the file
+_LEN_WAIT = 60.0  # seconds len() waits, once this rank's partitions ended, for the other ranks' to end
 
 
 def _rank() -> tuple[int, int]:
@@ -561,9 +563,18 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
     # -- what it knows -------------------------------------------------------------------
 
     def __len__(self) -> int:
-        """Elements this rank reads in an epoch of a complete cache; else ``len(stream)`` if it has one."""
+        """Elements this rank reads in an epoch of a complete cache; else ``len(stream)`` if it has one.
+
+        Once this rank's partitions have ended while another rank's have not (its first epoch is
+        over; the other rank is storing its last elements), ``len()`` waits for them to end (up
+        to a minute, then warns and counts ``len(stream)``): DDP ranks that asked a moment apart
+        would otherwise get different lengths for the next epoch, the number of steps they take,
+        and wait on each other forever.
+        """
         partition = self._partition()
         status = self._status(partition)
+        if status is not None and not status.complete and partition.ranks > 1:
+            status = self._others_ended(partition)
         if status is not None and status.cached:
             assert status.total is not None
             return per_rank(status.total, partition.ranks)
@@ -606,16 +617,39 @@ class CachedStream(torch.utils.data.IterableDataset[Any]):
                     return None
             return self._cache
 
+    def _others_ended(self, partition: Partition) -> StreamStatus | None:
+        """The fill's status once the other ranks' partitions ended too, if this rank's have (see ``__len__``)."""
+        deadline = time.monotonic() + _LEN_WAIT
+        while True:
+            status, mine_ended = self._progress(partition)
+            if status is None or status.complete or not mine_ended:
+                return status
+            if time.monotonic() > deadline:
+                log.warning(
+                    "%s: this rank's part of the stream ended %.0f s ago and another rank's has not: len() is "
+                    "len(stream) until it does, and ranks that see the cache complete meanwhile count another "
+                    "length (is a rank of this run stopped?)",
+                    self.path,
+                    _LEN_WAIT,
+                )
+                return status
+            time.sleep(0.02)
+
     def _status(self, partition: Partition) -> StreamStatus | None:
         """The fill's status, without keeping an incomplete cache open (that would keep a restart from happening)."""
+        return self._progress(partition)[0]
+
+    def _progress(self, partition: Partition) -> tuple[StreamStatus | None, bool]:
+        """:meth:`_status`, and whether this rank's partitions of the fill ended."""
         if self._cache is not None and not self._cache.closed:
-            return stream_status(self._cache)
+            cache = self._cache
+            return stream_status(cache), rank_ended(cache, partition.rank, partition.ranks)
         try:
-            cache = Cache(self.path, key=self.key, readonly=True)
+            opened = Cache(self.path, key=self.key, readonly=True)
         except FileNotFoundError:
-            return None
-        with cache:
-            return stream_status(cache)
+            return None, False
+        with opened:
+            return stream_status(opened), rank_ended(opened, partition.rank, partition.ranks)
 
     def close(self) -> None:
         with self._lock:

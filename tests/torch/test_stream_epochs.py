@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -173,6 +175,61 @@ def test_an_element_read_in_the_main_process_does_not_block_its_workers(tmp_path
     assert sorted(_epoch(loader)) == list(range(LENGTH))  # the fill starts again, as 1 rank x 2 workers
     assert ds.stats()["complete"]
     assert sorted(_epoch(loader)) == list(range(LENGTH))
+
+
+_LEN_AT_THE_END = """
+import json, sys, time
+from pathlib import Path
+from mmapcache.torch import CachedStream
+from stream_sources import LastRankLate, rank_and_world
+path, signal = Path(sys.argv[1]), Path(sys.argv[2])
+ds = CachedStream(LastRankLate(48, signal=str(signal), late=1.0), path / "s.mmc", key="k")
+elements = sum(1 for _ in ds)
+rank, _ = rank_and_world()
+if rank == 0:
+    signal.touch()  # the last rank stores its last element a second after this
+start = time.monotonic()
+length = len(ds)
+print(json.dumps({"elements": elements, "len": length, "waited": time.monotonic() - start}))
+"""
+
+
+def test_ranks_that_end_the_first_epoch_a_moment_apart_agree_on_the_next_epochs_length(tmp_path: Path) -> None:
+    """Rank 0's part of the stream ends first: its len() waits for the last rank's end, and both count 24 (not 48)."""
+    signal = tmp_path / "rank 0 ended"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _LEN_AT_THE_END, str(tmp_path), str(signal)],
+            env={**_env(), "RANK": str(rank), "WORLD_SIZE": "2"},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    found = [json.loads(process.communicate(timeout=300)[0].strip().splitlines()[-1]) for process in ranks]
+    assert [process.returncode for process in ranks] == [0, 0]
+    assert [run["elements"] for run in found] == [24, 24]
+    assert [run["len"] for run in found] == [24, 24], "both ranks count the complete cache's share"
+    assert found[0]["waited"] >= 0.5, "rank 0 waited for the last rank's last element"
+
+
+def test_len_waits_a_bounded_time_for_a_rank_that_never_ends_then_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rank 0 of 2 alone (rank 1 stopped): its len() gives up after the wait, warns, and counts len(stream)."""
+    from mmapcache.torch import _stream
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(_stream, "_LEN_WAIT", 0.3)
+    ds = _stream.CachedStream(WithLength(LENGTH, kind="fixed"), tmp_path / "s.mmc", key="k")
+    assert sum(1 for _ in ds) == LENGTH // 2
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="mmapcache"):
+        assert len(ds) == LENGTH
+    assert time.monotonic() - started >= 0.3
+    assert "another rank's has not" in caplog.text
+    ds.close()
 
 
 @pytest.mark.parametrize("epoch", [-1, 1.5, "3", True, 2**64])
