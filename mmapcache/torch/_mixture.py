@@ -96,7 +96,7 @@ class Mixture(torch.utils.data.Dataset[Any]):
             _U64(np.random.SeedSequence(self.seed, spawn_key=(_DRAWS_KEY, *key)).generate_state(1, np.uint64)[0])
             for key in self._keys
         ]
-        self._orders: dict[tuple[int, int], Callable[[Ints], Ints]] = {}
+        self._orders: dict[tuple[int, int], Callable[[Ints | slice], Ints]] = {}
         self._cumulative: list[Ints] = [np.zeros(len(self.names), dtype=np.int64)]  # schedules: draws before block b
         self._recent: dict[int, Ints] = {}  # schedules: the thresholds of blocks read lately
         self._anchor: tuple[int, Ints] = (0, np.zeros(len(self.names), dtype=np.int64))  # draws before a position
@@ -326,11 +326,11 @@ class Mixture(torch.utils.data.Dataset[Any]):
         while k < end:  # a pass at a time (a run of draws spans two passes at most, but for tiny sources)
             number, place = divmod(k, n)
             take = min(end - k, n - place)
-            out[k - first : k - first + take] = self._order(code, number)(np.arange(place, place + take))
+            out[k - first : k - first + take] = self._order(code, number)(slice(place, place + take))
             k += take
         return out
 
-    def _order(self, code: int, number: int) -> Callable[[Ints], Ints]:
+    def _order(self, code: int, number: int) -> Callable[[Ints | slice], Ints]:
         """Source ``code``'s permutation for pass ``number`` (the last few kept)."""
         order = self._orders.get((code, number))
         if order is None:

@@ -127,7 +127,7 @@ class NodeShardSampler(torch.utils.data.Sampler[int]):
             cursor.rest, cursor.end = iter(chunk), stop
             yield from cursor.rest
 
-    def _order(self, epoch: int) -> Callable[[Positions], Positions] | None:
+    def _order(self, epoch: int) -> Callable[[Positions | slice], Positions] | None:
         """The epoch's permutation of the node's shard (``None``: in order)."""
         size = len(self.node_indices)
         if not self.shuffle or size < 2:
@@ -255,8 +255,9 @@ def _node_shard(length: int, num_nodes: int, node_rank: int, seed: int | None) -
     return shard
 
 
-def seeded_permutation(n: int, key: np.random.SeedSequence) -> Callable[[Positions], Positions]:
-    """A random permutation of ``range(n)`` seeded by ``key``, as a function of positions.
+def seeded_permutation(n: int, key: np.random.SeedSequence) -> Callable[[Positions | slice], Positions]:
+    """A random permutation of ``range(n)`` seeded by ``key``, as a function of positions (an array, or a
+    ``slice`` of consecutive ones: a view of the permutation held whole).
 
     Up to :data:`EXACT_MAX`: numpy's permutation (``default_rng(seed).permutation(n)`` for a
     ``SeedSequence(seed)``), held whole. Above: a :class:`_Bijection`, held as its round keys.
@@ -300,7 +301,9 @@ class _Bijection:
         self.left, self.right = bits // 2, bits - bits // 2
         self.keys = [_U64(key) for key in keys]
 
-    def __call__(self, positions: Positions) -> Positions:
+    def __call__(self, positions: Positions | slice) -> Positions:
+        if isinstance(positions, slice):
+            positions = np.arange(positions.start, positions.stop, dtype=np.int64)
         out = self._network(positions.astype(np.uint64))
         limit = _U64(self.n)
         walking = np.flatnonzero(out >= limit)

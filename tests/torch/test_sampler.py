@@ -114,6 +114,7 @@ def test_the_keyed_bijection_is_a_permutation_of_any_range(n: int) -> None:
         keys = np.random.SeedSequence(key).generate_state(6, np.uint64).tolist()
         values = _Bijection(n, keys)(np.arange(n, dtype=np.int64))
         assert sorted(values.tolist()) == list(range(n))
+        assert _Bijection(n, keys)(slice(n // 3, n)).tolist() == values[n // 3 :].tolist(), "a slice of positions"
     with pytest.raises(ValueError, match="odd number of rounds"):
         _Bijection(10, [1, 2, 3])
 
