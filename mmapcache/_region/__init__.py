@@ -9,7 +9,7 @@ from .allocator import VariableRegion, place
 from .attaching import attach
 from .counters import REFUTED, Counts, Usage, read_flags, read_usage
 from .flight import WAIT_TIMEOUT, Claims, Flight, SingleFlight
-from .gathers import FixedRows, accelerated, compiled, empty_aligned, gather, take_ready
+from .gathers import FixedRows, accelerated, compiled, empty_aligned, gather, take_parts, take_ready
 from .handle import closed_error
 from .indices import as_given, check_index, check_out, index_array
 from .jagged import Jagged
@@ -93,6 +93,7 @@ __all__ = [
     "readonly_error",
     "resident_bytes",
     "sync_cache",
+    "take_parts",
     "take_ready",
     "tensor_to_numpy",
     "text_value",

@@ -16,6 +16,9 @@
  * the buffers stay valid because this call holds a buffer export of each (the mapping cannot be
  * unmapped under it: mmapcache lets the last reference unmap).
  *
+ * `permute` is numpy's Generator(PCG64).permutation, exactly (mmapcache/torch/_sampler.py's seeded
+ * permutations; tests hold it against numpy's), with its draws inlined.
+ *
  * `codes`, `deal` and `group` are a mixture's draws (mmapcache/torch/_draws.py, whose numpy twins give the
  * same result): the sources of consecutive positions from their phases, each position's index dealt from its
  * source's draws, and ranges of positions counting-sorted by source, one pass a range instead of a sort.
@@ -762,6 +765,133 @@ get_codes(PyObject *obj, Py_buffer *view, Py_ssize_t count, long long bound, con
     return 0;
 }
 
+/* numpy's PCG64 (XSL-RR output of a 128-bit LCG) with its buffered 32-bit draws, and its Generator's
+ * Fisher-Yates shuffle (random_interval: masked rejection), so that `permute` gives exactly
+ * Generator(PCG64(key)).permutation(n): each draw inlined instead of called through a function pointer. */
+typedef struct {
+    unsigned __int128 state, inc;
+    int has_uint32;
+    uint32_t uinteger;
+} Pcg64;
+
+static inline uint64_t
+pcg64_next64(Pcg64 *rng)
+{
+    const unsigned __int128 multiplier =
+        ((unsigned __int128)2549297995355413924ULL << 64) | (unsigned __int128)4865540595714422341ULL;
+    rng->state = rng->state * multiplier + rng->inc;
+    uint64_t high = (uint64_t)(rng->state >> 64), low = (uint64_t)rng->state;
+    unsigned rot = (unsigned)(rng->state >> 122);
+    uint64_t x = high ^ low;
+    return (x >> rot) | (x << ((-rot) & 63));
+}
+
+static inline uint32_t
+pcg64_next32(Pcg64 *rng)
+{
+    if (rng->has_uint32) {
+        rng->has_uint32 = 0;
+        return rng->uinteger;
+    }
+    uint64_t next = pcg64_next64(rng);
+    rng->has_uint32 = 1;
+    rng->uinteger = (uint32_t)(next >> 32);
+    return (uint32_t)(next & 0xffffffffULL);
+}
+
+static inline uint64_t
+random_interval(Pcg64 *rng, uint64_t max)
+{
+    if (max == 0)
+        return 0;
+    uint64_t mask = max, value;
+    mask |= mask >> 1;
+    mask |= mask >> 2;
+    mask |= mask >> 4;
+    mask |= mask >> 8;
+    mask |= mask >> 16;
+    mask |= mask >> 32;
+    if (max <= 0xffffffffULL) {
+        while ((value = (pcg64_next32(rng) & mask)) > max)
+            ;
+    } else {
+        while ((value = (pcg64_next64(rng) & mask)) > max)
+            ;
+    }
+    return value;
+}
+
+static int
+get_u128(PyObject *obj, unsigned __int128 *value, const char *what)
+{
+    PyObject *low_mask = PyLong_FromUnsignedLongLong(0xffffffffffffffffULL), *sixty_four = PyLong_FromLong(64);
+    PyObject *zero = PyLong_FromLong(0), *low = NULL, *high = NULL;
+    int ok = -1;
+    if (!low_mask || !sixty_four || !zero || !PyLong_Check(obj) || PyObject_RichCompareBool(obj, zero, Py_LT)) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "permute: %s must be an integer in [0, 2**128)", what);
+        goto done;
+    }
+    low = PyNumber_And(obj, low_mask);
+    high = PyNumber_Rshift(obj, sixty_four);
+    if (!low || !high)
+        goto done;
+    unsigned long long lo = PyLong_AsUnsignedLongLong(low), hi = PyLong_AsUnsignedLongLong(high);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "permute: %s must be an integer in [0, 2**128)", what);
+        goto done;
+    }
+    *value = ((unsigned __int128)hi << 64) | lo;
+    ok = 0;
+done:
+    Py_XDECREF(low_mask);
+    Py_XDECREF(sixty_four);
+    Py_XDECREF(zero);
+    Py_XDECREF(low);
+    Py_XDECREF(high);
+    return ok;
+}
+
+PyDoc_STRVAR(permute_doc,
+"permute(state, inc, has_uint32, uinteger, out) -> None\n\n"
+"out (writable int64) := numpy's Generator(PCG64 with this state).permutation(len(out)): arange, then\n"
+"the Generator's shuffle. state, inc: the bit generator's 128-bit state and increment; has_uint32,\n"
+"uinteger: its buffered 32-bit draw (bit_generator.state['has_uint32'], ['uinteger']).");
+
+static PyObject *
+permute(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "permute takes 5 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Pcg64 rng;
+    if (get_u128(args[0], &rng.state, "state") < 0 || get_u128(args[1], &rng.inc, "inc") < 0)
+        return NULL;
+    long has = PyLong_AsLong(args[2]);
+    unsigned long long buffered = PyLong_AsUnsignedLongLong(args[3]);
+    if ((has == -1 || buffered == (unsigned long long)-1) && PyErr_Occurred())
+        return NULL;
+    rng.has_uint32 = has != 0;
+    rng.uinteger = (uint32_t)buffered;
+    Py_buffer out = {0};
+    if (get_int64s(args[4], &out, 1, -1, "out") < 0)
+        return NULL;
+    int64_t *order = out.buf;
+    Py_ssize_t n = out.len / 8;
+    for (Py_ssize_t i = 0; i < n; i++)
+        order[i] = i;
+    for (Py_ssize_t i = n - 1; i >= 1; i--) {
+        uint64_t j = random_interval(&rng, (uint64_t)i);
+        int64_t swapped = order[j];
+        order[j] = order[i];
+        order[i] = swapped;
+    }
+    PyBuffer_Release(&out);
+    return Py_NewRef(Py_None);
+}
+
 PyDoc_STRVAR(codes_doc,
 "codes(start_phase, step, modulus, cuts, out) -> None\n\n"
 "The source of consecutive positions: out[k] = how many of cuts[1:] are at or below the phase\n"
@@ -979,6 +1109,7 @@ static PyMethodDef methods[] = {
     {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL, take_doc},
     {"take_parts", (PyCFunction)(void (*)(void))take_parts, METH_FASTCALL, take_parts_doc},
     {"codes", (PyCFunction)(void (*)(void))codes, METH_FASTCALL, codes_doc},
+    {"permute", (PyCFunction)(void (*)(void))permute, METH_FASTCALL, permute_doc},
     {"deal", (PyCFunction)(void (*)(void))deal, METH_FASTCALL, deal_doc},
     {"group", (PyCFunction)(void (*)(void))group, METH_FASTCALL, group_doc},
     {NULL, NULL, 0, NULL},

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from .._region.gathers import compiled
+from .._region import compiled
 
 __all__ = ["BLOCK", "MODULUS", "STEP", "above", "codes", "counts", "deal", "group", "phase", "tally", "thresholds"]
 

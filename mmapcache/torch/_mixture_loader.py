@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .._region.gathers import take_parts
+from .._region import take_parts
 from ..cache import fixed_rows_of
 from ._collate import as_is, collate_tree
 from ._columns import as_tensors, new_batch

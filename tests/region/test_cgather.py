@@ -675,3 +675,34 @@ def test_the_compiled_codes_refuse_what_the_mixture_never_passes_them() -> None:
         native.codes(10, 3, 10, np.array([0, 5, 10]), out)
     native.codes(8, 3, 10, np.array([0, 5, 10]), out)  # phases 8, 1, 4, 7
     assert out.tolist() == [1, 0, 0, 1]
+
+
+@needs_native
+@SETTINGS
+@given(n=st.one_of(st.integers(0, 300), st.integers(0, 1 << 21)), seed=st.integers(0, 2**128 - 1))
+def test_the_compiled_permute_is_numpys_permutation(n: int, seed: int) -> None:
+    """Generator(PCG64(SeedSequence(seed))).permutation(n), exactly, for any length up to EXACT_MAX and any seed."""
+    assert native is not None
+    bits = np.random.PCG64(np.random.SeedSequence(seed))
+    state = bits.state
+    got = np.empty(n, np.int64)
+    native.permute(state["state"]["state"], state["state"]["inc"], state["has_uint32"], state["uinteger"], got)
+    assert got.tolist() == np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed))).permutation(n).tolist()
+
+
+@needs_native
+def test_the_compiled_permute_takes_a_buffered_draw_and_refuses_what_is_not_a_state() -> None:
+    assert native is not None
+    generator = np.random.Generator(np.random.PCG64(3))
+    generator.integers(0, 2**32, dtype=np.uint32)  # a 32-bit draw: the other half of its 64 bits is buffered
+    state = generator.bit_generator.state
+    assert state["has_uint32"] == 1
+    got = np.empty(1000, np.int64)
+    native.permute(state["state"]["state"], state["state"]["inc"], state["has_uint32"], state["uinteger"], got)
+    assert got.tolist() == generator.permutation(1000).tolist()
+    with pytest.raises(ValueError, match=r"state must be an integer in \[0, 2\*\*128\)"):
+        native.permute(2**128, 1, 0, 0, got)
+    with pytest.raises(TypeError, match="inc must be an integer"):
+        native.permute(1, 1.5, 0, 0, got)
+    with pytest.raises(TypeError, match="int64"):
+        native.permute(1, 1, 0, 0, np.empty(3, np.int32))
