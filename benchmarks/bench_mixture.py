@@ -4,19 +4,23 @@ Three warm caches in /dev/shm (``web``, ``code``, ``math``: 70 / 20 / 10 % of
 ``--n`` samples of ``--row`` bytes each, uint8 plus an int64 label) are mixed
 0.7 / 0.2 / 0.1 and read through ``mixture.loader(batch)``; the baseline is one
 warm cache of all ``--n`` samples (the same bytes) read through
-``ds.loader(batch, shuffle=True)``. A round times one epoch of each, read right after
-an untimed epoch of the same loader (as in training; see ``_epoch``): the baseline's
-``--n`` samples, and one pass of ``mixture.loader(batch, num_samples=n)`` (``n``
-positions), in rotated order over ``--rounds`` rounds, with 0 workers and with 2
-(persistent), after one pass over every cache in the measuring process (a warm
-process: no first-touch page faults). Reported: the median over rounds of the per-round throughput
-ratio mixture / baseline (target >= 0.95), and the seconds of each.
+``ds.loader(batch, shuffle=True)``: the baseline's ``--n`` samples against one pass of
+``mixture.loader(batch, num_samples=n)`` (``n`` positions), after one pass over every
+cache in the measuring process (a warm process: no first-touch page faults). With 0
+workers a round reads one epoch of each batch by batch in turn, each batch timed
+(``_interleaved``: the two meet the same machine at the same moments); with 2
+(persistent) a round times one epoch of each right after an untimed epoch of the same
+loader (``_epoch``), in rotated order. Reported: the median over ``--rounds`` rounds of
+the per-round throughput ratio mixture / baseline (target >= 0.95), and the seconds of
+each; and, with 0 workers, the same ratio between the baseline and a loader over the same
+rows in another file (A/A: how far two files alike read apart on this machine).
 
 ``python benchmarks/bench_mixture.py [--quick] [--json PATH] [--rounds R] [--n N] [--row BYTES]``
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -70,6 +74,35 @@ def _epoch(loader: Any) -> Callable[[int], float]:
     return run
 
 
+def _interleaved(baseline: Any, mixed: Any, rounds: int) -> dict[str, list[float]]:
+    """Per round, one epoch of each read batch by batch in turn (who goes first alternates), each batch timed.
+
+    The epochs' sums of batch times, a round each: the two loaders meet the same machine at the
+    same moments (the memory bandwidth left by other jobs drifts by 5-10 % between epochs here).
+    """
+    times: dict[str, list[float]] = {"one CachedDataset.loader()": [], "Mixture.loader()": []}
+    for _ in range(rounds + 1):  # the first round warms up
+        gc.collect()
+        spent = [0.0, 0.0]
+        iterators = [iter(baseline), iter(mixed)]
+        done = [False, False]
+        turn = 0
+        while not all(done):
+            for k in (turn, 1 - turn):
+                if done[k]:
+                    continue
+                start = time.perf_counter()
+                try:
+                    next(iterators[k])
+                except StopIteration:
+                    done[k] = True
+                spent[k] += time.perf_counter() - start
+            turn = 1 - turn
+        for name, seconds in zip(times, spent, strict=True):
+            times[name].append(seconds)
+    return {name: values[1:] for name, values in times.items()}
+
+
 def main() -> None:
     parser = bench_parser(__doc__ or "", quick="fewer, smaller samples and rounds", rounds=(15, 3))
     parser.add_argument("--n", type=int, help="samples over the three caches (default 40000, quick 8000)")
@@ -87,7 +120,9 @@ def main() -> None:
             for code, (name, size) in enumerate(sizes.items())
         }
         one = CachedDataset(Rows(9, sum(sizes.values()), args.row), directory / "one.mmc", key="one", check=0)
-        for ds in (*sources.values(), one):
+        # The same rows in another file: the A/A comparison says how far two files alike read apart here.
+        other = CachedDataset(Rows(9, sum(sizes.values()), args.row), directory / "other.mmc", key="other", check=0)
+        for ds in (*sources.values(), one, other):
             ds.fill()
             for _ in ds.loader(1024):  # every page touched in this process: the warm epochs of a long run
                 pass
@@ -99,10 +134,13 @@ def main() -> None:
                 extra |= {"persistent_workers": True, "multiprocessing_context": "fork"}
             baseline = one.loader(args.batch, shuffle=True, generator=torch.Generator().manual_seed(0), **extra)
             mixed = mixture.loader(args.batch, num_samples=len(one), **extra)
-            times = run_rounds(
-                {"one CachedDataset.loader()": _epoch(baseline), "Mixture.loader()": _epoch(mixed)},
-                rounds=rounds,
-            )
+            if workers:
+                times = run_rounds(
+                    {"one CachedDataset.loader()": _epoch(baseline), "Mixture.loader()": _epoch(mixed)},
+                    rounds=rounds,
+                )
+            else:
+                times = _interleaved(baseline, mixed, rounds)
             ratios = [
                 b / m for b, m in zip(times["one CachedDataset.loader()"], times["Mixture.loader()"], strict=True)
             ]
@@ -112,6 +150,12 @@ def main() -> None:
             }
             gbps = n * args.row / min(times["Mixture.loader()"]) / 1e9
             rows.append([workers, float(np.median(ratios)), min(ratios), max(ratios), gbps])
+            if not workers:  # A/A: one CachedDataset.loader() against another over the same rows in another file
+                again = other.loader(args.batch, shuffle=True, generator=torch.Generator().manual_seed(1))
+                pair = _interleaved(baseline, again, rounds)
+                alike = [a / b for a, b in zip(*pair.values(), strict=True)]
+                results["a_a_0_workers"] = {"ratio": spread(alike)}
+                rows.append(["0, A/A", float(np.median(alike)), min(alike), max(alike), float("nan")])
         print(f"{n} samples of {args.row} B, batch {args.batch}, one epoch of each a round, {rounds} rounds")
         print(table(["workers", "mixture/one (median)", "min", "max", "mixture GB/s (best)"], rows))
         print(f"load average at the end: {os.getloadavg()}")
