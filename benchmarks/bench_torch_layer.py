@@ -22,8 +22,11 @@ Run ``PYTHONPATH=$PWD python benchmarks/bench_torch_layer.py --baseline /tmp/old
 gathered by ``np.take`` from in-RAM arrays into tensors (both allocate their
 batches), and ``get_many`` of 256 random rows of 64 B and 12 KB against
 ``np.take`` from an in-RAM array and from a raw mapping of a /dev/shm file
-holding the same rows. Reported: GB/s and the ratio to the limit per round
-(median, quartiles); results in ``results/bench_torch_layer-limit.json``.
+holding the same rows; and a ``ds.loader(batch_size=64)`` epoch with a per-sample
+crop + flip ``transform=`` against the same transform over the images held in RAM,
+stacked (the floor of any loader that applies a per-sample transform). Reported:
+GB/s and the ratio to the limit per round (median, quartiles); results in
+``results/bench_torch_layer-limit.json``.
 """
 
 from __future__ import annotations
@@ -135,6 +138,8 @@ def limit_main(rounds: int) -> None:
             ds.close()
             mmapcache.remove(ds.path)
             del images
+        results["per-sample transform vs floor"], row_out = _transform_floor(scratch, rounds)
+        rows_out.append(row_out)
         for label, row in (("64B", 64), ("12KB", 12 * 1024)):
             n = max(4096, LIMIT_BYTES // row)
             path = scratch / f"get-{label}.mmc"
@@ -183,6 +188,56 @@ def limit_main(rounds: int) -> None:
     print(f"{rounds} interleaved rounds; speed = limit's time / ours, per round: median [quartiles]")
     print(table(["path", "figure", "speed vs limit"], rows_out))
     print(f"results: {write_results('bench_torch_layer-limit', results, quick=False)}")
+
+
+class Pictures:
+    """``n`` uint8 3x112x112 images and their labels: the size bench_dataloader.py's JPEGs decode to."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.full((3, 112, 112), i % 251, dtype=torch.uint8), i
+
+
+def _transform_floor(scratch: Path, rounds: int) -> tuple[dict[str, Any], list[str]]:
+    """A warm ``ds.loader(64, shuffle=True)`` epoch with bench_dataloader.py's per-sample crop + flip ``transform=``,
+    against the same transform over the same images held in RAM as tensors, stacked a batch at a time (what a
+    loader that applies a per-sample transform cannot beat: no read, no copy but the stack)."""
+    from bench_dataloader import crop_flip
+
+    from mmapcache.torch import CachedDataset
+
+    n = 2000
+    ds = CachedDataset(Pictures(n), scratch / "pictures.mmc", key="pictures", check=0, transform=crop_flip)
+    ds.fill(progress=False)
+    held = [Pictures(n)[i] for i in range(n)]
+    loader = ds.loader(batch_size=BATCH, shuffle=True)
+
+    def ours(_: Any) -> None:
+        for _batch in loader:
+            pass
+
+    def floor(_: Any) -> None:
+        order = torch.randperm(n).tolist()
+        for start in range(0, n, BATCH):
+            samples = [crop_flip(held[i]) for i in order[start : start + BATCH]]
+            torch.stack([image for image, _ in samples]), torch.tensor([label for _, label in samples])
+
+    times = run_interleaved(
+        {"loader(transform=)": ours, "transform + stack in RAM": floor}, lambda r: [None] * 3, rounds=rounds
+    )
+    per = [t / o for t, o in zip(times["transform + stack in RAM"], times["loader(transform=)"], strict=True)]
+    found = {"speed_vs_floor": spread(per), "ms": {k: float(np.median(v) * 1e3) for k, v in times.items()}}
+    ds.close()
+    return found, [
+        "loader(transform=crop_flip) epoch, 2,000 images of 3x112x112, vs the transform + stack in RAM",
+        f"{found['ms']['loader(transform=)']:.1f} vs {found['ms']['transform + stack in RAM']:.1f} ms",
+        _fmt(spread(per)),
+    ]
 
 
 def _fmt(s: dict[str, Any]) -> str:
