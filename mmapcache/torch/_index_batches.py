@@ -19,7 +19,9 @@ The order is the sampler's own, batch for batch:
 * ``SequentialSampler``: ``arange``;
 * a sampler whose ``iter()`` is a list, tuple or range iterator (its order
   exists already: ``DistributedSampler``, a list of indices): read whole into
-  one array.
+  one array;
+* ``NodeShardSampler``: its own batches of arrays (``NodeShardSampler.batches``),
+  each taken when the batch is.
 
 Any other sampler (a generator: ``RandomSampler(replacement=True)``, a custom
 one) keeps DataLoader's batches of lists.
@@ -34,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.utils.data
+
+from ._sampler import NodeShardSampler
 
 __all__ = ["IndexBatch", "IndexBatches", "index_batches"]
 
@@ -81,6 +85,8 @@ class IndexBatches:
         if type(sampler) is torch.utils.data.SequentialSampler:
             n = len(sampler.data_source)
             return _slices(iter([np.arange(n, dtype=np.intp)]), size, drop_last, self.length)
+        if type(sampler) is NodeShardSampler:  # its order as arrays, a batch at a time (its state counts them)
+            return _slices(sampler.batches(size), size, drop_last, self.length)
         order = iter(sampler)
         if type(order) in _EAGER:
             return _slices(iter([np.fromiter(order, np.intp)]), size, drop_last, self.length)

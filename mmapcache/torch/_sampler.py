@@ -111,13 +111,34 @@ class NodeShardSampler(torch.utils.data.Sampler[int]):
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
+        return self._draw(self._begin())
+
+    def batches(self, size: int) -> Iterator[Positions]:
+        """:meth:`__iter__`'s indices as arrays of ``size`` (the last one shorter), in the same order.
+
+        What ``CachedDataset.loader()`` reads its batches from (no list of ints a batch). The
+        state counts a batch's indices as it is taken, as it counts ints taken from :meth:`__iter__`.
+        """
+        size = checked_integer("size", size, SEEDS, start=1)
+        cursor = self._begin()
+        order = self._order(cursor.epoch)
+        chunk_size = max(size, _CHUNK - _CHUNK % size)  # whole batches a chunk
+        while cursor.end < self.num_samples:
+            start = cursor.end
+            chunk = self._indices(order, start, min(start + chunk_size, self.num_samples))
+            for at in range(0, len(chunk), size):
+                cursor.end = start + min(at + size, len(chunk))
+                yield chunk[at : at + size]
+
+    def _begin(self) -> _Cursor:
+        """A new iterator's place: the loaded state's, else the start of :attr:`epoch`."""
         start = 0
         if self._resume is not None:
             start = self._resume[1]
             self._resume = None
         cursor = _Cursor(self.epoch, start)
         self._cursor = cursor
-        return self._draw(cursor)
+        return cursor
 
     def _draw(self, cursor: _Cursor) -> Iterator[int]:
         """This rank's indices of ``cursor.epoch`` from ``cursor.end`` on, computed a chunk at a time."""

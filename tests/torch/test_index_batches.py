@@ -65,6 +65,43 @@ def test_orders_that_exist_already_are_read_whole_and_batched_as_arrays(size: in
         assert [batch.indices.tolist() for batch in batches] == plain
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize(("size", "drop_last"), [(7, False), (7, True), (16, False), (64, False)])
+def test_a_node_shard_sampler_s_batches_are_its_order_as_arrays_and_its_state_counts_them(
+    shuffle: bool, size: int, drop_last: bool
+) -> None:
+    """Every node and local rank, two epochs, a resume mid-epoch: the BatchSampler's batches, a state at each."""
+    from mmapcache.torch import NodeShardSampler
+
+    def sampler(node: int, rank: int) -> NodeShardSampler:
+        return NodeShardSampler(
+            range(N), shuffle=shuffle, seed=4, drop_last=drop_last, num_nodes=2, node_rank=node, local_world_size=2,
+            local_rank=rank,
+        )  # fmt: skip
+
+    for node, rank in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        plain, ours = sampler(node, rank), sampler(node, rank)
+        for epoch in (0, 3):
+            plain.set_epoch(epoch)
+            ours.set_epoch(epoch)
+            taken = 0
+            for want, got in zip(
+                BatchSampler(plain, size, drop_last), IndexBatches(BatchSampler(ours, size, drop_last), N), strict=True
+            ):
+                assert type(got) is IndexBatch
+                assert got.indices.tolist() == want
+                taken += len(want)
+                assert ours.state_dict() == plain.state_dict(), "the state counts the batches taken"
+                assert ours.state_dict()["position"] >= taken
+        state = plain.state_dict() | {"epoch": 3, "position": 5}  # a resume in the middle of epoch 3
+        plain.load_state_dict(state)
+        ours.load_state_dict(state)
+        want = list(BatchSampler(plain, size, drop_last))
+        assert [batch.indices.tolist() for batch in IndexBatches(BatchSampler(ours, size, drop_last), N)] == want
+    with pytest.raises(ValueError, match="size"):
+        next(sampler(0, 0).batches(0))
+
+
 def test_a_sampler_that_draws_while_it_is_iterated_keeps_dataloader_s_lists() -> None:
     def replacing() -> RandomSampler:
         return RandomSampler(range(N), replacement=True, num_samples=45, generator=torch.Generator().manual_seed(2))
