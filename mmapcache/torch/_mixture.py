@@ -255,7 +255,7 @@ class Mixture(torch.utils.data.Dataset[Any]):
 
         ``(positions, counts, indices)``: range ``k`` is ``positions[o : o + sum(counts[k])]`` (``o``:
         the sizes of the ranges before it), grouped by source; ``counts`` has a row per range. A
-        loader groups the batches of a stretch drawn ahead with one sort instead of one a batch.
+        loader groups the batches of a stretch drawn ahead in one pass instead of one sort a batch.
         """
         los, his = np.asarray(starts), np.asarray(stops)
         if (

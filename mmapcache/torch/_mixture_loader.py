@@ -125,7 +125,7 @@ class StepSampler:
 
 def grouped(mixture: Mixture, spans: list[tuple[int, int]]) -> Iterator[Drawn]:
     """The batches of positions ``lo .. hi - 1`` of each span, grouped by source (in the order of
-    ``datasets``), in order within each: one sort for them all (:meth:`Mixture.by_sources`)."""
+    ``datasets``), in order within each: one grouping pass for them all (:meth:`Mixture.by_sources`)."""
     los, his = zip(*spans, strict=True)
     positions, counts, indices = mixture.by_sources(los, his)
     start = 0
