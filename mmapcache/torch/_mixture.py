@@ -281,10 +281,10 @@ class Mixture(torch.utils.data.Dataset[Any]):
     def _ranges(self, los: Ints, his: Ints, sizes: Ints) -> tuple[Ints, Ints, Ints | None]:
         """``(codes, indices, positions)`` of the ranges ``los[k] .. his[k] - 1``, one after another
         (positions ``None`` when they are one stretch from ``los[0]`` on)."""
-        lo, hi, total = int(los.min()), int(his.max()), int(sizes.sum())
         if len(los) == 1 or (los[1:] == his[:-1]).all():  # one stretch of positions
             codes, drawn = self._drawn(int(los[0]), int(his[-1]))
             return codes, drawn, None
+        lo, hi, total = int(los.min()), int(his.max()), int(sizes.sum())
         positions = np.repeat(los - np.cumsum(sizes) + sizes, sizes)
         positions += np.arange(total, dtype=np.int64)
         if hi - lo <= _PER_POSITION * total + BLOCK:  # near one another: one stretch, drawn at once

@@ -159,7 +159,8 @@ class Drawn(Sequence[int]):
         return iter(self.positions.tolist())
 
     def __getitem__(self, k: Any) -> Any:
-        return self.positions.tolist()[k]
+        found = self.positions[k]
+        return found.tolist() if isinstance(k, slice) else int(found)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
         return self.positions if dtype is None else self.positions.astype(dtype)
